@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench lint clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# pinned first: an unpinned torch would pull a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q setuptools wheel "Cython>=3" numpy
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m pagegate serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check pagegate tests bench scripts
+
+clean:
+	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so

@@ -1,0 +1,73 @@
+"""All of pagegate's configuration in one place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse a size like 2147483648, "2GiB", "512MB" or "1.5g" into bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size in bytes (try '2GiB' or '512MB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class CacheConfig:
+    """The KV page pools."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit page count wins over the memory budgets below
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"
+    gpu_memory_utilization: float = 0.9  # CUDA only, after a profiling forward
+    swap_space: float = 0.0  # GiB of CPU memory for swapped-out pages
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # fraction of the pool kept free when admitting a new prompt
+    default_cpu_kv_cache_memory: str = "1GiB"  # CPU budget when nothing else is given
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch shape limits and preemption policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
+    aging_rate: float = 1.0  # priority levels gained per second waited
+    preemption_window_s: float = 5.0  # auto-tuning window for the running cap
+    swap_bounce_s: float = 2.0  # a swap-out this soon after a swap-in is a bounce
+
+
+@dataclass
+class HealthThresholds:
+    """The seed monitor's grades (section 3.3.5), configurable."""
+
+    critical_swaps: int = 10
+    critical_waiting: int = 50
+    warning_usage: float = 0.95
+    warning_waiting: int = 20
+    good_usage: float = 0.80
+    window_s: float = 60.0
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model: str | None = None  # None: the embedded default model
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    health: HealthThresholds = field(default_factory=HealthThresholds)

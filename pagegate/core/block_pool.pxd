@@ -1,0 +1,44 @@
+# cython: language_level=3
+from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t
+
+cimport cython
+
+
+@cython.final
+cdef class BlockPool:
+    cdef readonly int num_blocks
+    cdef readonly int block_size
+    cdef readonly bint enable_prefix_caching
+    cdef int32_t* refcounts
+    # free pages sit on one of two doubly linked lists through prev/next; sentinels live at
+    # index num_blocks (pages with no cached content) and num_blocks + 1 (cached, LRU order)
+    cdef int32_t* prev
+    cdef int32_t* next
+    cdef uint8_t* cached
+    cdef uint64_t* hashes
+    cdef uint64_t* parent_hashes
+    cdef int32_t* tokens            # [num_blocks, block_size], the content a cached hash stands for
+    cdef int32_t* table_blocks      # open-addressing hash table: hash -> block id, -1 empty
+    cdef uint64_t table_mask
+    cdef uint64_t hash_mask
+    cdef readonly int num_free_blocks
+    cdef int num_cached_free
+    cdef int num_shared
+    cdef int64_t prefix_hits
+    cdef int64_t prefix_queries
+
+    cdef void push_back(self, int32_t sentinel, int32_t b) noexcept
+    cdef void unlink(self, int32_t b) noexcept
+    cdef uint64_t home(self, uint64_t h) noexcept
+    cdef int32_t find(self, uint64_t h) noexcept
+    cdef void insert(self, int32_t block) noexcept
+    cdef void evict(self, int32_t block) noexcept
+    cdef int check_ids(self, const int32_t* ids, Py_ssize_t n, bint allocated) except -1
+    cdef bint same_content(self, int32_t b, uint64_t h, uint64_t parent, const int32_t* t) noexcept
+    cdef int take_free(self) noexcept
+    cdef void release(self, int32_t block) noexcept
+    cdef void ref(self, int32_t block) noexcept
+    cdef void unref(self, int32_t block) noexcept
+    cdef int allocate_into(self, int32_t* out, int n) except -1
+    cdef int free_ptr(self, const int32_t* ids, Py_ssize_t n) except -1
+    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t) noexcept

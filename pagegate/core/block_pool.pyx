@@ -1,0 +1,381 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The physical page pool: O(1) free list, reference counts and a verified prefix-hash cache.
+
+Every array is a C array sized at construction; no Python object exists per page.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uint8_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp, memcpy, memset
+
+import numpy as np
+
+cnp.import_array()
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Fewer free pages than asked for; nothing was changed."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"out of KV pages: needed {needed}, only {free} free")
+        self.needed = needed
+        self.free = free
+
+
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
+    # splitmix64 finaliser: a cheap, well-spread 64-bit mixer
+    x ^= x >> 30
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 27
+    x *= <uint64_t>0x94d049bb133111eb
+    x ^= x >> 31
+    return x
+
+
+cdef inline uint64_t rotl(uint64_t x, int r) noexcept nogil:
+    return (x << r) | (x >> (64 - r))
+
+
+cdef inline uint64_t hash_tokens(uint64_t parent, const int32_t* tokens, int n) noexcept nogil:
+    # murmur3-style: two tokens per 64-bit word, so the dependent chain is n / 2 short rounds
+    cdef uint64_t h = parent ^ (<uint64_t>n * <uint64_t>0x9e3779b97f4a7c15), k
+    cdef int i = 0
+    while i < n:
+        k = <uint64_t>(<uint32_t>tokens[i])
+        if i + 1 < n:
+            k |= (<uint64_t>(<uint32_t>tokens[i + 1])) << 32
+        k *= <uint64_t>0x87c37b91114253d5
+        k = rotl(k, 31) * <uint64_t>0x4cf5ad432745937f
+        h = rotl(h ^ k, 27) * 5 + <uint64_t>0x52dce729
+        i += 2
+    return mix64(h)
+
+
+cdef inline cnp.ndarray as_int32_array(object ids):
+    """A contiguous 1-D int32 view of `ids`; the fast path costs no copy for int32 arrays."""
+    cdef cnp.ndarray arr
+    if type(ids) is cnp.ndarray:
+        arr = <cnp.ndarray>ids
+        if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32 and cnp.PyArray_NDIM(arr) == 1 \
+                and cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            return arr
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be integers, got dtype {arr.dtype}")
+    if arr.min() < -2**31 or arr.max() >= 2**31:
+        raise ValueError("block id out of int32 range")
+    return np.ascontiguousarray(arr, dtype=np.int32).reshape(-1)
+
+
+def compute_block_hash(parent_hash: int, token_ids) -> int:
+    """The prefix-cache identity of one full page: hash(parent page's hash, its token ids)."""
+    cdef cnp.ndarray tokens = as_int32_array(token_ids)
+    return hash_tokens(<uint64_t>parent_hash, <int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0])
+
+
+cdef class BlockPool:
+    """A pool of `num_blocks` KV pages of `block_size` tokens each.
+
+    `hash_bits` < 64 truncates prefix hashes; it exists so tests can plant collisions.
+    """
+
+    def __cinit__(self, int num_blocks, int block_size=16, bint enable_prefix_caching=True,
+                  int hash_bits=64):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if not 1 <= hash_bits <= 64:
+            raise ValueError(f"hash_bits must be in [1, 64], got {hash_bits}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_mask = <uint64_t>0xffffffffffffffff if hash_bits == 64 else ((<uint64_t>1 << hash_bits) - 1)
+        cdef uint64_t capacity = 16
+        while capacity < <uint64_t>(2 * num_blocks):
+            capacity <<= 1
+        self.table_mask = capacity - 1
+        self.refcounts = <int32_t*>malloc(num_blocks * sizeof(int32_t))
+        self.prev = <int32_t*>malloc((num_blocks + 2) * sizeof(int32_t))
+        self.next = <int32_t*>malloc((num_blocks + 2) * sizeof(int32_t))
+        self.cached = <uint8_t*>malloc(num_blocks * sizeof(uint8_t))
+        self.hashes = <uint64_t*>malloc(num_blocks * sizeof(uint64_t))
+        self.parent_hashes = <uint64_t*>malloc(num_blocks * sizeof(uint64_t))
+        self.tokens = <int32_t*>malloc(<size_t>num_blocks * block_size * sizeof(int32_t))
+        self.table_blocks = <int32_t*>malloc(capacity * sizeof(int32_t))
+        if not (self.refcounts and self.prev and self.next and self.cached and self.hashes
+                and self.parent_hashes and self.tokens and self.table_blocks):
+            raise MemoryError("cannot allocate the block pool's bookkeeping arrays")
+        self.reset()
+
+    def __dealloc__(self):
+        free(self.refcounts); free(self.prev); free(self.next); free(self.cached)
+        free(self.hashes); free(self.parent_hashes); free(self.tokens); free(self.table_blocks)
+
+    def reset(self) -> None:
+        """Return every page to the free list and forget the prefix cache."""
+        cdef int i, s, n = self.num_blocks
+        memset(self.refcounts, 0, n * sizeof(int32_t))
+        memset(self.cached, 0, n * sizeof(uint8_t))
+        memset(self.table_blocks, 0xff, (self.table_mask + 1) * sizeof(int32_t))
+        for s in (n, n + 1):
+            self.prev[s] = s
+            self.next[s] = s
+        for i in range(n):
+            self.push_back(n, i)
+        self.num_free_blocks = n
+        self.num_cached_free = 0
+        self.num_shared = 0
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+
+    # ---- free lists ------------------------------------------------------------------------
+
+    cdef void push_back(self, int32_t sentinel, int32_t b) noexcept:
+        self.prev[b] = self.prev[sentinel]
+        self.next[b] = sentinel
+        self.next[self.prev[sentinel]] = b
+        self.prev[sentinel] = b
+
+    cdef void unlink(self, int32_t b) noexcept:
+        self.next[self.prev[b]] = self.next[b]
+        self.prev[self.next[b]] = self.prev[b]
+
+    cdef int take_free(self) noexcept:
+        """Pop a free page (uncached first, else the least recently freed cached one): refcount 1."""
+        cdef int32_t uncached = self.num_blocks, b = self.next[uncached]
+        if b == uncached:
+            b = self.next[uncached + 1]
+            self.evict(b)
+            self.num_cached_free -= 1
+        self.unlink(b)
+        self.num_free_blocks -= 1
+        self.refcounts[b] = 1
+        return b
+
+    cdef void release(self, int32_t block) noexcept:
+        """A page whose refcount reached zero goes back; a cached one stays revivable (LRU tail)."""
+        if self.cached[block]:
+            self.push_back(self.num_blocks + 1, block)
+            self.num_cached_free += 1
+        else:
+            self.push_back(self.num_blocks, block)
+        self.num_free_blocks += 1
+
+    cdef void ref(self, int32_t block) noexcept:
+        if self.refcounts[block] == 0:  # revive a free page in O(1)
+            self.unlink(block)
+            self.num_free_blocks -= 1
+            if self.cached[block]:
+                self.num_cached_free -= 1
+        self.refcounts[block] += 1
+        if self.refcounts[block] == 2:
+            self.num_shared += 1
+
+    cdef void unref(self, int32_t block) noexcept:
+        self.refcounts[block] -= 1
+        if self.refcounts[block] == 1:
+            self.num_shared -= 1
+        elif self.refcounts[block] == 0:
+            self.release(block)
+
+    # ---- hash table (open addressing, linear probing, backward-shift deletion) -------------
+
+    cdef uint64_t home(self, uint64_t h) noexcept:
+        return mix64(h) & self.table_mask
+
+    cdef int32_t find(self, uint64_t h) noexcept:
+        cdef uint64_t i = self.home(h)
+        while self.table_blocks[i] != -1:
+            if self.hashes[self.table_blocks[i]] == h:
+                return self.table_blocks[i]
+            i = (i + 1) & self.table_mask
+        return -1
+
+    cdef void insert(self, int32_t block) noexcept:
+        cdef uint64_t i = self.home(self.hashes[block])
+        while self.table_blocks[i] != -1:
+            i = (i + 1) & self.table_mask
+        self.table_blocks[i] = block
+
+    cdef void evict(self, int32_t block) noexcept:
+        """Forget a page's cached content."""
+        cdef uint64_t i = self.home(self.hashes[block]), j, k
+        while self.table_blocks[i] != block:
+            i = (i + 1) & self.table_mask
+        j = i
+        while True:
+            j = (j + 1) & self.table_mask
+            if self.table_blocks[j] == -1:
+                break
+            k = self.home(self.hashes[self.table_blocks[j]])
+            # move j back to the hole at i unless its home lies cyclically in (i, j]
+            if (i <= j and (k <= i or k > j)) or (i > j and k <= i and k > j):
+                self.table_blocks[i] = self.table_blocks[j]
+                i = j
+        self.table_blocks[i] = -1
+        self.cached[block] = 0
+
+    # ---- batch API --------------------------------------------------------------------------
+
+    cdef int allocate_into(self, int32_t* out, int n) except -1:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(n, self.num_free_blocks)
+        cdef int i
+        for i in range(n):
+            out[i] = self.take_free()
+        return 0
+
+    def allocate(self, int n) -> cnp.ndarray:
+        """Take `n` pages (refcount 1 each), all or nothing; raises NoFreeBlocksError."""
+        cdef cnp.npy_intp dims = n if n > 0 else 0
+        cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT32, 0)
+        self.allocate_into(<int32_t*>cnp.PyArray_DATA(out), n)
+        return out
+
+    cdef int check_ids(self, const int32_t* ids, Py_ssize_t n, bint allocated) except -1:
+        cdef Py_ssize_t i
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= self.num_blocks:
+                raise ValueError(f"block id {ids[i]} out of range [0, {self.num_blocks})")
+            if allocated and self.refcounts[ids[i]] == 0:
+                raise ValueError(f"block {ids[i]} is not allocated")
+        return 0
+
+    cdef int free_ptr(self, const int32_t* ids, Py_ssize_t n) except -1:
+        self.check_ids(ids, n, True)
+        cdef Py_ssize_t i, j
+        for i in range(n):
+            if self.refcounts[ids[i]] == 0:  # the same id freed more often than referenced
+                for j in range(i - 1, -1, -1):
+                    self.ref(ids[j])
+                raise ValueError(f"block {ids[i]} freed more times than it is referenced")
+            self.unref(ids[i])
+        return 0
+
+    def free(self, block_ids) -> None:
+        """Drop one reference to each page; a page returns to the free list at zero. All or nothing."""
+        cdef cnp.ndarray ids = as_int32_array(block_ids)
+        self.free_ptr(<int32_t*>cnp.PyArray_DATA(ids), ids.shape[0])
+
+    def incref(self, block_ids) -> None:
+        """Add one reference to each (allocated) page, e.g. to share it with a forked sequence."""
+        cdef cnp.ndarray ids = as_int32_array(block_ids)
+        cdef const int32_t* p = <int32_t*>cnp.PyArray_DATA(ids)
+        cdef Py_ssize_t i, n = ids.shape[0]
+        self.check_ids(p, n, True)
+        for i in range(n):
+            self.ref(p[i])
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def cache_block(self, int block_id, parent_hash: int, token_ids) -> int:
+        """Register a full, allocated page's content; returns its hash (the next page's parent)."""
+        cdef cnp.ndarray tokens = as_int32_array(token_ids)
+        if tokens.shape[0] != self.block_size:
+            raise ValueError(f"a cached page holds exactly {self.block_size} tokens, got {tokens.shape[0]}")
+        cdef int32_t b = block_id
+        self.check_ids(&b, 1, True)
+        return self.cache_block_c(b, <uint64_t>parent_hash, <int32_t*>cnp.PyArray_DATA(tokens))
+
+    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t) noexcept:
+        cdef uint64_t h = hash_tokens(parent, t, self.block_size) & self.hash_mask
+        if not self.enable_prefix_caching:
+            return h
+        if self.cached[block_id]:
+            if self.same_content(block_id, h, parent, t):
+                return h
+            self.evict(block_id)  # reused for new content
+        if self.find(h) == -1:  # else: same content cached elsewhere, or a collision: keep the first
+            self.hashes[block_id] = h
+            self.parent_hashes[block_id] = parent
+            memcpy(&self.tokens[<size_t>block_id * self.block_size], t, self.block_size * sizeof(int32_t))
+            self.insert(block_id)
+            self.cached[block_id] = 1
+        return h
+
+    cdef bint same_content(self, int32_t b, uint64_t h, uint64_t parent, const int32_t* t) noexcept:
+        return (self.hashes[b] == h and self.parent_hashes[b] == parent and
+                memcmp(&self.tokens[<size_t>b * self.block_size], t, self.block_size * sizeof(int32_t)) == 0)
+
+    def match_prefix(self, token_ids, root_hash: int = 0) -> tuple:
+        """Longest chain of cached full pages matching `token_ids`; each hit takes a reference.
+
+        Every hit is confirmed against the stored tokens and parent, so a hash collision is a miss.
+        `root_hash` salts the chain (tenants with different salts never share pages).
+        """
+        cdef cnp.ndarray tokens = as_int32_array(token_ids)
+        cdef const int32_t* t = <int32_t*>cnp.PyArray_DATA(tokens)
+        cdef int bs = self.block_size, num_full = tokens.shape[0] // bs, i = 0
+        cdef cnp.npy_intp dims = num_full
+        cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT32, 0)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        cdef uint64_t parent = <uint64_t>root_hash, h
+        cdef int32_t b
+        if self.enable_prefix_caching:
+            while i < num_full:
+                h = hash_tokens(parent, &t[i * bs], bs) & self.hash_mask
+                b = self.find(h)
+                if b == -1 or not self.same_content(b, h, parent, &t[i * bs]):
+                    break
+                self.ref(b)
+                o[i] = b
+                parent = h
+                i += 1
+        self.prefix_queries += tokens.shape[0]
+        self.prefix_hits += i * bs
+        return out[:i], i * bs
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def refcount(self, int block_id) -> int:
+        cdef int32_t b = block_id
+        self.check_ids(&b, 1, False)
+        return self.refcounts[block_id]
+
+    def block_hash(self, int block_id):
+        """The cached hash of a page, or None when it holds no cached content."""
+        cdef int32_t b = block_id
+        self.check_ids(&b, 1, False)
+        return self.hashes[block_id] if self.cached[block_id] else None
+
+    def free_block_ids(self) -> cnp.ndarray:
+        """Free pages in hand-out order: uncached first, then cached least recently freed first."""
+        out = np.empty(self.num_free_blocks, dtype=np.int32)
+        cdef int32_t[:] o = out
+        cdef int k = 0, s, b
+        for s in (self.num_blocks, self.num_blocks + 1):
+            b = self.next[s]
+            while b != s and k < self.num_free_blocks:
+                o[k] = b
+                k += 1
+                b = self.next[b]
+        return out[:k]
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return self.num_shared
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.num_cached_free
+
+    def stats(self) -> dict:
+        used = self.num_blocks - self.num_free_blocks
+        return {
+            "total": self.num_blocks,
+            "used": used,
+            "free": self.num_free_blocks,
+            "cached_evictable": self.num_cached_free,
+            "shared": self.num_shared,
+            "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_queries": self.prefix_queries,
+            "utilization": used / self.num_blocks,
+        }

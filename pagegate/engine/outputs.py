@@ -1,0 +1,41 @@
+"""What the engine hands back (shapes follow vLLM's offline API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One position's log-probability: the sampled token and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running, then "stop" or "length"
+    logprobs: list[Logprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative: each update carries the whole text and token ids so far, for every choice."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: dict[str, float] = field(default_factory=dict)
