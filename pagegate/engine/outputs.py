@@ -39,3 +39,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the request failed; the outputs are then incomplete

@@ -1,0 +1,279 @@
+"""The synchronous engine: requests in, one `step()` at a time, outputs back."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from pagegate.config import EngineConfig
+from pagegate.core import compute_block_hash
+from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.loader import load_model
+from pagegate.engine.metrics import EngineMetrics
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.params import InvalidParamError, SamplingParams
+from pagegate.engine.runner import ModelRunner
+from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
+from pagegate.engine.scheduler import Scheduler
+from pagegate.engine.sequence import Request, Sequence, SeqStatus
+from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+GIB = 1024**3
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        path = Path(config.model) if config.model else DEFAULT_MODEL
+        log.info("loading weights from %s", path)
+        self.model, self.model_config, self.generation = load_model(path, config.dtype, self.device)
+        self.tokenizer = Tokenizer.from_folder(path)
+        self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
+                                    set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        self._build_cache()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.tables,
+                                  config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        self.metrics = EngineMetrics(self.model_name, config.health)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self.health_grade, self.health_reason = "OK", "starting"
+
+    def _build_cache(self) -> None:
+        cache = self.config.cache
+        m = self.model
+        block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        num_blocks = cache.num_kv_blocks or self._profiled_budget() // block_bytes
+        check_fits(num_blocks, cache.block_size, self.max_model_len, block_bytes)
+        num_cpu_blocks = int(cache.swap_space * GIB) // block_bytes
+        self.kv_cache = PagedKVCache(m.num_layers, num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
+                                     m.dtype, self.device, num_cpu_blocks)
+        self.scheduler = Scheduler(self.config.scheduler, cache, num_blocks, num_cpu_blocks, self.max_model_len)
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.3f GiB), %d CPU swap pages",
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, num_blocks * block_bytes / GIB,
+                 num_cpu_blocks)
+
+    def _profiled_budget(self) -> int:
+        """Device bytes for pages; on CUDA after a forward at the largest batch (its peak is not KV)."""
+        peak = 0
+        if self.device.type == "cuda" and self.config.cache.kv_cache_memory is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            tokens = self.config.scheduler.max_num_batched_tokens
+            with torch.inference_mode():
+                hidden = self.model.model.embed_tokens(torch.zeros(tokens, dtype=torch.long, device=self.device))
+                for layer in self.model.model.layers:
+                    hidden = hidden + layer.mlp(hidden)
+                self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+            peak = torch.cuda.max_memory_allocated(self.device)
+        return device_memory_budget(self.config.cache, self.device, peak)
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Validate and tokenize; safe to call from any thread (touches no engine state)."""
+        text, token_ids = self._tokenize(prompt)
+        limit = self.max_model_len
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise InvalidParamError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{len(token_ids)} tokens and max_tokens is {params.max_tokens} "
+                f"({len(token_ids) + params.max_tokens} in all)", "max_tokens")
+        if len(token_ids) >= limit:
+            raise InvalidParamError(f"the prompt has {len(token_ids)} tokens, the limit is {limit - 1} "
+                                    f"(max_model_len {limit})", "prompt")
+        root = hash_salt(cache_salt) if cache_salt else 0
+        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParamError("this model has no tokenizer: send the prompt as token ids", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = [int(t) for t in prompt], None
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidParamError(f"token id {bad[0]} is outside the vocabulary "
+                                        f"[0, {self.model_config.vocab_size})", "prompt")
+        if not token_ids:
+            raise InvalidParamError("the prompt is empty", "prompt")
+        return text, token_ids
+
+    def add(self, request: Request) -> None:
+        """Queue a validated request (engine thread)."""
+        if request.request_id in self.requests:
+            raise InvalidParamError(f"request id {request.request_id!r} is already in use", "request_id")
+        request.order = next(self._order)
+        self.requests[request.request_id] = request
+        self.scheduler.add(self._new_sequence(request, 0, list(request.prompt_token_ids)))
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params, priority, cache_salt)
+        self.add(request)
+        return request
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        seed = params.seed
+        generator = make_generator(seed + index, self.device) if seed is not None else None
+        seq = Sequence(request, index, token_ids, len(request.prompt_token_ids), generator,
+                       logprobs=[] if params.logprobs is not None else None)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     params.skip_special_tokens)
+            seq.stop_checker = StopChecker(params.stop)
+        request.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its pages now; False when it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.free(seq)
+            seq.status = SeqStatus.FINISHED
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the outputs of requests that moved."""
+        now = time.monotonic()
+        batch = self.scheduler.schedule(now)
+        failed = [self._fail(seq.request) for seq in batch.failed]
+        if not batch.seqs:
+            self._update_stats(now)
+            return failed
+        logits = self.runner.execute(batch)
+        prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+                            if s.num_computed <= s.num_prompt_tokens)
+        self.metrics.count("vllm:prompt_tokens", prompt_tokens)
+        sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
+        moved = self._sample(sampling, logits, time.monotonic())
+        self._update_stats(now)
+        return failed + [request.output() for request in moved]
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> list[Request]:
+        rows, seqs, row_of = [], [], []
+        for i, seq in enumerate(sampling):
+            group = self._fork(seq) if seq.request.params.n > 1 and not seq.request.forked else [seq]
+            for member in group:
+                rows.append(SamplingRow(member.request.params, member.request.prompt_token_ids,
+                                        member.output_token_ids, member.generator))
+                seqs.append(member)
+                row_of.append(i)
+        results = self.sampler(logits[row_of], rows) if rows else []
+        moved: dict[int, Request] = {}
+        for seq, result in zip(seqs, results, strict=True):
+            self._append_token(seq, result.token_id, result.logprob, now)
+            moved[id(seq.request)] = seq.request
+        self.metrics.count("vllm:generation_tokens", len(results))
+        for request in moved.values():
+            if request.finished:
+                self._finish(request, now)
+        return list(moved.values())
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the prompt was computed once; n choices now share its pages."""
+        request = parent.request
+        request.forked = True
+        children = [self._new_sequence(request, i, list(parent.token_ids)) for i in range(1, request.params.n)]
+        for child in children:
+            self.scheduler.fork(parent, child)
+        return [parent, *children]
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        request, params = seq.request, seq.request.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.observe("vllm:time_to_first_token_seconds", now - request.arrival_time)
+        elif request.last_token_time is not None:
+            self.metrics.observe("vllm:inter_token_latency_seconds", now - request.last_token_time)
+        request.last_token_time = now
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif num_out >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        self._detokenize(seq, token)
+        if seq.finish_reason is not None:
+            seq.status = SeqStatus.FINISHED
+            self.scheduler.free(seq)
+
+    def _detokenize(self, seq: Sequence, token: int) -> None:
+        if seq.detokenizer is None:
+            return
+        special_end = seq.finish_reason == "stop" and seq.stop_reason is None  # eos: not in the text
+        delta = "" if special_end else seq.detokenizer.step([token])
+        if seq.finish_reason is not None:
+            delta += seq.detokenizer.flush()
+        text, matched = seq.stop_checker.step(delta)
+        seq.text += text
+        if matched is not None and seq.stop_reason is None:
+            seq.finish_reason, seq.stop_reason = "stop", matched
+        elif seq.finish_reason is not None:
+            seq.text += seq.stop_checker.flush()
+
+    def _finish(self, request: Request, now: float) -> None:
+        self.requests.pop(request.request_id, None)
+        self.metrics.observe("vllm:e2e_request_latency_seconds", now - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.metrics.observe("vllm:request_queue_time_seconds",
+                                 request.first_scheduled_time - request.arrival_time)
+
+    def _fail(self, request: Request) -> RequestOutput:
+        log.warning("request %s failed: %s", request.request_id, request.error)
+        self.abort(request.request_id)
+        return request.output()
+
+    # ---- introspection ----------------------------------------------------------------------------------
+
+    def _update_stats(self, now: float) -> None:
+        self.health_grade, self.health_reason = self.metrics.update(self.scheduler.stats(), now)
+
+    def stats(self) -> dict:
+        stats = self.scheduler.stats()
+        stats["requests"] = len(self.requests)
+        return stats
+
+    def health(self) -> dict:
+        stats = self.stats()
+        return {"grade": self.health_grade, "reason": self.health_reason,
+                "kv_cache_usage": stats["kv_cache_usage"], "waiting": stats["waiting"],
+                "running": stats["running"], "swapped": stats["swapped"],
+                "swaps_in_window": len(self.metrics.swap_times)}
+
+
+def hash_salt(salt: str) -> int:
+    """A 64-bit chain root from a cache salt."""
+    data = salt.encode()
+    words = [int.from_bytes(data[i:i + 4], "little") & 0x7FFFFFFF for i in range(0, len(data), 4)]
+    return compute_block_hash(0x5A17, words or [0])

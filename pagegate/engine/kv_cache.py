@@ -1,0 +1,77 @@
+"""The physical KV pages: per-layer K/V tensors on the device, an optional CPU pool for swap."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagegate import kernels
+from pagegate.config import CacheConfig, parse_bytes
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """K and V of one page in every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def device_memory_budget(config: CacheConfig, device: torch.device, profile_peak: int = 0) -> int:
+    """Bytes for device KV pages: explicit budget, else on CUDA `gpu_memory_utilization` of the
+    device minus what the profiling forward peaked at, else the CPU default."""
+    if config.kv_cache_memory is not None:
+        return parse_bytes(config.kv_cache_memory)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * config.gpu_memory_utilization) - profile_peak
+    return parse_bytes(config.default_cpu_kv_cache_memory)
+
+
+def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
+    """Fail at start when one sequence of max_model_len cannot fit in the pool."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} pages ({num_blocks * block_size} tokens, "
+            f"{num_blocks * block_bytes / GIB:.3f} GiB) but one sequence of max_model_len={max_model_len} "
+            f"needs {needed} pages ({needed * block_bytes / GIB:.3f} GiB): give more KV memory or a "
+            f"smaller --max-model-len (at most {num_blocks * block_size} fits)")
+
+
+class PagedKVCache:
+    """`layers[i] = (k_cache, v_cache)`, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_layers = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+                           for _ in range(num_layers)] if num_cpu_blocks else []
+
+    def _flat(self, layers: list) -> list[torch.Tensor]:
+        return [t for pair in layers for t in pair]
+
+    def copy(self, pairs: np.ndarray) -> None:
+        """Copy-on-write: page pairs[i, 0] -> pairs[i, 1] in every layer."""
+        if len(pairs):
+            kernels.copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers],
+                                pairs[:, 0], pairs[:, 1])
+
+    def swap_out(self, pairs: np.ndarray) -> None:
+        """(device page, cpu page) pairs, device -> CPU."""
+        if len(pairs):
+            kernels.swap_blocks(self._flat(self.layers), self._flat(self.cpu_layers), pairs)
+
+    def swap_in(self, pairs: np.ndarray) -> None:
+        """(cpu page, device page) pairs, CPU -> device."""
+        if len(pairs):
+            kernels.swap_blocks(self._flat(self.cpu_layers), self._flat(self.layers), pairs)

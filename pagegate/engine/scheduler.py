@@ -1,0 +1,243 @@
+"""Continuous batching over the page pool: who runs this step, with how many tokens, on which pages.
+
+Each step spends a token budget: running sequences first (most urgent first), then swapped ones
+coming back, then new ones. A sequence computes its uncomputed tokens (a prefill chunk, or the one
+token of a decode); the core reserves their slots and caches each page as it fills. When a running
+sequence cannot get a page, the least urgent, latest arrived running sequence not yet scheduled this
+step is preempted: swapped to the CPU pool or freed to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagegate.config import CacheConfig, SchedulerConfig
+from pagegate.core import BlockPool, BlockTables
+from pagegate.engine.autotune import RunningCap
+from pagegate.engine.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    swap_out: list[np.ndarray] = field(default_factory=list)  # (device, cpu) page pairs
+    swap_in: list[np.ndarray] = field(default_factory=list)  # (cpu, device) page pairs
+    copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)  # copy-on-write (src, dst)
+    preempted: int = 0
+    failed: list[Sequence] = field(default_factory=list)  # alone need more pages than the pool has
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    def pairs(self, name: str) -> np.ndarray:
+        chunks = getattr(self, name)
+        return np.concatenate(chunks) if chunks else _NO_PAIRS
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.block_size = cache.block_size
+        self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
+        max_blocks = -(-max_model_len // cache.block_size) + 1
+        self.tables = BlockTables(self.pool, max(4 * config.max_num_seqs, 256), max_blocks, self.cpu_pool)
+        self.watermark_blocks = int(cache.watermark * num_blocks)
+        mode = config.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
+        if mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {mode!r}")
+        self.swap_enabled = mode == "swap" and self.cpu_pool is not None
+        self.cap = RunningCap(config.max_num_seqs, config.preemption_window_s)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
+        self.prefix_queries = self.prefix_hits = 0
+
+    # ---- queues ------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from its queue and release its pages."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.handle is not None:
+            self.tables.free_sequence(seq.handle)
+            seq.handle = None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every page of the running `parent` (n > 1 after the prompt)."""
+        child.handle = self.tables.fork(parent.handle)
+        child.num_computed = parent.num_computed
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> ScheduledBatch:
+        now = time.monotonic() if now is None else now
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._reserve_or_preempt(seq, n, batch, now):
+                break  # seq itself was preempted: everything after it already was
+            batch.add(seq, n)
+            budget -= n
+            i += 1
+        if not batch.preempted:
+            budget = self._swap_in(batch, budget, now)
+            if not self.swapped:
+                self._admit(batch, budget, now)
+        batch.copies = self.tables.take_cow_pairs()
+        self.cap.update(now, len(self.running), batch.preempted, self.pool.num_used_blocks / self.pool.num_blocks,
+                        len(self.waiting) + len(self.swapped))
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int) -> None:
+        self.tables.append(seq.handle, seq.token_ids[seq.num_computed:seq.num_computed + n])
+        seq.num_computed += n
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
+        while self.tables.pages_needed(seq.handle, n) > self.pool.num_free_blocks:
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                seq.request.error = (f"the sequence needs more KV pages than the pool's {self.pool.num_blocks} "
+                                     f"to hold {len(seq.token_ids) + 1} tokens")
+                self.free(seq)
+                batch.failed.append(seq)
+                return False
+            self._preempt(self.running.pop(), batch, now)
+            if victim is seq:
+                return False
+        self._reserve(seq, n)
+        return True
+
+    def _preempt(self, victim: Sequence, batch: ScheduledBatch, now: float) -> None:
+        batch.preempted += 1
+        self.num_preemptions += 1
+        if self._should_swap(victim, now):
+            pairs = self.tables.swap_out(victim.handle)
+            batch.swap_out.append(pairs)
+            self.num_swap_outs += 1
+            self.num_swapped_out_blocks += len(pairs)
+            victim.status = SeqStatus.SWAPPED
+            self.swapped.append(victim)
+            return
+        self.tables.free_sequence(victim.handle)
+        victim.handle, victim.num_computed, victim.status = None, 0, SeqStatus.WAITING
+        self.waiting.append(victim)  # keeps its arrival time: first in line again
+
+    def _should_swap(self, victim: Sequence, now: float) -> bool:
+        if not self.swap_enabled or victim.recompute_only:
+            return False
+        if victim.last_swap_in >= 0 and now - victim.last_swap_in < self.config.swap_bounce_s:
+            victim.recompute_only = True  # the adaptive swap threshold: it keeps bouncing
+            log.info("request %s bounced (swapped out %.2fs after coming back): recompute it from now on",
+                     victim.request.request_id, now - victim.last_swap_in)
+            return False
+        return self.cpu_pool.num_free_blocks >= self.tables.num_blocks(victim.handle)
+
+    def _swap_in(self, batch: ScheduledBatch, budget: int, now: float) -> int:
+        for seq in sorted(self.swapped, key=lambda s: s.sort_key):
+            need = self.tables.num_blocks(seq.handle) + 1  # its pages and room for the next token
+            if self.pool.num_free_blocks - need < self.watermark_blocks or len(self.running) >= self.cap.value:
+                break
+            pairs = self.tables.swap_in(seq.handle)
+            batch.swap_in.append(pairs)
+            self.num_swapped_in_blocks += len(pairs)
+            self.swapped.remove(seq)
+            seq.status, seq.last_swap_in = SeqStatus.RUNNING, now
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
+                self._reserve(seq, n)
+                batch.add(seq, n)
+                budget -= n
+        return budget
+
+    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        for seq in self._waiting_by_urgency(now):
+            if budget <= 0 or len(self.running) >= self.cap.value:
+                return
+            n = self._try_admit(seq, budget, now)
+            if n == 0:
+                return  # head of line waits: later ones must not overtake it forever
+            batch.add(seq, n)
+            budget -= n
+
+    def _waiting_by_urgency(self, now: float) -> list[Sequence]:
+        """Waiting sequences, most urgent first; each gains `aging_rate` priority levels per second."""
+        for seq in self.waiting:
+            waited = now - seq.request.arrival_time
+            seq.request.effective_priority = seq.request.priority - self.config.aging_rate * waited
+        return sorted(self.waiting, key=lambda s: s.sort_key)
+
+    def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
+        """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
+        request = seq.request
+        slots = request.params.n if request.params.n > 1 and not request.forked else 1
+        if self.tables.max_seqs - self.tables.num_sequences < slots:
+            return 0
+        hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1], request.root_hash)
+        n = min(len(seq.token_ids) - num_hit, budget)
+        need = -(-(num_hit + n) // self.block_size) - len(hits)
+        reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
+        if self.pool.num_free_blocks - need < reserve:
+            self.pool.free(hits)
+            return 0
+        self.prefix_queries += len(seq.token_ids)
+        self.prefix_hits += num_hit
+        seq.handle = self.tables.add_sequence(hits, num_hit, request.root_hash)
+        seq.num_computed = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.num_cached_tokens = num_hit
+        self._reserve(seq, n)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    # ---- introspection -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {
+            "running": len(self.running), "waiting": len(self.waiting), "swapped": len(self.swapped),
+            "num_blocks": pool["total"], "free_blocks": pool["free"], "used_blocks": pool["used"],
+            "cached_blocks": pool["cached_evictable"], "shared_blocks": pool["shared"],
+            "kv_cache_usage": pool["utilization"],
+            "cpu_blocks": self.cpu_pool.num_blocks if self.cpu_pool else 0,
+            "cpu_used_blocks": self.cpu_pool.num_used_blocks if self.cpu_pool else 0,
+            "preemptions": self.num_preemptions, "swap_outs": self.num_swap_outs,
+            "swap_out_blocks": self.num_swapped_out_blocks, "swap_in_blocks": self.num_swapped_in_blocks,
+            "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+            "max_num_seqs": self.cap.value,
+        }

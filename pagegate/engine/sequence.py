@@ -1,0 +1,103 @@
+"""Requests and their sequences as the engine tracks them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagegate.engine.params import SamplingParams
+from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion: prompt + output tokens, and how many of them have KV in the cache."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    handle: int | None = None  # BlockTables handle while the sequence holds pages
+    num_computed: int = 0  # tokens whose KV is (or is being) written
+    status: SeqStatus = SeqStatus.WAITING
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_checker: StopChecker | None = None
+    text: str = ""
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    recompute_only: bool = False  # set by the adaptive swap threshold after bounces
+    last_swap_in: float = -1.0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def sort_key(self) -> tuple:
+        """Scheduling order: most urgent first, then earliest arrival (then choice index)."""
+        return (self.request.effective_priority, self.request.arrival_time, self.request.order, self.index)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    order: int = 0  # admission counter: ties on arrival time keep submission order
+    effective_priority: float = 0.0  # priority less the urgency gained while waiting (aging)
+    root_hash: int = 0  # prefix-cache chain root: the salt's hash, so tenants never share pages
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: the prompt's sequence has been forked into n choices
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.effective_priority = float(self.priority)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.forked or self.params.n == 1) and all(
+            s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """The cumulative output of every choice so far."""
+        choices = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
+                                    list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
+                   for s in self.seqs if self.forked or self.params.n == 1]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, self.finished,
+                             self.num_cached_tokens, self.timings(), self.error)
+
+    def timings(self) -> dict[str, float]:
+        out = {"arrival_time": self.arrival_time}
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
