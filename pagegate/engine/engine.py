@@ -19,7 +19,7 @@ from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
 from pagegate.engine.scheduler import Scheduler
-from pagegate.engine.sequence import Request, Sequence, SeqStatus
+from pagegate.engine.sequence import Request, SeqStatus, Sequence
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import numpy as np
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
-from pagegate.engine.sequence import Sequence, SeqStatus
+from pagegate.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 

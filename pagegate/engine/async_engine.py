@@ -1,0 +1,144 @@
+"""The engine loop in one background thread, and its asyncio face.
+
+The loop thread owns the Engine; other threads talk to it only through `_inbox` (requests in,
+aborts) and each request's asyncio queue (outputs back, via `call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from pagegate.config import EngineConfig
+from pagegate.engine.engine import Engine
+from pagegate.engine.errors import EngineDeadError, RequestFailedError
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        """Blocking: loads the model, sizes the KV cache and starts the loop thread."""
+        self.engine = Engine(config)
+        self.model_name = self.engine.model_name
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.metrics = self.engine.metrics
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="pagegate-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the loop thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output)
+        except BaseException as error:  # the engine is broken: fail everyone, report unhealthy
+            log.exception("engine loop crashed")
+            self.dead_error = error
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, EngineDeadError(f"the engine loop crashed: {error!r}"))
+        finally:
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                try:
+                    self.engine.add(payload)
+                except ValueError as error:  # e.g. a request id still in use: that request fails, not the loop
+                    self._deliver(payload.request_id, error)
+            elif kind == "abort":
+                self.engine.abort(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    # ---- the asyncio side ------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as they come; leaving the loop early aborts the request."""
+        self._check_alive()
+        request = self.engine.make_request(request_id, prompt, params, priority, cache_salt)
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error:
+                    raise RequestFailedError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's pages at the start of the next engine step."""
+        self._inbox.put(("abort", request_id))
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None and not self._stopping.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running) + self._inbox.qsize()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def health(self) -> dict:
+        health = self.engine.health()
+        health["engine_running"] = self.is_running
+        return health
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every request is aborted and every page freed."""
+        self._stopping.set()
+        self._thread.join(timeout)

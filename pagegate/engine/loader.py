@@ -1,0 +1,147 @@
+"""Load a Hugging Face model folder (config.json, *.safetensors, generation_config.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from pagegate.engine.model import CausalLM, PackedLinear, build_empty_model
+from pagegate.engine.model_config import ModelConfig, ModelLoadError, token_id_list
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass
+class GenerationDefaults:
+    """The folder's generation_config.json: eos ids and default sampling values (None: not set)."""
+
+    eos_token_ids: list[int] = field(default_factory=list)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The sampling values the folder sets, as SamplingParams keyword arguments."""
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class LoadedModel(NamedTuple):
+    model: CausalLM
+    config: ModelConfig
+    generation: GenerationDefaults
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Build the model for a folder and fill it from its safetensors files."""
+    folder = Path(path)
+    config = ModelConfig.from_folder(folder)
+    device = torch.device(device)
+    model = build_empty_model(config, resolve_dtype(dtype, config, device), device)
+    load_weights(model, weight_files(folder))
+    return LoadedModel(model, config, read_generation_defaults(folder, config))
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` follows the config on accelerators and is float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        dtype = config.torch_dtype or "float32"
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files: the index's shards, model.safetensors, or any *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in shards]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (PyTorch .bin files are not supported)")
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"weight shard {file.name} listed in the index is missing from {folder}")
+    return files
+
+
+def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name -> (model parameter, first row, row count) for every expected tensor."""
+    layout = {}
+    for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens and is listed once
+        module_path, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(module_path)
+        if not isinstance(module, PackedLinear):
+            layout[name] = (param, 0, param.shape[0])
+            continue
+        parent, start = module_path.rsplit(".", 1)[0], 0
+        for shard_name, size in zip(module.shard_names, module.shard_sizes, strict=True):
+            layout[f"{parent}.{shard_name}.{leaf}"] = (param, start, size)
+            start += size
+    return layout
+
+
+def load_weights(model: CausalLM, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into place; missing, unexpected or misshapen tensors fail."""
+    layout = checkpoint_layout(model)
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if _ignorable(name, model.config):
+                    continue
+                if name not in layout:
+                    raise ModelLoadError(f"unexpected tensor {name} in {file.name}: the model has no such "
+                                         "weight")
+                _copy_into(name, reader.get_tensor(name), *layout[name])
+                loaded.add(name)
+    missing = sorted(set(layout) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint is missing tensor(s): {shown}")
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _copy_into(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, rows: int) -> None:
+    expected = (rows, *param.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
+    param.data[start:start + rows].copy_(tensor)
+
+
+def read_generation_defaults(folder: Path, config: ModelConfig) -> GenerationDefaults:
+    """Eos ids (generation_config first, then config.json) and the folder's default sampling values."""
+    path = folder / "generation_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    eos = token_id_list(raw.get("eos_token_id")) + list(config.eos_token_ids)
+    return GenerationDefaults(
+        eos_token_ids=list(dict.fromkeys(eos)),
+        temperature=raw.get("temperature"),
+        top_p=raw.get("top_p"),
+        top_k=raw.get("top_k"),
+        min_p=raw.get("min_p"),
+        repetition_penalty=raw.get("repetition_penalty"),
+    )

@@ -1,0 +1,228 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flattened tokens and a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagegate import kernels
+from pagegate.engine.model_config import ModelConfig, RopeConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and which pages each sequence reads."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1: do not write
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each sequence's tokens in the flat batch
+
+
+class PackedLinear(nn.Linear):
+    """Several checkpoint projections stacked along the output dim (q/k/v, gate/up) for one matmul."""
+
+    def __init__(self, in_features: int, shard_names: tuple[str, ...], shard_sizes: tuple[int, ...],
+                 bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_names = shard_names  # the checkpoint's module names, e.g. ("q_proj", "k_proj", "v_proj")
+        self.shard_sizes = shard_sizes
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype, as Hugging Face does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with linear or llama3 scaling."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type != "llama3":
+        return inv_freq
+    old_len = rope.original_max_position_embeddings or max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half, as HF Llama) with a cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_position_embeddings = max_position_embeddings
+        self.register_buffer("cos_sin", torch.empty(max_position_embeddings, head_dim), persistent=False)
+        if not self.cos_sin.is_meta:
+            self.build_cache()
+
+    def build_cache(self) -> None:
+        """Fill the float32 [max_pos, head_dim] table: cos in the first half, sin in the second."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings)
+        positions = torch.arange(self.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = table.to(self.cos_sin.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim / 2] for the given positions."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D]: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, ("q_proj", "k_proj", "v_proj"),
+                                     (q_size, kv_size, kv_size), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                attn: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                      attn.query_start_loc, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, ("gate_proj", "up_proj"), (size, size),
+                                         bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, config.sliding_window_for(layer))
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                attn: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """The whole model: `forward` gives hidden states, `compute_logits` the next-token logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for flattened tokens input_ids [T] at positions [T]."""
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the rows of hidden [N, hidden] that sample."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """A model with uninitialised weights (no random init cost), ready for the loader to fill."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
+    model.model.rotary.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,235 @@
+"""Tokenizer (tokenizer.json + tokenizer_config.json), chat templates, streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from pagegate.engine.model_config import token_id_list
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                       "mask_token")
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts the way Hugging Face does for the same folder.
+
+    bos/eos are added by tokenizer.json's post-processor alone; like transformers 5, the
+    add_bos_token / add_eos_token flags of tokenizer_config.json are ignored when tokenizer.json exists.
+    """
+
+    def __init__(self, tokenizer_file: str | Path, tokenizer_config: dict[str, Any] | None = None,
+                 chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        config = tokenizer_config or {}
+        self.special_tokens = {key: _token_content(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
+        eos = self._id_of(self.special_tokens["eos_token"])
+        self.eos_token_ids: list[int] = list(dict.fromkeys(([eos] if eos is not None else []) +
+                                                           list(extra_eos_token_ids)))
+        self.chat_template = chat_template or _pick_template(config.get("chat_template"))
+        self._anchor_ids = self._tokenizer.encode("a", add_special_tokens=False).ids[-1:]
+        self._token_texts: dict[int, str] = {}
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer | None:
+        """The folder's tokenizer, or None when it has no tokenizer.json."""
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            return None
+        config = _read_json(folder / "tokenizer_config.json")
+        template_file = folder / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else None
+        extra_eos = (token_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")) +
+                     token_id_list(_read_json(folder / "config.json").get("eos_token_id")))
+        return cls(folder / "tokenizer.json", config, template, extra_eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; add_special_tokens adds what the post-processor adds (usually bos)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's surface text (with its leading space), for logprobs."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._surface_text(token_id)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """Render messages with the folder's chat template; encode the result without special tokens."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        variables = {key: value or "" for key, value in self.special_tokens.items()}
+        variables.update(extra)
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def _surface_text(self, token_id: int) -> str:
+        # Decoded after an anchor token, a leading space survives decoders that strip it at the start.
+        anchor = self.decode(self._anchor_ids, skip_special_tokens=False)
+        both = self.decode([*self._anchor_ids, token_id], skip_special_tokens=False)
+        if anchor and both.startswith(anchor):
+            return both[len(anchor):]
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+
+
+def _token_content(value: str | dict[str, Any] | None) -> str | None:
+    """A special token as tokenizer_config writes it: a string or a serialised AddedToken."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _pick_template(value: str | list[dict[str, str]] | None) -> str | None:
+    if isinstance(value, list):  # named templates: use "default"
+        named = {item["name"]: item["template"] for item in value}
+        return named.get("default")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training); renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """A sandboxed template with the helpers transformers gives chat templates."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a sequence's new token ids into new text, never splitting a UTF-8 character.
+
+    Decodes only a window: text of ids[prefix_offset:] minus text of ids[prefix_offset:read_offset]
+    (vLLM's scheme), so each step costs a few tokens whatever the sequence length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])  # context so the first output token's leading space is right
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def step(self, new_ids: Sequence[int]) -> str:
+        """Append token ids and return the text they complete (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or a multi-byte character still incomplete
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is held back (an incomplete character decodes to U+FFFD)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class StopChecker:
+    """Finds stop strings across token boundaries; holds back a tail that may start one."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.held = ""
+        self.stopped_by: str | None = None
+
+    def step(self, delta: str) -> tuple[str, str | None]:
+        """Feed new text; return (text safe to emit, the stop string that matched or None).
+
+        After a match the output ends right before the stop string and nothing more is emitted.
+        """
+        if self.stopped_by is not None:
+            return "", self.stopped_by
+        text = self.held + delta
+        match = self._earliest_match(text)
+        if match is not None:
+            position, self.stopped_by = match
+            self.held = ""
+            return text[:position], self.stopped_by
+        keep = self._partial_tail_length(text)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], None
+
+    def flush(self) -> str:
+        """The held tail, when the sequence ends for another reason."""
+        tail, self.held = self.held, ""
+        return tail if self.stopped_by is None else ""
+
+    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+        """The stop string that completes first (the longest on a tie): the same whatever the chunking."""
+        found = [(text.find(s), s) for s in self.stop]
+        found = [(pos, s) for pos, s in found if pos >= 0]
+        return min(found, key=lambda item: (item[0] + len(item[1]), item[0])) if found else None
+
+    def _partial_tail_length(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for length in range(min(len(s) - 1, len(text)), longest, -1):
+                if s.startswith(text[len(text) - length:]):
+                    longest = length
+                    break
+        return longest

@@ -1,0 +1,150 @@
+"""The torch reference backend: the definition of correct, and the CPU production path.
+
+Attention gathers pages into a dense buffer and runs scaled_dot_product_attention on it in
+float32; the CPU SDPA kernel reads the cache's [tokens, Hkv, D] layout in place. Decode
+tokens go in groups of sequences with similar context length, each group's gathered K/V
+small enough to stay in cache while SDPA reads it back (measured: faster than one big gather
+or one sequence at a time). A sequence with several query tokens goes alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagegate.kernels.workspace import scratch
+
+# Gathered K+V bytes per decode group (measured on CPU; see bench/bench_kernels.py).
+DECODE_GROUP_BYTES = 8 << 20
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, Hkv, D] into their cache slots; slot -1 marks padding and is skipped."""
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, sliding_window: int | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's last q_len tokens over its paged context."""
+    out = torch.empty_like(query) if out is None else out
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+    if decode:
+        _decode(query, k_cache, v_cache, block_tables, decode, lens, starts, scale, sliding_window, out)
+    for b, q_len in enumerate(q_lens):
+        if q_len > 1:
+            _prefill(query, k_cache, v_cache, block_tables[b], lens[b], starts[b], q_len, scale, sliding_window, out)
+    return out
+
+
+def _first_visible(seq_len: int, q_len: int, sliding_window: int | None) -> int:
+    """The first context position any of the sequence's queries can see."""
+    return 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+
+
+def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale, sliding_window, out):
+    """Queries start:start+q_len, the last q_len of seq_len context tokens, over their own pages."""
+    block_size = k_cache.shape[1]
+    first_page = _first_visible(seq_len, q_len, sliding_window) // block_size
+    pages = block_table[first_page:-(-seq_len // block_size)].to(k_cache.device, torch.long)
+    length = seq_len - first_page * block_size  # slicing to it drops the last page's unwritten tail
+    keys, values = (cache.index_select(0, pages).flatten(0, 1)[:length].float() for cache in (k_cache, v_cache))
+    queries = query[start:start + q_len].float()
+    mask = None
+    if first_page > 0 or q_len < seq_len or sliding_window is not None:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(first_page * block_size, seq_len, device=query.device)
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= query_pos - key_pos < sliding_window
+    result = F.scaled_dot_product_attention(
+        queries.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=query.shape[1] != k_cache.shape[2])
+    out[start:start + q_len] = result.transpose(0, 1)
+
+
+def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sliding_window, out):
+    """One query token per sequence: gather, attend and write back group by group."""
+    block_size = k_cache.shape[1]
+    first = [_first_visible(lens[b], 1, sliding_window) // block_size for b in seqs]
+    num_pages = [-(-lens[b] // block_size) - f for b, f in zip(seqs, first, strict=True)]
+    order = sorted(range(len(seqs)), key=num_pages.__getitem__)
+    seqs, first, num_pages = ([x[i] for i in order] for x in (seqs, first, num_pages))
+    pages, key_pos = _visible_pages(block_tables, seqs, first, num_pages, block_size, k_cache.device)
+    seq_len = torch.tensor([lens[b] for b in seqs], device=k_cache.device)[:, None]
+    visible = key_pos < seq_len
+    if sliding_window is not None:
+        visible &= key_pos >= seq_len - sliding_window
+    rows = torch.tensor([starts[b] for b in seqs], device=query.device)
+    queries = query.index_select(0, rows).float()
+    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()
+    results = []
+    for lo, hi in _groups(num_pages, block_size * token_bytes):
+        width = num_pages[hi - 1]
+        keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], visible[lo:hi, :width * block_size])
+        uniform = sliding_window is None and lens[seqs[lo]] == lens[seqs[hi - 1]] == width * block_size
+        mask = None if uniform else visible[lo:hi, None, None, :width * block_size]
+        results.append(_attend_decode(queries[lo:hi], keys, values, mask, scale))
+    out.index_copy_(0, rows, torch.cat(results).to(out.dtype))
+
+
+def _visible_pages(block_tables, seqs, first, num_pages, block_size, device):
+    """Pages [n, P] holding each sequence's visible context (unused entries: page 0) and the
+    context position of every slot of them [n, P * block_size]."""
+    width = max(num_pages)
+    first_page = torch.tensor(first, device=device)[:, None]
+    columns = first_page + torch.arange(width, device=device)
+    used = columns < (first_page + torch.tensor(num_pages, device=device)[:, None])
+    table = block_tables.index_select(0, torch.tensor(seqs, device=block_tables.device)).to(device, torch.long)
+    # entries past a sequence's last page may hold anything (often -1)
+    pages = torch.where(used, table.gather(1, columns.clamp(max=table.shape[1] - 1)), 0)
+    key_pos = (columns[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+    return pages, key_pos
+
+
+def _groups(num_pages: list[int], page_bytes: int) -> list[tuple[int, int]]:
+    """Split sequences sorted by page count into [lo, hi) groups whose padded K+V fits the budget."""
+    groups, lo = [], 0
+    for hi in range(1, len(num_pages) + 1):
+        if hi - lo > 1 and (hi - lo) * num_pages[hi - 1] * page_bytes > DECODE_GROUP_BYTES:
+            groups.append((lo, hi - 1))
+            lo = hi - 1
+    return groups + [(lo, len(num_pages))]
+
+
+def _gather_group(k_cache, v_cache, pages, visible):
+    """K and V [n, P * block_size, Hkv, D] in float32 from reused buffers; slots no query sees are
+    zeroed, because they may hold stale data or NaN and a masked score still multiplies its value."""
+    n, width = pages.shape
+    shape = (n * width, *k_cache.shape[1:])
+    hidden = (~visible).flatten().nonzero().flatten()
+    gathered = []
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        buffer = torch.index_select(cache, 0, pages.flatten(), out=scratch(name, shape, cache.dtype, cache.device))
+        if cache.dtype != torch.float32:
+            buffer = scratch(name + "32", shape, torch.float32, cache.device).copy_(buffer)
+        buffer = buffer.view(n, -1, *cache.shape[2:])
+        if len(hidden):
+            buffer.view(-1, cache[0, 0].numel()).index_fill_(0, hidden, 0)
+        gathered.append(buffer)
+    return gathered
+
+
+def _attend_decode(queries, keys, values, mask, scale):
+    """SDPA for queries [n, H, D] over keys/values [n, L, Hkv, D]; returns [n, H, D]."""
+    n, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[2]
+    # the query heads that share a KV head become that head's query rows: GQA without repeating K/V
+    grouped = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    result = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                            attn_mask=mask, scale=scale)
+    return result.reshape(n, num_heads, head_dim)

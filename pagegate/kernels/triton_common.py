@@ -1,0 +1,37 @@
+"""Pieces shared by the Triton attention kernels: tile sizes, the page walk, launch helpers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagegate.kernels.dispatch import triton_interpreted
+
+LOG2_E = 1.4426950408889634  # kernels use exp2, so scores are pre-scaled by log2(e)
+
+
+@triton.jit
+def load_page_rows(cache_ptr, block_table_row_ptr, positions, valid, dims, dim_mask,
+                   kv_head, block_size, cache_stride_block, cache_stride_slot, cache_stride_h):
+    """Rows [positions, D] of one KV head, read through a sequence's block table; invalid rows are 0."""
+    pages = tl.load(block_table_row_ptr + positions // block_size, mask=valid, other=0).to(tl.int64)
+    rows = pages * cache_stride_block + (positions % block_size) * cache_stride_slot + kv_head * cache_stride_h
+    return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+
+
+def dot_options(cache: torch.Tensor) -> dict:
+    """Constexprs that keep dots exact enough: IEEE float32 (not TF32) for float32 caches, and
+    float32 dots for bfloat16 under the interpreter, whose bfloat16 tl.dot is broken upstream."""
+    upcast = cache.dtype == torch.bfloat16 and triton_interpreted()
+    return {"DOT_PRECISION": "ieee" if cache.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Reject layouts the kernels do not handle instead of reading the wrong memory."""
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs the head dimension contiguous (stride 1)")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    if query.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{query.shape[1]} query heads do not divide into {k_cache.shape[2]} KV heads")

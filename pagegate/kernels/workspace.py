@@ -1,0 +1,27 @@
+"""Reusable scratch buffers for the reference backend.
+
+A fresh multi-megabyte CPU allocation page-faults on every call; reusing one buffer per
+(name, dtype, device) keeps the decode path's gathers in warm memory. Per thread, so two
+engine threads never share one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_local = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape` backed by a buffer kept for the next call (contents undefined)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    numel = 1
+    for size in shape:
+        numel *= size
+    key = (name, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)

@@ -1,0 +1,63 @@
+"""Text through the engine: stop strings across token boundaries, streaming never splits a character."""
+
+import asyncio
+import shutil
+
+import pytest
+
+from pagegate import LLM, SamplingParams
+from pagegate.config import CacheConfig, EngineConfig
+from pagegate.engine.async_engine import AsyncEngine
+
+from .conftest import TINY, hf, save_hf_model
+from .test_llm import assert_all_pages_free
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory, bytelevel_tokenizer_dir):
+    folder = tmp_path_factory.mktemp("text_model")
+    config = hf().LlamaConfig(**{**TINY, "vocab_size": 400}, bos_token_id=0, eos_token_id=1)
+    save_hf_model(folder, config, seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bytelevel_tokenizer_dir / name, folder / name)
+    return folder
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_stop_string_across_token_boundaries_is_trimmed(text_model):
+    llm = LLM(str(text_model), device="cpu", num_kv_blocks=64)
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
+    pieces = [tokenizer.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    # a stop string that starts inside one token and ends inside a later one
+    k = next(i for i in range(4, len(pieces) - 2) if len(pieces[i + 2]) - len(pieces[i]) >= 3
+             and len(pieces[i]) > len(pieces[i - 1]) + 1)
+    start = len(pieces[k]) - 1
+    stop = free.text[start:len(pieces[k + 2]) - 1]
+    assert len(stop) >= 2 and free.text.find(stop) == start
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == free.text[:start]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_all_pages_free(llm)
+
+
+def test_streamed_text_only_grows_and_never_holds_a_broken_character(text_model):
+    engine = AsyncEngine(EngineConfig(str(text_model), device="cpu", cache=CacheConfig(num_kv_blocks=64)))
+
+    async def stream() -> list:
+        params = SamplingParams(temperature=1.0, seed=7, max_tokens=60, ignore_eos=True)
+        return [o.outputs[0] async for o in engine.generate("emoji 😀 café", params, "s")]
+
+    try:
+        outputs = asyncio.run(stream())
+    finally:
+        engine.shutdown()
+    texts = [o.text for o in outputs]
+    # a character split across tokens is held back, never sent half and corrected later
+    for before, after in zip(texts, texts[1:], strict=False):
+        assert after.startswith(before)
+    assert texts[-1] == engine.tokenizer.decode(outputs[-1].token_ids)
+    assert engine.stats()["used_blocks"] == 0

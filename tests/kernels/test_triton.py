@@ -1,0 +1,86 @@
+"""Triton kernels against the reference and the float64 oracle.
+
+Without a GPU they run on CPU tensors in Triton's interpreter (conftest sets TRITON_INTERPRET=1);
+each program instance costs milliseconds there, so shapes stay small.
+"""
+
+import pytest
+import torch
+
+from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention
+
+pytest.importorskip("triton")
+
+from pagegate.kernels import triton_decode, triton_prefill, write_kv  # noqa: E402
+from pagegate.kernels.dispatch import triton_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not triton_interpreted() else "cpu"
+if DEVICE == "cpu" and not triton_interpreted():
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DECODE_BATCH = [(length, 1) for length in (1, 15, 16, 17, 32, 33, 50)]
+
+
+def _check(shape, heads, head_dim=64, dtype=torch.float32, sliding_window=None, seed=0, block_size=16):
+    batch = make_batch(shape, *heads, head_dim, dtype, block_size=block_size, seed=seed, device=DEVICE)
+    out = run_attention(batch, "triton", sliding_window)
+    assert_close(out, dense_attention(batch, sliding_window), dtype)
+    # and the reference agrees to the same tolerance
+    assert_close(out, run_attention(batch, "reference", sliding_window).double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_batch(dtype):
+    # bfloat16: the interpreter's bfloat16 tl.dot is broken upstream, so the kernels upcast there
+    _check(MIXED_BATCH, (4, 2), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_batch(dtype):
+    _check(DECODE_BATCH, (4, 2), dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (8, 1)], ids=["mha", "gqa8"])
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_gqa_ratios_and_head_dim_128(heads, kind):
+    _check(MIXED_BATCH[:5] if kind == "mixed" else DECODE_BATCH[:4], heads, head_dim=128, seed=2)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_sliding_window(kind):
+    _check(MIXED_BATCH if kind == "mixed" else DECODE_BATCH, (4, 2), sliding_window=7, seed=3)
+
+
+def test_block_size_8():
+    _check([(8, 1), (9, 1), (24, 24), (30, 6)], (2, 1), block_size=8, seed=4)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 300])
+def test_decode_splits_long_contexts(sliding_window):
+    # two sequences, one head: the decode kernel splits the 700-token context and reduces
+    seqs, heads, bound = [(700, 1), (260, 1)], (2, 1), 700
+    assert triton_decode.split_length(2, 1, bound, torch.device(DEVICE)) < bound or DEVICE == "cuda"
+    _check(seqs, heads, sliding_window=sliding_window, seed=5)
+
+
+def test_prefill_with_gpu_tile_sizes(monkeypatch):
+    # the CUDA tile shape (64 x 64) on the interpreter: tiles span several sequences' worth of rows
+    monkeypatch.setattr(triton_prefill, "tile_sizes", lambda device: (64, 64))
+    _check([(70, 70), (40, 1), (100, 37)], (2, 1), seed=6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(7)
+    caches = [torch.full((5, 16, 2, 64), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    slots = torch.randperm(80, generator=gen)[:11].to(DEVICE)
+    slots[[0, 6]] = -1
+    # strided views, as from a fused qkv projection, already in the cache dtype (a pure copy)
+    fused = torch.randn(11, 3, 2, 64, generator=gen).to(DEVICE, dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    write_kv(key, value, caches[0], caches[1], slots, backend="triton")
+    write_kv(key, value, caches[2], caches[3], slots, backend="reference")
+    assert torch.equal(caches[0].isnan(), caches[2].isnan())
+    assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+    assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
