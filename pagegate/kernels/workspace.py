@@ -20,7 +20,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     numel = 1
     for size in shape:
         numel *= size
-    key = (name, dtype, device)
+    # a buffer made under inference mode cannot be written outside it (and the other way round)
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
