@@ -53,6 +53,7 @@ class Engine:
         self.metrics = EngineMetrics(self.model_name, config.health)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self.health_grade, self.health_reason = "OK", "starting"
 
     def _build_cache(self) -> None:
@@ -171,6 +172,7 @@ class Engine:
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
                             if s.num_computed <= s.num_prompt_tokens)
         self.metrics.count("vllm:prompt_tokens", prompt_tokens)
+        self.num_prompt_tokens += prompt_tokens
         sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
         moved = self._sample(sampling, logits, time.monotonic())
         self._update_stats(now)
@@ -191,6 +193,7 @@ class Engine:
             self._append_token(seq, result.token_id, result.logprob, now)
             moved[id(seq.request)] = seq.request
         self.metrics.count("vllm:generation_tokens", len(results))
+        self.num_generation_tokens += len(results)
         for request in moved.values():
             if request.finished:
                 self._finish(request, now)
@@ -261,7 +264,8 @@ class Engine:
 
     def stats(self) -> dict:
         stats = self.scheduler.stats()
-        stats["requests"] = len(self.requests)
+        stats.update(requests=len(self.requests), prompt_tokens=self.num_prompt_tokens,
+                     generation_tokens=self.num_generation_tokens)
         return stats
 
     def health(self) -> dict:

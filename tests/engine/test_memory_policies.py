@@ -127,7 +127,7 @@ def test_engine_health_and_metrics_report_pages(llama_model):
     assert health["grade"] == "OK" and "KV usage" in health["reason"]
     value = llm.engine.metrics.registry.get_sample_value
     labels = {"model_name": llm.engine.model_name}
-    assert value("vllm:generation_tokens_total", labels) == 8 * 6
+    assert value("vllm:generation_tokens_total", labels) == 8 * 6 == llm.stats()["generation_tokens"]
     assert value("vllm:kv_cache_usage_perc", labels) == 0.0
     assert value("vllm:time_to_first_token_seconds_count", labels) == 8
     assert value("pagegate:health", labels) == 0
