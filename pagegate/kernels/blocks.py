@@ -47,9 +47,16 @@ def swap_blocks(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.T
         raise ValueError(f"swap_blocks got {len(src_caches)} source and {len(dst_caches)} destination caches")
     if pair_array.shape[0] == 0:
         return
+    indices: dict[tuple[int, torch.device], torch.Tensor] = {}  # one upload of the page ids per device
+
+    def ids(column: int, device: torch.device) -> torch.Tensor:
+        if (column, device) not in indices:
+            indices[column, device] = _index(pair_array[:, column], device)
+        return indices[column, device]
+
     downloads = []
     for src, dst in zip(src_caches, dst_caches, strict=True):
-        src_index, dst_index = _index(pair_array[:, 0], src.device), _index(pair_array[:, 1], dst.device)
+        src_index, dst_index = ids(0, src.device), ids(1, dst.device)
         if src.device.type == "cpu" or dst.device.type != "cpu":
             dst.index_copy_(0, dst_index, _upload(src, src_index, dst.device))
         else:

@@ -1,13 +1,15 @@
 """The torch reference backend: the definition of correct, and the CPU production path.
 
 Attention gathers pages into a dense buffer and runs scaled_dot_product_attention on it in
-float32; the CPU SDPA kernel reads the cache's [tokens, Hkv, D] layout in place. Decode
-tokens go in groups of sequences with similar context length, each group's gathered K/V
-small enough to stay in cache while SDPA reads it back (measured: faster than one big gather
+float32; SDPA reads the gathered [tokens, Hkv, D] layout as it is, without a transposing copy.
+Decode tokens go in groups of sequences with similar context length, each group's K/V small
+enough to stay in cache while SDPA reads it back (measured on CPU: faster than one big gather
 or one sequence at a time). A sequence with several query tokens goes alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal attention of each sequence's last q_len tokens over its paged context."""
     out = torch.empty_like(query) if out is None else out
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if decode:
         _decode(query, k_cache, v_cache, block_tables, decode, lens, starts, scale, sliding_window, out)
@@ -90,9 +92,11 @@ def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sl
     results = []
     for lo, hi in _groups(num_pages, block_size * token_bytes):
         width = num_pages[hi - 1]
-        keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], visible[lo:hi, :width * block_size])
-        uniform = sliding_window is None and lens[seqs[lo]] == lens[seqs[hi - 1]] == width * block_size
-        mask = None if uniform else visible[lo:hi, None, None, :width * block_size]
+        # every slot visible to its query (Python ints, so no tensor ops): no mask, nothing to zero
+        full = sliding_window is None and all(lens[b] == width * block_size for b in seqs[lo:hi])
+        group_visible = None if full else visible[lo:hi, :width * block_size]
+        keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], group_visible)
+        mask = None if full else group_visible[:, None, None]
         results.append(_attend_decode(queries[lo:hi], keys, values, mask, scale))
     out.index_copy_(0, rows, torch.cat(results).to(out.dtype))
 
@@ -122,21 +126,30 @@ def _groups(num_pages: list[int], page_bytes: int) -> list[tuple[int, int]]:
 
 
 def _gather_group(k_cache, v_cache, pages, visible):
-    """K and V [n, P * block_size, Hkv, D] in float32 from reused buffers; slots no query sees are
-    zeroed, because they may hold stale data or NaN and a masked score still multiplies its value."""
+    """K and V [n, P * block_size, Hkv, D] in float32 from reused buffers; slots no query sees
+    (visible False; None: all seen) are zeroed, because they may hold stale data or NaN and a
+    masked score still multiplies its value."""
     n, width = pages.shape
     shape = (n * width, *k_cache.shape[1:])
-    hidden = (~visible).flatten().nonzero().flatten()
+    hidden = None if visible is None else (~visible).flatten().nonzero().flatten()
     gathered = []
     for name, cache in (("k", k_cache), ("v", v_cache)):
-        buffer = torch.index_select(cache, 0, pages.flatten(), out=scratch(name, shape, cache.dtype, cache.device))
+        buffer = torch.index_select(cache, 0, pages.flatten(), out=_buffer(name, shape, cache.dtype, cache.device))
         if cache.dtype != torch.float32:
-            buffer = scratch(name + "32", shape, torch.float32, cache.device).copy_(buffer)
+            buffer = _buffer(name + "32", shape, torch.float32, cache.device).copy_(buffer)
         buffer = buffer.view(n, -1, *cache.shape[2:])
-        if len(hidden):
+        if hidden is not None and len(hidden):
             buffer.view(-1, cache[0, 0].numel()).index_fill_(0, hidden, 0)
         gathered.append(buffer)
     return gathered
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused scratch buffer for a group within the budget; a fresh tensor for one long sequence
+    that exceeds it, so a single huge context does not stay allocated after its step."""
+    if math.prod(shape) * dtype.itemsize <= DECODE_GROUP_BYTES:
+        return scratch(name, shape, dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _attend_decode(queries, keys, values, mask, scale):

@@ -7,6 +7,7 @@ engine threads never share one.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -17,9 +18,7 @@ _local = threading.local()
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of `shape` backed by a buffer kept for the next call (contents undefined)."""
     buffers = _local.__dict__.setdefault("buffers", {})
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     # a buffer made under inference mode cannot be written outside it (and the other way round)
     key = (name, dtype, device, torch.is_inference_mode_enabled())
     buffer = buffers.get(key)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.kernels import reference, write_kv
+from pagegate.kernels import reference, workspace, write_kv
 
 from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention, slots_of
 
@@ -94,3 +94,12 @@ def test_write_kv_then_attend():
         slots = slots_of(batch.block_tables[b], torch.arange(len(keys)), batch.k_cache.shape[1])
         write_kv(keys, values, batch.k_cache, batch.v_cache, slots, backend="reference")
     assert_close(run_attention(batch, "reference"), dense_attention(batch), torch.float32)
+
+
+def test_decode_inside_and_outside_inference_mode():
+    # the decode path reuses scratch buffers: one made under inference mode must not leak out of it
+    workspace._local.__dict__.pop("buffers", None)  # start with none, so the first is made inside
+    batch = make_batch([(40, 1), (33, 1)], 4, 2, 64)
+    with torch.inference_mode():
+        inside = run_attention(batch, "reference")
+    assert torch.equal(run_attention(batch, "reference"), inside)
