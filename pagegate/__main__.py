@@ -1,0 +1,37 @@
+"""`pagegate serve ...` (the OpenAI-compatible server) and `pagegate simulate ...` (fragmentation simulator)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: pagegate <command> [options]
+
+commands:
+  serve      serve a model behind an OpenAI-compatible API (pagegate serve --help)
+  simulate   compare contiguous and paged KV allocation (pagegate simulate --help)
+  version    print the version
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "serve":
+        from pagegate.gateway.cli import main as serve
+
+        return serve(rest)
+    if command == "simulate":
+        from pagegate.core.simulator import main as simulate
+
+        return simulate(rest) or 0
+    if command in ("version", "--version", "-V"):
+        import pagegate
+
+        print(pagegate.__version__)
+        return 0
+    print(USAGE, end="", file=sys.stdout if command in ("-h", "--help", "help") else sys.stderr)
+    return 0 if command in ("-h", "--help", "help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

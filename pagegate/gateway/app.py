@@ -1,0 +1,80 @@
+"""The Starlette application: routes, error handlers, auth and CORS, the engine's lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pagegate.config import EngineConfig
+from pagegate.engine.errors import EngineDeadError, RequestFailedError
+from pagegate.engine.params import InvalidParamError
+from pagegate.gateway import routes_api, routes_ops
+from pagegate.gateway.auth import APIKeyMiddleware
+from pagegate.gateway.codec import render_error, wants_msgpack
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.errors import APIError, from_status, to_api_error
+from pagegate.gateway.gateway_metrics import gateway_registry
+from pagegate.gateway.settings import GatewayConfig
+
+logger = logging.getLogger("pagegate.gateway")
+
+ROUTES = [
+    Route("/v1/completions", routes_api.completions, methods=["POST"]),
+    Route("/v1/chat/completions", routes_api.chat_completions, methods=["POST"]),
+    Route("/v1/models", routes_api.models, methods=["GET"]),
+    Route("/v1/models/{model:path}", routes_api.model_detail, methods=["GET"]),
+    Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
+    Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
+    Route("/health", routes_ops.health, methods=["GET"]),
+    Route("/metrics", routes_ops.metrics, methods=["GET"]),
+    Route("/version", routes_ops.version, methods=["GET"]),
+    Route("/openapi.json", routes_ops.openapi, methods=["GET"]),
+]
+
+
+def build_app(engine_config: EngineConfig, config: GatewayConfig,
+              on_fatal: Callable[[], None] | None = None) -> Starlette:
+    """The ASGI app. The engine loads in a thread once the server runs, so /health says 503 meanwhile."""
+    host = EngineHost(engine_config, config, on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        host.start()
+        try:
+            yield
+        finally:
+            await host.stop()
+
+    middleware = [Middleware(APIKeyMiddleware, api_keys=config.api_keys)]
+    if config.allowed_origins:
+        cors = Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
+                          allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
+        middleware.insert(0, cors)
+    handlers = {HTTPException: _http_error, APIError: _any_error, InvalidParamError: _any_error,
+                EngineDeadError: _any_error, RequestFailedError: _any_error, Exception: _any_error}
+    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    app.state.host = host
+    app.state.gateway_registry = gateway_registry(host)
+    return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = from_status(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+    return render_error(error, msgpack_body=wants_msgpack(request))
+
+
+async def _any_error(request: Request, exc: Exception) -> Response:
+    error = to_api_error(exc)
+    if error.status_code >= 500 and error is not exc:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return render_error(error, msgpack_body=wants_msgpack(request))

@@ -1,0 +1,140 @@
+"""`pagegate serve`: flags (named like `vllm serve`) -> EngineConfig + GatewayConfig -> uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from pagegate.gateway.app import build_app
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.settings import GatewayConfig
+
+API_KEY_ENV = "PAGEGATE_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagegate serve", description="Serve a model behind an OpenAI-compatible API.")
+    _model_flags(parser.add_argument_group("model"))
+    _cache_flags(parser.add_argument_group("KV cache"))
+    _scheduler_flags(parser.add_argument_group("scheduler"))
+    _server_flags(parser.add_argument_group("server"))
+    return parser
+
+
+def _model_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("model_tag", nargs="?", default=None, help="same as --model (positional, like vllm serve)")
+    group.add_argument("--model", default=None, help="a local Hugging Face checkpoint folder (default: the embedded model)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the name(s) clients use in `model`; the first is reported (default: the model's name)")
+    group.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+
+
+def _cache_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = CacheConfig()
+    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV pages (wins over budgets)")
+    group.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes or like '2GiB'")
+    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching)
+
+
+def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = SchedulerConfig()
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    group.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
+
+
+def _server_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = GatewayConfig()
+    group.add_argument("--host", default=defaults.host)
+    group.add_argument("--port", type=int, default=defaults.port)
+    group.add_argument("--api-key", action="append", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1 (repeatable; also ${API_KEY_ENV})")
+    group.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                       help="waiting requests before new ones get 429 (-1: unbounded)")
+    group.add_argument("--allowed-origins", nargs="+", default=None,
+                       help="CORS origins (space or comma separated; '*' for any)")
+    group.add_argument("--max-request-size", default=str(defaults.max_request_bytes),
+                       help="largest request body in bytes or like '16MiB' (413 beyond)")
+    group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,
+                       help="streamed chunks per second across all streams (each of N streams sends at most "
+                            "every N/rate s, several tokens per chunk under load); 0: a chunk per update")
+    group.add_argument("--log-level", default=defaults.log_level,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
+    names = args.served_model_name or []
+    cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                        swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                max_model_len=args.max_model_len, preemption_mode=args.preemption_mode)
+    engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
+                          dtype=args.dtype, device=args.device, seed=args.seed,
+                          tensor_parallel_size=args.tensor_parallel_size, cache=cache, scheduler=scheduler)
+    keys = list(args.api_key or [])
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
+    gateway = GatewayConfig(host=args.host, port=args.port, api_keys=keys, served_model_names=list(names),
+                            max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
+                            allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
+                            stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level)
+    return engine, gateway
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn, plus: a signal first ends every in-flight generation, and a clean stop exits 0."""
+
+    def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
+        super().__init__(config)
+        self.host = host
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after the graceful stop.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        loop = self.host.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.host.drain)
+
+    def fail(self) -> None:
+        """The engine could not start: stop with a non-zero exit code."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    engine_config, config = configs_from_args(args)
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    holder: list[GatewayServer] = []
+    app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                               access_log=not args.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
+    server = GatewayServer(uv_config, app.state.host)
+    holder.append(server)
+    server.run()
+    if not server.started and server.exit_code == 0:
+        return 1  # could not bind, or the lifespan failed
+    return server.exit_code

@@ -1,0 +1,89 @@
+"""Bodies in and out: JSON or msgpack, chosen by Content-Type / Accept, with a size limit."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagegate.gateway.errors import APIError, BadRequest, PayloadTooLarge
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+MSGPACK_ALIASES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+EVENT_STREAM = "text/event-stream"
+
+
+def is_msgpack(media_type: str | None) -> bool:
+    return bool(media_type) and any(alias in media_type.lower() for alias in MSGPACK_ALIASES)
+
+
+def wants_msgpack(request: Request) -> bool:
+    """An `Accept: application/msgpack` request gets msgpack answers (errors included)."""
+    return is_msgpack(request.headers.get("accept"))
+
+
+def dumps_json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def dumps_msgpack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def render(obj: Any, *, msgpack_body: bool, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    if msgpack_body:
+        return Response(dumps_msgpack(obj), status_code, headers, media_type=MSGPACK)
+    return Response(dumps_json(obj), status_code, headers, media_type=JSON)
+
+
+def render_error(error: APIError, *, msgpack_body: bool) -> Response:
+    return render(error.body(), msgpack_body=msgpack_body, status_code=error.status_code, headers=error.headers)
+
+
+async def read_body(request: Request, limit: int) -> Any:
+    """Decode a request body: msgpack when Content-Type says so, JSON otherwise (curl -d sends a form
+    type); 413 past `limit` bytes."""
+    raw = await _read_limited(request, limit)
+    if is_msgpack(request.headers.get("content-type")):
+        return _loads_msgpack(raw)
+    return _loads_json(raw)
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body ({size} bytes or more) exceeds the limit of {limit} bytes.")
+
+
+def _loads_json(raw: bytes) -> Any:
+    if not raw:
+        raise BadRequest("The request body is empty: send a JSON object.")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _loads_msgpack(raw: bytes) -> Any:
+    if not raw:
+        raise BadRequest("The request body is empty: send a msgpack map.")
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadRequest(f"The request body is not valid msgpack: {exc}", code="invalid_msgpack") from None

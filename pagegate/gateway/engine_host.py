@@ -1,0 +1,208 @@
+"""The gateway's only contact with the engine: load it off the event loop, report health, admit
+requests under --max-queue, start generations, end them all on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagegate.config import EngineConfig
+from pagegate.engine.params import SamplingParams
+from pagegate.gateway.errors import Overloaded, ServiceUnavailable
+from pagegate.gateway.prepare import ModelContext, PreparedRequest
+from pagegate.gateway.settings import GatewayConfig
+from pagegate.gateway.streaming import OutputMerger
+
+logger = logging.getLogger("pagegate.gateway")
+
+LOADING, READY, FAILED, STOPPING = "loading", "ready", "failed", "stopping"
+NO_TOKENIZER_VOCAB = 2**31 - 1  # without a tokenizer the engine alone judges token ids
+MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
+
+
+class EngineHost:
+    def __init__(self, engine_config: EngineConfig, config: GatewayConfig,
+                 on_fatal: Callable[[], None] | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.state = LOADING
+        self.reason = "loading the model"
+        self.engine: Any = None
+        self.model: ModelContext | None = None
+        self.started_at = int(time.time())
+        self._on_fatal = on_fatal
+        self._pending = 0  # admitted engine requests without a first output yet
+        self.num_rejected = 0
+        self._active: set[OutputMerger] = set()
+        self._load_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._load_task = self.loop.create_task(self._load())
+
+    async def _load(self) -> None:
+        try:
+            self.engine = await asyncio.to_thread(_construct_engine, self.engine_config)
+            self.model = self._model_context(self.engine)
+            await self._warm_up()
+        except Exception as exc:
+            logger.exception("the engine failed to start")
+            self.state, self.reason = FAILED, f"the engine failed to start: {type(exc).__name__}: {exc}"
+            if self._on_fatal is not None:
+                self._on_fatal()
+            return
+        if self.state == LOADING:
+            self.state, self.reason = READY, "serving"
+            logger.info(serving_line(self))
+
+    async def _warm_up(self) -> None:
+        """One short generation through the whole path, so the first client does not pay for lazy set-up."""
+        started = time.perf_counter()
+        tokenizer = self.engine.tokenizer
+        prompt = tokenizer.encode("Hello") if tokenizer is not None else [0]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        async for _ in self.engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
+            pass
+        logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
+
+    def _model_context(self, engine: Any) -> ModelContext:
+        names = tuple(self.config.served_model_names) or (engine.model_name,)
+        tokenizer = engine.tokenizer
+        vocab = tokenizer.vocab_size if tokenizer is not None else NO_TOKENIZER_VOCAB
+        return ModelContext(names, tokenizer, int(engine.max_model_len), int(vocab))
+
+    def drain(self) -> None:
+        """Stop taking requests and end every running generation (the server is going down)."""
+        if self.state == STOPPING:
+            return
+        self.state, self.reason = STOPPING, "shutting down"
+        for merger in list(self._active):
+            merger.stop(ServiceUnavailable("The server is shutting down.", code="shutting_down"))
+
+    async def stop(self) -> None:
+        self.drain()
+        if self._load_task is not None and not self._load_task.done():
+            await asyncio.shield(self._load_task)  # a half-built engine still owns a thread and pages
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            level = logging.WARNING if self.stats().get("used_blocks") else logging.INFO
+            logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
+
+    # -- state -----------------------------------------------------------------------------------
+    def require_engine(self) -> tuple[Any, ModelContext]:
+        """The running engine and its model, or a 503 that says why not."""
+        if self.state != READY or self.model is None:
+            raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
+        if not self.engine.is_running:
+            raise ServiceUnavailable("The engine is not running.", code="engine_dead")
+        return self.engine, self.model
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.state != READY:
+            return 503, {"status": self.state, "reason": self.reason}
+        try:
+            report = {**(self.engine.health() or {}), "status": "ok"}
+        except Exception as exc:
+            return 503, {"status": "dead", "reason": f"engine health failed: {exc}"}
+        if not self.engine.is_running:
+            return 503, {**report, "status": "dead"}
+        return 200, report
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def pages_summary(self) -> str:
+        stats = {"block_size": self.engine_config.cache.block_size, **self.stats()}
+        return _pages_summary(stats) or "KV pages unknown"
+
+    def stream_pace(self) -> float:
+        """Seconds between two chunks of one stream: the chunk-rate budget shared by all generations."""
+        rate = self.config.stream_chunk_rate
+        return min(len(self._active) / rate, MAX_STREAM_PACE_S) if rate > 0 else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.engine.stats()) if self.engine is not None else {}
+        except Exception:
+            return {}
+
+    # -- requests --------------------------------------------------------------------------------
+    def admit(self, count: int) -> None:
+        """429 when --max-queue requests already wait; callers then start a generation at once."""
+        limit = self.config.max_queue
+        if limit is None:
+            return
+        waiting = max(self._pending, self.engine.num_waiting)
+        if waiting >= limit:
+            self.num_rejected += 1
+            raise Overloaded(f"The server is overloaded: {waiting} requests are waiting (limit {limit}). "
+                             "Retry later.", headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
+        """Start one engine request per prompt; the merger yields their newest outputs."""
+        engine = self.engine
+        ids = [f"{request_id}-{i}" for i in range(len(prepared.prompts))]
+        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
+                                   cache_salt=prepared.cache_salt) for p, rid in zip(prepared.prompts, ids, strict=True)]
+        waiting = set(range(len(ids)))
+        self._pending += len(ids)
+
+        def on_first(index: int) -> None:
+            if index in waiting:
+                waiting.discard(index)
+                self._pending -= 1
+
+        def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
+            self._active.discard(merger)
+            for index in list(waiting):
+                on_first(index)
+            for index in unfinished:
+                self._abort(ids[index])
+
+        merger = OutputMerger(streams, on_first, on_close)
+        self._active.add(merger)
+        return merger, ids
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception as exc:  # the request may already be gone; never fail a cleanup over it
+            logger.debug("abort %s: %s", request_id, exc)
+
+
+def _construct_engine(config: EngineConfig) -> Any:
+    """In a worker thread: importing torch and loading weights must not block /health."""
+    from pagegate.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config)
+
+
+def _pages_summary(stats: dict[str, Any]) -> str:
+    """'N pages x B tokens = T tokens of KV, U in use' from the engine's stats()."""
+    total, block, used = stats.get("num_blocks"), stats.get("block_size"), stats.get("used_blocks")
+    if total is None:
+        return ""
+    text = f"{total} pages"
+    if block is not None:
+        text += f" x {block} tokens = {int(total) * int(block)} tokens of KV"
+    if used is not None:
+        text += f", {used} in use"
+    return text
+
+
+def serving_line(host: EngineHost) -> str:
+    cfg, model = host.config, host.model
+    where = f"http://{cfg.host}:{cfg.port}/v1"
+    name = model.name if model else "?"
+    limit = model.max_model_len if model else "?"
+    return f"pagegate serving {name} at {where} (max_model_len {limit}; {host.pages_summary()})"

@@ -1,0 +1,107 @@
+"""The OpenAI error body and the exceptions the gateway raises to produce it."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """An error the client should see as `{"error": {"message", "type", "param", "code"}}`."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class BadRequest(APIError):
+    status_code = 400
+
+
+class Unauthorized(APIError):
+    status_code = 401
+    default_code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    status_code = 404
+    default_code = "not_found"
+
+
+class MethodNotAllowed(APIError):
+    status_code = 405
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+    default_code = "request_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    status_code = 415
+    default_code = "unsupported_media_type"
+
+
+class Overloaded(APIError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class ServerError(APIError):
+    status_code = 500
+    error_type = "server_error"
+    default_code = "internal_error"
+
+
+class ServiceUnavailable(APIError):
+    status_code = 503
+    error_type = "server_error"
+    default_code = "service_unavailable"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """The exact shape OpenAI returns (and its SDK parses) for every error."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+_STATUS_TYPES = {401: Unauthorized, 404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge, 415: UnsupportedMediaType}
+
+
+def from_status(status_code: int, message: str) -> APIError:
+    """An APIError for a plain HTTP status (Starlette's routing 404/405, ...)."""
+    cls = _STATUS_TYPES.get(status_code, ServerError if status_code >= 500 else BadRequest)
+    error = cls(message)
+    error.status_code = status_code
+    return error
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map anything raised while serving a request onto the error the client sees."""
+    from pagegate.engine.errors import EngineDeadError, RequestFailedError
+    from pagegate.engine.params import InvalidParamError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidParamError):
+        return BadRequest(str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, RequestFailedError):  # this request alone cannot run here (e.g. more pages than exist)
+        return BadRequest(f"The request failed: {exc}", code="request_failed")
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailable(f"The engine is not running: {exc}", code="engine_dead")
+    return ServerError(f"Internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,45 @@
+"""The gateway's own /metrics: live KV page counts read at scrape time, and request admission."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from pagegate.gateway.engine_host import EngineHost
+
+# engine stats key -> (metric name, help)
+PAGE_GAUGES = {
+    "used_blocks": ("pagegate:kv_blocks_used", "KV pages held by requests now (read at scrape time)."),
+    "free_blocks": ("pagegate:kv_blocks_free", "KV pages on the free list now, cached ones included."),
+    "cached_blocks": ("pagegate:kv_blocks_cached", "Free KV pages still holding a reusable prefix."),
+    "num_blocks": ("pagegate:kv_blocks_total", "KV pages in the device pool."),
+}
+
+
+class GatewayCollector:
+    """Reads the engine's stats() on every scrape, so the page counts are never a step stale."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.host.stats()
+        for key, (name, documentation) in PAGE_GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(name, documentation, value=float(stats[key]))
+        yield GaugeMetricFamily("pagegate:http_generations_active", "Generations the gateway is driving.",
+                                value=float(self.host.num_active))
+        yield GaugeMetricFamily("pagegate:http_requests_pending", "Admitted requests without a first token yet.",
+                                value=float(self.host.num_pending))
+        yield CounterMetricFamily("pagegate:http_requests_rejected", "Requests refused with 429 (--max-queue).",
+                                  value=float(self.host.num_rejected))
+
+
+def gateway_registry(host: EngineHost) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(host))
+    return registry

@@ -1,0 +1,83 @@
+"""Run `python -m pagegate serve` in a subprocess on a free port (tests, benchmarks, scripts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A real server: started, waited for (/health 200), stopped with SIGTERM; its log kept in a file."""
+
+    def __init__(self, args: list[str] | None = None, *, host: str = "127.0.0.1", port: int | None = None,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 180.0) -> None:
+        self.args = list(args or [])
+        self.host = host
+        self.port = port or free_port(host)
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="pagegate-serve-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        command = [sys.executable, "-m", "pagegate", "serve", "--host", self.host, "--port", str(self.port), *self.args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode} while starting:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the server was not healthy after {self.startup_timeout_s}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, then wait; returns the exit code (SIGKILL and None if it would not stop)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                return None
+        return self.process.returncode
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

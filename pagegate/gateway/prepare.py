@@ -1,0 +1,216 @@
+"""The one place a validated request becomes engine inputs: prompts as token ids, SamplingParams, priority.
+
+A second front end (gRPC) calls `prepare_completion(body_dict, model)` / `prepare_chat(...)` exactly as
+the HTTP routes do, so validation, tokenization and limits stay identical across doors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagegate.engine.params import InvalidParamError, SamplingParams
+from pagegate.gateway.errors import BadRequest, NotFound
+from pagegate.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    parse_request,
+)
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What request preparation needs to know about the served model."""
+
+    names: tuple[str, ...]
+    tokenizer: TokenizerLike | None
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def resolve(self, requested: str | None) -> str:
+        """The served name a request addresses; unknown names are a 404 like OpenAI's."""
+        if requested is None or requested in self.names:
+            return requested or self.name
+        raise NotFound(f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+    def require_tokenizer(self, param: str) -> TokenizerLike:
+        if self.tokenizer is None:
+            raise BadRequest("This model has no tokenizer: send token ids, not text.", param=param)
+        return self.tokenizer
+
+
+@dataclass
+class EnginePrompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, for echo (decoded lazily when given as ids)
+
+
+@dataclass
+class PreparedRequest:
+    """Everything the engine needs for one API request (one engine request per prompt)."""
+
+    request: CompletionRequest | ChatCompletionRequest
+    model: str
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    @property
+    def include_usage(self) -> bool:
+        options = self.request.stream_options
+        return bool(options and options.include_usage)
+
+
+def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelContext) -> PreparedRequest:
+    request = body if isinstance(body, CompletionRequest) else parse_request(CompletionRequest, body)
+    name = model.resolve(request.model)
+    prompts = [_completion_prompt(item, model) for item in _prompt_items(request.prompt)]
+    for prompt in prompts:
+        check_length(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
+    params = sampling_params(request, model, request.max_tokens, request.logprobs)
+    return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
+
+
+def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelContext) -> PreparedRequest:
+    request = body if isinstance(body, ChatCompletionRequest) else parse_request(ChatCompletionRequest, body)
+    name = model.resolve(request.model)
+    prompt = chat_prompt(request.messages, model)
+    limit = request.completion_limit
+    check_length(len(prompt.token_ids), limit, model.max_model_len, "messages")
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    params = sampling_params(request, model, limit, top)
+    return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt)
+
+
+def _prompt_items(prompt: Any) -> list[str | list[int]]:
+    """Split OpenAI's four prompt shapes into a list of single prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _completion_prompt(item: str | list[int], model: ModelContext) -> EnginePrompt:
+    if isinstance(item, str):
+        token_ids = model.require_tokenizer("prompt").encode(item, add_special_tokens=True)
+        if not token_ids:
+            raise BadRequest("The prompt is empty after tokenization.", param="prompt")
+        return EnginePrompt(token_ids, item)
+    check_token_ids(item, model.vocab_size, "prompt")
+    return EnginePrompt(list(item), None)
+
+
+def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation_prompt: bool = True) -> EnginePrompt:
+    """Render messages with the model's chat template and tokenize without doubling the BOS token."""
+    tokenizer = model.require_tokenizer("messages")
+    dicts = [{"role": _template_role(m.role), "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
+        raise BadRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    # The BOS the model expects (if any): templates that write it themselves must not get a second one.
+    prefix = [t for t in tokenizer.encode("", add_special_tokens=True) if t not in tokenizer.eos_token_ids]
+    if prefix and token_ids[: len(prefix)] != prefix:
+        token_ids = prefix + token_ids
+    return EnginePrompt(token_ids, text)
+
+
+def _template_role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"Token id {bad} is out of range: the vocabulary has {vocab_size} tokens.", param=param)
+
+
+def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """Reject a prompt that, with the tokens asked for, does not fit the context (say both numbers)."""
+    wanted = prompt_len + (max_tokens or 1)
+    if wanted <= max_model_len:
+        return
+    if max_tokens is None or prompt_len >= max_model_len:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                   f"{prompt_len} tokens, leaving no room for a completion. Please shorten the prompt.")
+    else:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{wanted} tokens ({prompt_len} in the {param}, {max_tokens} for the completion). "
+                   "Please reduce the length of the prompt or max_tokens.")
+    raise BadRequest(message, param=param, code="context_length_exceeded")
+
+
+def sampling_params(
+    request: SamplingFields, model: ModelContext, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; out-of-range combinations surface as InvalidParamError (400)."""
+    stop_token_ids = request.stop_token_ids or []
+    check_token_ids(stop_token_ids, model.vocab_size, "stop_token_ids")
+    fields: dict[str, Any] = {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+    }
+    given = {key: value for key, value in fields.items() if value is not None}
+    return SamplingParams(
+        **given,
+        seed=request.seed,
+        logit_bias=_logit_bias(request.logit_bias, model.vocab_size),
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=_stop_list(request.stop),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if any(not s for s in stops):
+        raise InvalidParamError("stop strings must not be empty", "stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str | int, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = int(key) if isinstance(key, int) or key.lstrip("-").isdigit() else None
+        if token_id is None or not 0 <= token_id < vocab_size:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab_size}).", param="logit_bias")
+        result[token_id] = float(value)
+    return result

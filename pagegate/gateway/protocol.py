@@ -1,0 +1,233 @@
+"""Request models of the OpenAI-compatible API (pydantic v2) and the one function that validates a dict.
+
+Every front end (HTTP JSON, msgpack, a later gRPC door) hands a plain dict to `parse_request`;
+the errors come back as `APIError`s that already carry the OpenAI `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pagegate.gateway.errors import BadRequest
+
+MAX_N = 128  # choices per request
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+INT64 = 2**63 - 1
+INT32 = 2**31 - 1
+
+PromptShape = str | list[str] | list[int] | list[list[int]]
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_prompt(value: Any) -> PromptShape:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return value
+        if all(_is_token_id(item) for item in value):
+            return value
+        if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in value):
+            return value
+    raise ValueError("expected a string, a list of strings, a list of token ids (ints >= 0) "
+                     "or a list of token-id lists, and not empty")
+
+
+Prompt = Annotated[PromptShape, PlainValidator(_check_prompt, json_schema_input_type=PromptShape)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # OpenAI fields this server recognises but does not implement; `parse_request` names them in a 400.
+    unsupported: ClassVar[frozenset[str]] = frozenset()
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(StrictModel):
+    """The sampling knobs both completions and chat share (OpenAI's, then vLLM-style extras)."""
+
+    model: str | None = Field(None, description="A served model name; omitted: the default model.")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str | int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    user: str | None = None
+    # extras beyond OpenAI (vLLM names)
+    top_k: int | None = Field(None, ge=-1, le=INT32)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32)
+    priority: int = Field(0, ge=-INT32 - 1, le=INT32)
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    unsupported: ClassVar[frozenset[str]] = frozenset({"suffix"})
+
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, le=INT32)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported; only 'text'")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    unsupported: ClassVar[frozenset[str]] = frozenset(
+        {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
+         "prediction", "reasoning_effort", "web_search_options", "store", "metadata", "service_tier"}
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(StrictModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+RequestT = TypeVar("RequestT", bound=StrictModel)
+
+
+def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
+    """Validate a decoded body (JSON or msgpack) into `model_cls`, or raise a 400 naming the param."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON (or msgpack) object.")
+    for key in sorted(model_cls.unsupported & body.keys()):
+        if body[key] is not None:
+            raise BadRequest(f"`{key}` is not supported by this server.", param=key, code="unsupported_parameter")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _bad_request(exc) from None
+
+
+def _bad_request(exc: ValidationError) -> BadRequest:
+    error = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in error["loc"] if _is_field(part)) or None
+    kind = error["type"]
+    if kind == "missing":
+        return BadRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+        if "input" in error and not kind.startswith("value_error"):
+            message += f" (got {_short(error['input'])})"
+    return BadRequest(message, param=param or None, code="invalid_value")
+
+
+def _is_field(part: str | int) -> bool:
+    """Keep field names and list indexes of an error location, drop pydantic's union-member tags."""
+    return isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

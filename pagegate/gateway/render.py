@@ -1,0 +1,248 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (completions and chat).
+
+Engine outputs are cumulative, so a renderer remembers per choice what it already sent and turns the
+latest output into a delta. While a choice runs, text that could still become a stop string (or an
+unfinished UTF-8 character) is held back, so streamed text always equals the final text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class ChoiceState:
+    text_sent: int = 0  # characters of the engine's text already sent
+    tokens_sent: int = 0  # generated tokens whose logprobs were already sent
+    text_offset: int = 0  # completions logprobs: offset of the next token in the returned text
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class Renderer:
+    """Shared bookkeeping: ids, usage, per-choice progress."""
+
+    prepared: PreparedRequest
+    tokenizer: TokenizerLike | None
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    widths: dict[int, int] = field(default_factory=dict)
+
+    object_name = ""
+    chunk_object = ""
+
+    def choice_index(self, prompt_index: int, output: CompletionOutput) -> int:
+        return prompt_index * self.prepared.params.n + output.index
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"<{token_id}>"
+
+    def text_width(self, token_id: int) -> int:
+        """Characters a token adds to the returned text: special tokens are skipped when decoding."""
+        width = self.widths.get(token_id)
+        if width is None:
+            special = self.tokenizer is not None and self.tokenizer.decode([token_id]) == ""
+            width = self.widths[token_id] = 0 if special else len(self.token_text(token_id))
+        return width
+
+    def envelope(self, object_name: str, choices: list[dict]) -> dict:
+        body = {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.prepared.model, "choices": choices}
+        if self.prepared.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in self.latest.values())
+        completion_tokens = sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in self.latest.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                "model": self.prepared.model, "choices": [], "usage": self.usage()}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        """Chunks for one fresh cumulative output of one engine request (possibly none)."""
+        self.latest[prompt_index] = output
+        deltas = []
+        for completion in output.outputs:
+            index = self.choice_index(prompt_index, completion)
+            state = self.choices.setdefault(index, ChoiceState())
+            deltas.extend(self.choice_deltas(index, state, prompt_index, completion))
+        return [self.envelope(self.chunk_object, group) for group in _one_per_index(deltas)]
+
+    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
+        raise NotImplementedError
+
+    def next_text(self, state: ChoiceState, completion: CompletionOutput) -> str:
+        end = visible_end(completion.text, completion.finished, self.prepared.params.stop)
+        text = completion.text[state.text_sent:end]
+        state.text_sent = max(state.text_sent, end)
+        return text
+
+    def next_logprobs(self, state: ChoiceState, completion: CompletionOutput) -> list[Logprob]:
+        fresh = (completion.logprobs or [])[state.tokens_sent:]
+        state.tokens_sent += len(fresh)
+        return fresh
+
+    def ordered(self, finals: dict[int, RequestOutput]) -> list[tuple[int, int, CompletionOutput]]:
+        self.latest.update(finals)
+        rows = [(self.choice_index(p, c), p, c) for p, out in finals.items() for c in out.outputs]
+        return sorted(rows, key=lambda row: row[0])
+
+
+def _one_per_index(deltas: list[dict]) -> list[list[dict]]:
+    """Group choice deltas into chunks where each choice index appears at most once, order kept."""
+    groups: list[list[dict]] = []
+    seen: set[int] = set()
+    for delta in deltas:
+        if not groups or delta["index"] in seen:
+            groups.append([])
+            seen = set()
+        groups[-1].append(delta)
+        seen.add(delta["index"])
+    return groups
+
+
+def visible_end(text: str, finished: bool, stops: list[str]) -> int:
+    """How much of a running choice's text is safe to send: not a possible stop-string start."""
+    if finished:
+        return len(text)
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":  # a multi-byte character still being decoded
+        end -= 1
+    hold = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, end), hold, -1):
+            if text.endswith(stop[:size], 0, end):
+                hold = size
+                break
+    return end - hold
+
+
+class CompletionRenderer(Renderer):
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prepared.prompts[prompt_index]
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
+        return prompt.text
+
+    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
+        if state.finished:
+            return []
+        text = self.next_text(state, c)
+        fresh = self.next_logprobs(state, c)
+        prefix, prompt_lp = self.echo_prefix(state, prompt_index)
+        state.started = True
+        state.finished = c.finished
+        if not (prefix or text or fresh or c.finished):
+            return []
+        logprobs = None
+        if self.prepared.params.logprobs is not None:
+            logprobs = self.logprobs_block(state, prompt_lp + [(lp.token_id, lp) for lp in fresh])
+        return [{"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": c.finish_reason}]
+
+    def echo_prefix(self, state: ChoiceState, prompt_index: int) -> tuple[str, list[tuple[int, Logprob | None]]]:
+        if state.started or not self.prepared.request.echo:
+            return "", []
+        prompt_ids = self.prepared.prompts[prompt_index].token_ids
+        return self.prompt_text(prompt_index), [(token_id, None) for token_id in prompt_ids]
+
+    def logprobs_block(self, state: ChoiceState, rows: list[tuple[int, Logprob | None]]) -> dict:
+        """OpenAI's legacy shape; prompt tokens (echo) carry null logprobs (the engine has no prompt logprobs)."""
+        block: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob in rows:
+            token = self.token_text(token_id)
+            block["tokens"].append(token)
+            block["token_logprobs"].append(logprob.logprob if logprob else None)
+            block["top_logprobs"].append(self.top_dict(logprob) if logprob else None)
+            block["text_offset"].append(state.text_offset)
+            state.text_offset += self.text_width(token_id)
+        return block
+
+    def top_dict(self, logprob: Logprob) -> dict[str, float]:
+        top = {self.token_text(token_id): value for token_id, value in logprob.top.items()}
+        top.setdefault(self.token_text(logprob.token_id), logprob.logprob)
+        return top
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict:
+        choices = []
+        for index, prompt_index, completion in self.ordered(finals):
+            state = ChoiceState()
+            delta = self.choice_deltas(index, state, prompt_index, completion)
+            choices.append(delta[0] if delta else {"index": index, "text": "", "logprobs": None,
+                                                   "finish_reason": completion.finish_reason})
+        body = self.envelope(self.object_name, choices)
+        body["usage"] = self.usage()
+        return body
+
+
+class ChatRenderer(Renderer):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening_chunks(self) -> list[dict]:
+        n = self.prepared.params.n
+        role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)]
+        return [self.envelope(self.chunk_object, role)]
+
+    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
+        if state.finished:
+            return []
+        text = self.next_text(state, c)
+        fresh = self.next_logprobs(state, c)
+        deltas = []
+        if text or fresh:
+            logprobs = {"content": self.logprob_entries(fresh)} if self.prepared.params.logprobs is not None else None
+            deltas.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        if c.finished:
+            state.finished = True
+            deltas.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason})
+        return deltas
+
+    def logprob_entries(self, logprobs: list[Logprob]) -> list[dict]:
+        limit = self.prepared.params.logprobs or 0
+        entries = []
+        for lp in logprobs:
+            top = list(lp.top.items())[:limit]
+            entry = self.token_entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self.token_entry(token_id, value) for token_id, value in top]
+            entries.append(entry)
+        return entries
+
+    def token_entry(self, token_id: int, logprob: float) -> dict:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict:
+        choices = []
+        for index, _, completion in self.ordered(finals):
+            logprobs = None
+            if self.prepared.params.logprobs is not None:
+                logprobs = {"content": self.logprob_entries(completion.logprobs or [])}
+            message = {"role": "assistant", "content": completion.text}
+            choices.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason})
+        body = self.envelope(self.object_name, choices)
+        body["usage"] = self.usage()
+        return body

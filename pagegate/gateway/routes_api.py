@@ -1,0 +1,109 @@
+"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.errors import to_api_error
+from pagegate.gateway.prepare import ModelContext, PreparedRequest, prepare_chat, prepare_completion
+from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
+from pagegate.gateway.streaming import OutputMerger, collect, stream_body
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer; never actually sent
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, prepare_completion, CompletionRenderer, "cmpl")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, prepare_chat, ChatRenderer, "chatcmpl")
+
+
+async def _generate(
+    request: Request,
+    prepare: Callable[[Any, ModelContext], PreparedRequest],
+    renderer_cls: type[Renderer],
+    id_prefix: str,
+) -> Response:
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    prepared = prepare(await read_body(request, host.config.max_request_bytes), model)
+    host.admit(len(prepared.prompts))
+    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
+    merger, _ = host.generate(prepared, renderer.request_id)
+    msgpack_out = wants_msgpack(request)
+    if prepared.stream:
+        return _stream(merger, renderer, msgpack_out, host.stream_pace)
+    finals = await until_disconnect(request, collect(merger))
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return render(renderer.response(finals), msgpack_body=msgpack_out)
+
+
+def _stream(merger: OutputMerger, renderer: Renderer, msgpack_out: bool, pace: Callable[[], float]) -> Response:
+    body = stream_body(merger, renderer, lambda exc: to_api_error(exc).body(), msgpack_out, pace)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return GenerationStreamResponse(body, merger, headers=headers, media_type=MSGPACK if msgpack_out else EVENT_STREAM)
+
+
+class GenerationStreamResponse(StreamingResponse):
+    """A stream whose generation ends with the response, even when the client leaves before the first byte."""
+
+    def __init__(self, content: Any, merger: OutputMerger, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.merger = merger
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.merger.close()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work` unless the client disconnects first (then `work` is cancelled and None returned)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def models(request: Request) -> Response:
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    return render({"object": "list", "data": [_model_card(host, name) for name in model.names]},
+                  msgpack_body=wants_msgpack(request))
+
+
+async def model_detail(request: Request) -> Response:
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    name = model.resolve(request.path_params["model"])
+    return render(_model_card(host, name), msgpack_body=wants_msgpack(request))
+
+
+def _model_card(host: EngineHost, name: str) -> dict[str, Any]:
+    root = host.engine_config.model or "pagegate/engine/default_model"
+    return {"id": name, "object": "model", "created": host.started_at, "owned_by": "pagegate",
+            "root": root, "max_model_len": host.model.max_model_len if host.model else None}

@@ -1,0 +1,68 @@
+"""Operational routes: /health, /metrics, /version, /tokenize, /detokenize, /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import pagegate
+from pagegate.gateway.codec import read_body, render, wants_msgpack
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.openapi import openapi_document
+from pagegate.gateway.prepare import chat_prompt, check_token_ids
+from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
+
+
+async def health(request: Request) -> Response:
+    status, report = request.app.state.host.health()
+    return JSONResponse(report, status_code=status)
+
+
+async def metrics(request: Request) -> Response:
+    """The engine's registry, then the gateway's live page counts and admission counters."""
+    host: EngineHost = request.app.state.host
+    registry = engine_registry(host.engine)
+    if registry is None:
+        return Response(f"# engine {host.state}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
+    text = generate_latest(registry) + generate_latest(request.app.state.gateway_registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def engine_registry(engine: Any) -> Any:
+    """The engine's prometheus CollectorRegistry (docs/CONTRACTS.md: metrics.registry)."""
+    return getattr(getattr(engine, "metrics", None), "registry", None) if engine is not None else None
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": pagegate.__version__})
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document())
+
+
+async def tokenize(request: Request) -> Response:
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    req = parse_request(TokenizeRequest, await read_body(request, host.config.max_request_bytes))
+    model.resolve(req.model)
+    if req.messages is not None:
+        token_ids = chat_prompt(req.messages, model, req.add_generation_prompt).token_ids
+    else:
+        tokenizer = model.require_tokenizer("prompt")
+        token_ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    body = {"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids}
+    return render(body, msgpack_body=wants_msgpack(request))
+
+
+async def detokenize(request: Request) -> Response:
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    req = parse_request(DetokenizeRequest, await read_body(request, host.config.max_request_bytes))
+    model.resolve(req.model)
+    check_token_ids(req.tokens, model.vocab_size, "tokens")
+    text = model.require_tokenizer("tokens").decode(req.tokens)
+    return render({"prompt": text}, msgpack_body=wants_msgpack(request))

@@ -1,0 +1,22 @@
+"""The HTTP front end's settings (the engine's live in pagegate.config.EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # empty: no auth
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    max_queue: int | None = 1024  # waiting requests before 429; None: unbounded
+    retry_after_s: int = 1  # the Retry-After a 429 carries
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
+    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
+    log_level: str = "info"
+    # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
+    # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
+    stream_chunk_rate: float = 500.0
+    drain_timeout_s: float = 10.0  # after SIGTERM, how long in-flight responses get to end

@@ -1,0 +1,159 @@
+"""Driving engine requests: merge several requests' outputs, coalesce stale ones, frame them for the wire.
+
+Engine outputs are cumulative, so when the writer is slower than the engine only the newest output of
+each request matters: one pump task per engine request keeps a latest-value slot and the writer sends
+one delta for however many tokens arrived meanwhile. That keeps 64 streams cheap for the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagegate.engine.outputs import RequestOutput
+from pagegate.gateway.codec import dumps_json, dumps_msgpack
+from pagegate.gateway.errors import APIError
+from pagegate.gateway.render import Renderer
+
+logger = logging.getLogger("pagegate.gateway")
+
+SSE_DONE = b"data: [DONE]\n\n"
+MSGPACK_END = {"done": True}  # the last map of a msgpack stream (docs/msgpack.md)
+
+
+class OutputMerger:
+    """Pumps N engine output iterators into latest-value slots; `batches()` yields {index: newest output}."""
+
+    def __init__(
+        self,
+        streams: list[AsyncIterator[RequestOutput]],
+        on_first: Callable[[int], None],
+        on_close: Callable[[OutputMerger, set[int]], None],
+    ) -> None:
+        self._latest: dict[int, RequestOutput] = {}
+        self._wake = asyncio.Event()
+        self._error: BaseException | None = None
+        self._ended: set[int] = set()
+        self._finished: set[int] = set()
+        self._on_first = on_first
+        self._on_close = on_close
+        self._closed = False
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        first = True
+        try:
+            async for output in stream:
+                if first:
+                    first = False
+                    self._on_first(index)
+                if output.finished:
+                    self._finished.add(index)
+                self._latest[index] = output
+                self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: B036 - handed to the writer, which reports it to the client
+            self._error = self._error or exc
+        finally:
+            if first:
+                self._on_first(index)
+            self._ended.add(index)
+            self._wake.set()
+
+    async def batches(self, pace: Callable[[], float] | None = None) -> AsyncIterator[dict[int, RequestOutput]]:
+        """Newest outputs as they come; with `pace`, batches are at least pace() seconds apart (the
+        first and a finishing one excepted), so a busy server sends several tokens per chunk."""
+        loop = asyncio.get_running_loop()
+        last_yield: float | None = None
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._latest:
+                delay = self._pacing_delay(pace, last_yield, loop.time())
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the pumps keep collecting meanwhile
+                    continue
+                batch, self._latest = self._latest, {}
+                last_yield = loop.time()
+                yield batch
+                continue
+            if len(self._ended) == len(self._tasks):
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _pacing_delay(self, pace: Callable[[], float] | None, last_yield: float | None, now: float) -> float:
+        if pace is None or last_yield is None or any(out.finished for out in self._latest.values()):
+            return 0.0
+        return last_yield + pace() - now
+
+    @property
+    def all_finished(self) -> bool:
+        """Every engine request has delivered its final output (and it has been handed out)."""
+        return len(self._finished) == len(self._tasks) and not self._latest
+
+    def stop(self, error: BaseException) -> None:
+        """End this generation early (server shutting down); the writer raises `error`."""
+        self._error = self._error or error
+        self._wake.set()
+
+    def close(self) -> None:
+        """Cancel the pumps; every request that did not finish is aborted. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        unfinished = set(range(len(self._tasks))) - self._finished
+        self._on_close(self, unfinished)
+
+
+async def collect(merger: OutputMerger) -> dict[int, RequestOutput]:
+    """Run a non-streamed generation to the end: the final output of every engine request."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for batch in merger.batches():
+            finals.update(batch)
+    finally:
+        merger.close()
+    return finals
+
+
+def sse_frame(obj: Any) -> bytes:
+    return b"data: " + dumps_json(obj) + b"\n\n"
+
+
+async def stream_body(
+    merger: OutputMerger,
+    renderer: Renderer,
+    error_body: Callable[[BaseException], dict],
+    msgpack_frames: bool = False,
+    pace: Callable[[], float] | None = None,
+) -> AsyncIterator[bytes]:
+    """The bytes of one streamed response: chunks, the usage chunk if asked, an in-band error, the end.
+
+    Every write is a syscall, so frames travel together where they can: the opening chunk with the first
+    tokens, the last tokens with the usage chunk and the end marker.
+    """
+    frame = dumps_msgpack if msgpack_frames else sse_frame
+    pending = b"".join(frame(chunk) for chunk in renderer.opening_chunks())
+    try:
+        async for batch in merger.batches(pace):
+            pending += b"".join(frame(c) for index, out in batch.items() for c in renderer.update(index, out))
+            if merger.all_finished:
+                break
+            if pending:
+                yield pending
+                pending = b""
+        if renderer.prepared.include_usage:
+            pending += frame(renderer.usage_chunk())
+    except Exception as exc:  # the status line is gone: the error travels as a chunk
+        if not isinstance(exc, APIError):
+            logger.warning("stream %s ended by %s: %s", renderer.request_id, type(exc).__name__, exc)
+        pending += frame(error_body(exc))
+    finally:
+        merger.close()
+    yield pending + (dumps_msgpack(MSGPACK_END) if msgpack_frames else SSE_DONE)

@@ -1,0 +1,82 @@
+"""One real server for the gateway tests: `python -m pagegate serve` on the embedded model, float32 CPU."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagegate.gateway.launcher import ServerProcess
+from tests.gateway.server_args import server_args
+
+SERVER_ARGS = server_args("--num-kv-blocks", "256", "--max-num-seqs", "32")
+
+
+@pytest.fixture(scope="session")
+def server():
+    process = ServerProcess(SERVER_ARGS).start()
+    yield process
+    code = process.stop()
+    assert code == 0, f"the server did not stop cleanly ({code}):\n{process.log()[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(server: ServerProcess):
+    with httpx.Client(base_url=server.base_url, timeout=120) as session:
+        yield session
+
+
+@pytest.fixture(scope="session")
+def model_card(http: httpx.Client) -> dict:
+    return http.get("/v1/models").json()["data"][0]
+
+
+@pytest.fixture(scope="session")
+def model(model_card: dict) -> str:
+    return model_card["id"]
+
+
+PAGES_IN_USE = "pagegate:kv_blocks_used"  # the engine's gauge of KV pages held by requests
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The sum over label sets of one metric in Prometheus text, or None when absent."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    return total if found else None
+
+
+class KVPages:
+    """The KV pages in use, as the server's /metrics reports them."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+
+    def in_use(self) -> float:
+        value = metric_value(self.http.get("/metrics").text, PAGES_IN_USE)
+        assert value is not None, f"/metrics has no {PAGES_IN_USE}"
+        return value
+
+    def wait_free(self, timeout_s: float = 10.0) -> float:
+        """Poll until no page is in use (or the timeout); returns the last reading."""
+        deadline = time.monotonic() + timeout_s
+        used = self.in_use()
+        while used > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = self.in_use()
+        return used
+
+
+@pytest.fixture(scope="session")
+def kv_pages(http: httpx.Client) -> KVPages:
+    return KVPages(http)

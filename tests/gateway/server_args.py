@@ -1,0 +1,11 @@
+"""Flags of the test servers: the embedded model (or $PAGEGATE_TEST_MODEL), float32 on CPU."""
+
+from __future__ import annotations
+
+import os
+
+
+def server_args(*extra: str) -> list[str]:
+    model = os.environ.get("PAGEGATE_TEST_MODEL")
+    base = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log"]
+    return (["--model", model] if model else []) + base + list(extra)

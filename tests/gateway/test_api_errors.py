@@ -1,0 +1,135 @@
+"""Bad input always gets a 4xx in OpenAI's error shape (never a 500), and the SDK raises the right class."""
+
+from __future__ import annotations
+
+import httpx
+import msgpack
+import openai
+import pytest
+
+PROMPT = "Hello"
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_sdk_bad_request(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=PROMPT, n=0)
+    assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[], max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=PROMPT, temperature=-1)
+
+
+def test_sdk_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    assert "no-such-model" in caught.value.message and caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+
+
+def test_context_length_says_both_numbers(client: openai.OpenAI, model: str, model_card: dict) -> None:
+    limit = model_card["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=limit)
+    message = caught.value.body["message"]
+    assert str(limit) in message and f"{limit} for the completion" in message
+    assert caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=[5] * (limit + 1), max_tokens=1)
+    assert str(limit + 1) in caught.value.body["message"] and str(limit) in caught.value.body["message"]
+
+
+def test_unsupported_and_unknown_fields(http: httpx.Client) -> None:
+    error = assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "suffix": "x"}), 400, "suffix")
+    assert "not supported" in error["message"]
+    assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "tools": [{"type": "function"}]}), 400, "tools")
+    error = assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "temprature": 1}), 400, "temprature")
+    assert "Unrecognized" in error["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [1, -1]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": PROMPT, "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": PROMPT, "n": 1000}, "n"),
+    ({"prompt": PROMPT, "n": True}, "n"),
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+    ({"prompt": PROMPT, "stop": [1, 2]}, "stop"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop"),
+    ({"prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"prompt": PROMPT, "seed": 2**70}, "seed"),
+    ({"prompt": PROMPT, "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, None),
+    ({"prompt": PROMPT, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"prompt": PROMPT, "best_of": 3}, None),
+    ({"prompt": PROMPT, "model": 7}, "model"),
+])
+def test_bad_completion_bodies(http: httpx.Client, body: dict, param: str | None) -> None:
+    assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("messages, param", [
+    ("hi", "messages"),
+    ([{"role": "user"}], "messages.0.content"),
+    ([{"role": "tool", "content": "x"}], "messages.0.role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content"),
+    ([{"role": "user", "content": 3}], "messages.0.content"),
+])
+def test_bad_chat_bodies(http: httpx.Client, messages: object, param: str) -> None:
+    assert_error(http.post("/v1/chat/completions", json={"messages": messages}), 400, param)
+
+
+def test_chat_top_logprobs_needs_logprobs(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    assert_error(http.post("/v1/chat/completions", json=body), 400)
+
+
+@pytest.mark.parametrize("content", [b"{", b"", b"[1, 2]", b"null", b'"text"', b"\xff\xfe", b"{" * 100_000])
+def test_malformed_json(http: httpx.Client, content: bytes) -> None:
+    response = http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert_error(response, 400)
+
+
+@pytest.mark.parametrize("content", [b"\xc1", b"\x92\x01", msgpack.packb([1, 2]), b"", b"\x85"])
+def test_malformed_msgpack(http: httpx.Client, content: bytes) -> None:
+    response = http.post("/v1/completions", content=content, headers={"Content-Type": "application/msgpack"})
+    assert_error(response, 400)
+
+
+def test_body_over_limit_is_413(http: httpx.Client) -> None:
+    huge = b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    assert_error(http.post("/v1/completions", content=huge), 413)
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+    assert_error(http.get("/v1/models/no-such-model"), 404, "model")
+
+
+def test_errors_in_msgpack_when_asked(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", content=msgpack.packb({"prompt": PROMPT, "n": 0}),
+                         headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert response.status_code == 400 and response.headers["content-type"] == "application/msgpack"
+    assert msgpack.unpackb(response.content)["error"]["param"] == "n"

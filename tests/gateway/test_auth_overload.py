@@ -1,0 +1,101 @@
+"""A second server with API keys, a tiny queue and a low chunk rate: 401s in OpenAI's shape, 429 with
+Retry-After, several tokens per streamed chunk."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from pagegate.gateway.launcher import ServerProcess
+from tests.gateway.server_args import server_args
+
+KEYS = ["key-one", "key-two"]
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+ARGS = server_args("--num-kv-blocks", "128", "--max-num-seqs", "1", "--max-queue", "1", "--api-key", KEYS[0],
+                   "--stream-chunk-rate", "20")
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    process = ServerProcess(ARGS, env={"PAGEGATE_API_KEY": KEYS[1]}).start()
+    yield process
+    assert process.stop() == 0, process.log()[-3000:]
+
+
+def sdk(server: ServerProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def test_api_key_required_on_v1(guarded: ServerProcess) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        sdk(guarded, "wrong").completions.create(model="x", prompt="hi", max_tokens=1)
+    assert caught.value.body["code"] == "invalid_api_key"
+    for key in KEYS:  # --api-key and $PAGEGATE_API_KEY both work
+        assert sdk(guarded, key).models.list().data
+    bare = httpx.post(guarded.base_url + "/v1/completions", json={"prompt": "hi"})
+    assert bare.status_code == 401 and set(bare.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(guarded.base_url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+
+
+def test_health_and_metrics_stay_open(guarded: ServerProcess) -> None:
+    assert httpx.get(guarded.base_url + "/health").status_code == 200
+    assert httpx.get(guarded.base_url + "/metrics").status_code == 200
+
+
+@contextlib.contextmanager
+def held_streams(server: ServerProcess, count: int) -> Iterator[None]:
+    """Open `count` long streams (one runs, the rest wait: --max-num-seqs 1) and close them at the end."""
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as stack:
+        for _ in range(count):
+            session = stack.enter_context(httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60))
+            stack.enter_context(session.stream("POST", "/v1/completions", json=body))
+        assert _wait_pending(server, count - 1), "the held requests never queued"
+        yield
+
+
+def _wait_pending(server: ServerProcess, wanted: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.base_url + "/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("pagegate:http_requests_pending "))
+        if float(line.split()[1]) >= wanted:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_overload_gets_429_and_health_stays_fast(guarded: ServerProcess) -> None:
+    with held_streams(guarded, 2):  # one running, one waiting = --max-queue
+        started = time.monotonic()
+        health = httpx.get(guarded.base_url + "/health", timeout=5)
+        health_s = time.monotonic() - started
+        refused = httpx.post(guarded.base_url + "/v1/completions", json={"prompt": "x"}, headers=AUTH)
+        with pytest.raises(openai.RateLimitError) as caught:  # the SDK sees the same 429
+            sdk(guarded, KEYS[0]).chat.completions.create(model=_model(guarded), max_tokens=1,
+                                                          messages=[{"role": "user", "content": "x"}])
+    assert health.status_code == 200 and health_s < 1.0
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error" and "waiting" in refused.json()["error"]["message"]
+    assert caught.value.status_code == 429
+    assert sdk(guarded, KEYS[0]).completions.create(model=_model(guarded), prompt="x", max_tokens=1).choices
+
+
+def _model(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def test_low_chunk_rate_batches_tokens_without_changing_text(guarded: ServerProcess) -> None:
+    client = sdk(guarded, KEYS[0])
+    args = dict(model=_model(guarded), prompt="In the beginning", max_tokens=60, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0].text
+    chunks = [c for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert len(chunks) < 30  # 60 tokens, one stream paced at 1/20 s: several tokens a chunk
+    assert chunks[-1].choices[0].finish_reason == "length"

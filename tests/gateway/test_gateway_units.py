@@ -1,0 +1,55 @@
+"""Pure pieces of the gateway, no server: validation messages, stop-string hold-back, key comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagegate.gateway.auth import bearer_token, key_matches
+from pagegate.gateway.errors import APIError
+from pagegate.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from pagegate.gateway.render import visible_end
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1], [2, 3]]])
+def test_prompt_shapes_accepted(prompt) -> None:
+    assert parse_request(CompletionRequest, {"prompt": prompt}).prompt == prompt
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "prompt", "Missing required parameter"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+    ({"prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
+    ({"prompt": [1, "a"]}, "prompt", "token ids"),
+    ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "valid integer"),
+])
+def test_validation_names_the_param(body, param, words) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_request(CompletionRequest, body)
+    assert caught.value.param == param and words in caught.value.message and caught.value.status_code == 400
+
+
+def test_chat_content_parts_and_roles() -> None:
+    request = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert request.messages[0].text() == "ab"
+    with pytest.raises(APIError) as caught:
+        parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
+    assert "input_audio" in caught.value.message
+
+
+@pytest.mark.parametrize("text, finished, stops, end", [
+    ("hello wor", False, ["world"], 6),
+    ("hello wor", True, ["world"], 9),
+    ("abc\n", False, ["\n\n"], 3),
+    ("ab\ufffd", False, [], 2),
+    ("abc", False, ["xyz"], 3),
+    ("aab", False, ["abc", "b"], 1),
+])
+def test_visible_end_holds_back_possible_stop_starts(text, finished, stops, end) -> None:
+    assert visible_end(text, finished, stops) == end
+
+
+def test_keys_and_bearer() -> None:
+    assert key_matches("k2", ["k1", "k2"]) and not key_matches("k3", ["k1", "k2"]) and not key_matches("k", [])
+    assert bearer_token("Bearer abc") == "abc" and bearer_token("bearer  abc ") == "abc"
+    assert bearer_token("Basic abc") is None and bearer_token(None) is None and bearer_token("Bearer ") is None
