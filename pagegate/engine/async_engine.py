@@ -30,6 +30,8 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.default_sampling = self.engine.generation.sampling_overrides()  # generation_config.json
         self.metrics = self.engine.metrics
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -48,16 +50,20 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)
+                else:
+                    self.engine.refresh_stats()  # aborts free pages outside step(): keep gauges true
         except BaseException as error:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine loop crashed")
             self.dead_error = error
+        finally:
+            for request_id in list(self.engine.requests):  # free every page before anyone hears back
+                self.engine.abort(request_id)
+            self.engine.refresh_stats()
+        if self.dead_error is not None:
             with self._lock:
                 streams = list(self._streams)
             for request_id in streams:
-                self._deliver(request_id, EngineDeadError(f"the engine loop crashed: {error!r}"))
-        finally:
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
+                self._deliver(request_id, EngineDeadError(f"the engine loop crashed: {self.dead_error!r}"))
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -100,6 +106,7 @@ class AsyncEngine:
         self._inbox.put(("add", request))
         finished = False
         try:
+            self._check_alive()  # the loop may have died since: it would never answer
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):

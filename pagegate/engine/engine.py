@@ -166,7 +166,7 @@ class Engine:
         batch = self.scheduler.schedule(now)
         failed = [self._fail(seq.request) for seq in batch.failed]
         if not batch.seqs:
-            self._update_stats(now)
+            self.refresh_stats(now)
             return failed
         logits = self.runner.execute(batch)
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
@@ -175,7 +175,7 @@ class Engine:
         self.num_prompt_tokens += prompt_tokens
         sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
         moved = self._sample(sampling, logits, time.monotonic())
-        self._update_stats(now)
+        self.refresh_stats(now)
         return failed + [request.output() for request in moved]
 
     def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> list[Request]:
@@ -259,7 +259,8 @@ class Engine:
 
     # ---- introspection ----------------------------------------------------------------------------------
 
-    def _update_stats(self, now: float) -> None:
+    def refresh_stats(self, now: float | None = None) -> None:
+        """Recompute the gauges and the health grade from the scheduler's counts."""
         self.health_grade, self.health_reason = self.metrics.update(self.scheduler.stats(), now)
 
     def stats(self) -> dict:

@@ -73,8 +73,9 @@ class EngineHost:
     def _model_context(self, engine: Any) -> ModelContext:
         names = tuple(self.config.served_model_names) or (engine.model_name,)
         tokenizer = engine.tokenizer
-        vocab = tokenizer.vocab_size if tokenizer is not None else NO_TOKENIZER_VOCAB
-        return ModelContext(names, tokenizer, int(engine.max_model_len), int(vocab))
+        vocab = tokenizer.vocab_size if tokenizer is not None else getattr(engine, "vocab_size", NO_TOKENIZER_VOCAB)
+        return ModelContext(names, tokenizer, int(engine.max_model_len), int(vocab),
+                            dict(getattr(engine, "default_sampling", {})))
 
     def drain(self) -> None:
         """Stop taking requests and end every running generation (the server is going down)."""

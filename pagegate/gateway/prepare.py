@@ -6,7 +6,7 @@ the HTTP routes do, so validation, tokenization and limits stay identical across
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagegate.engine.params import InvalidParamError, SamplingParams
@@ -38,6 +38,7 @@ class ModelContext:
     tokenizer: TokenizerLike | None
     max_model_len: int
     vocab_size: int
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json
 
     @property
     def name(self) -> str:
@@ -182,6 +183,7 @@ def sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     given = {key: value for key, value in fields.items() if value is not None}
+    given = {**{k: v for k, v in model.default_sampling.items() if k in fields}, **given}
     return SamplingParams(
         **given,
         seed=request.seed,
