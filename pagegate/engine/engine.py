@@ -36,6 +36,8 @@ def resolve_device(device: str) -> torch.device:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor parallelism is not implemented yet: use --tensor-parallel-size 1")
         self.config = config
         self.device = resolve_device(config.device)
         path = Path(config.model) if config.model else DEFAULT_MODEL
