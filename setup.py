@@ -1,4 +1,4 @@
-"""Build the Cython extensions of pagegate.core (everything else is in pyproject.toml)."""
+"""Build the Cython extensions: pagegate.core and the fused CPU attention kernel (the rest is in pyproject.toml)."""
 
 import numpy
 from Cython.Build import cythonize
@@ -13,6 +13,14 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
     for name in ("block_pool", "block_tables")
+] + [
+    # the fused CPU paged-attention kernel: OpenMP threads, no numpy
+    Extension(
+        "pagegate.kernels.cpu_paged",
+        ["pagegate/kernels/cpu_paged.pyx"],
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+    )
 ]
 
 setup(

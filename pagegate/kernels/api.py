@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from pagegate.kernels import reference
-from pagegate.kernels.dispatch import resolve_backend
+from pagegate.kernels.dispatch import fused_cpu_kernel, resolve_backend
 
 
 def _backend(device: torch.device, backend: str | None) -> ModuleType:
@@ -32,9 +32,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     query [T, H, D] holds sequence b's tokens at query_start_loc[b]:query_start_loc[b+1]: the last
     q_len of its seq_lens[b] context tokens, all already written to the cache. Returns [T, H, D]
-    (written into `out` when given, e.g. a preallocated buffer).
+    (written into `out` when given, e.g. a preallocated buffer). On CPU under "auto", float32
+    calls run the fused kernel of pagegate.kernels.cpu_paged when it is built.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    fused = fused_cpu_kernel(query.device, backend)
+    if fused is not None and fused.supports(query, k_cache, v_cache):
+        return fused.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     sliding_window, out=out)
     return _backend(query.device, backend).paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out=out)

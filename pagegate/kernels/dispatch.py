@@ -1,10 +1,16 @@
-"""Backend choice: Triton for CUDA tensors, the torch reference everywhere else."""
+"""Backend choice: Triton for CUDA tensors, the torch reference everywhere else.
+
+Under "auto", CPU float32 attention inside the reference backend runs the fused Cython kernel
+(pagegate.kernels.cpu_paged) when it is built; naming "reference" keeps the pure torch path.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
@@ -26,15 +32,38 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+@functools.cache
+def cpu_kernel() -> ModuleType | None:
+    """The fused CPU attention extension, or None when it was not built (or cannot load)."""
+    try:
+        return importlib.import_module("pagegate.kernels.cpu_paged")
+    except ImportError:
+        return None
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
+    choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {choice!r}; expected one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def fused_cpu_kernel(device: torch.device, backend: str | None = None) -> ModuleType | None:
+    """The fused CPU attention kernel when attention on `device` may use it (CPU tensors, backend
+    "auto", extension built); None sends attention to the backend resolve_backend names."""
+    if device.type != "cpu" or requested_backend(backend) != "auto":
+        return None
+    return cpu_kernel()
+
+
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     """Name the backend ("reference" or "triton") that runs an op on `device`.
 
     `backend` wins over the PAGEGATE_KERNEL_BACKEND environment variable; "auto" picks
     Triton for CUDA tensors when triton is installed and the reference otherwise.
     """
-    choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
-    if choice not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {choice!r}; expected one of {', '.join(BACKENDS)}")
+    choice = requested_backend(backend)
     if choice == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "reference"
     if choice == "triton":

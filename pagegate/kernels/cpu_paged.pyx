@@ -1,0 +1,485 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Fused paged attention for float32 CPU caches: reads K/V straight from their pages, no gather copy.
+
+The work is split into items: a few queries of one sequence and a range of its KV heads. An
+item's rows are those queries times the query heads of those KV heads (GQA: each K/V row is read
+once for all the query heads that share it). Keys go through in tiles of KEY_TILE, key by key
+across the item's heads, so a page is read front to back; an online softmax in float32 folds
+each tile in. OpenMP threads take items dynamically, without the GIL.
+
+Decodes (one query) take all KV heads in one item, so their pages stream front to back (with
+fewer than 4 decodes per thread, one item per KV head instead, so no thread idles); queries of a
+prefill go in tiles of up to ROW_TILE rows per KV head, so each K/V row serves many queries. The
+K/V rows a tile needs are prefetched a little ahead: pages are scattered, so the hardware
+prefetcher alone stalls at every page.
+
+Semantics are those of pagegate.kernels.reference.paged_attention: query i of a sequence with
+seq_len context tokens and q_len queries sits at position seq_len - q_len + i and sees keys
+k <= that position (and, with a sliding window, position - k < window).
+"""
+
+from cython.parallel cimport prange, threadid
+from libc.math cimport INFINITY, expf
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+import torch
+
+# Keys per online-softmax step (one tile), the rows (queries x query heads) a prefill item aims
+# for, and how far ahead of use the K/V rows are asked for: a tile's scores and accumulators stay
+# in L1/L2 while its K/V rows stream by.
+cdef enum:
+    KEY_TILE = 128
+    ROW_TILE = 32
+    PREFETCH_BYTES = 16384
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+
+    /* With gcc on x86-64 glibc each tile function is built twice, plain (SSE2) and AVX2+FMA, and
+       the CPU picks one when the module loads (an ifunc); elsewhere only the plain build exists. */
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+    #  if __has_attribute(target_clones)
+    #    define PG_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+    #  endif
+    #endif
+    #ifndef PG_CLONES
+    #  define PG_CLONES
+    #endif
+
+    /* Plain loops over contiguous float* that gcc -O3 vectorises without -ffast-math: `omp simd
+       reduction` (honoured under -fopenmp) lets a dot product's sum be split into vector lanes.
+       Four keys at a time give four independent sums (no wait on one adder chain), and one load
+       and store of an accumulator per four value rows. */
+    static inline void pg_prefetch(const float *x, int n) {
+        for (int i = 0; i < n; i += 16) __builtin_prefetch(x + i);  /* one 64-byte line each */
+    }
+    static inline float pg_dot(const float *q, const float *k, int n) {
+        float s = 0.0f;
+        #pragma omp simd reduction(+:s)
+        for (int i = 0; i < n; i++) s += q[i] * k[i];
+        return s;
+    }
+    static inline void pg_dot4(const float *q, const float *k0, const float *k1, const float *k2,
+                               const float *k3, int n, float *out) {
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        #pragma omp simd reduction(+:s0, s1, s2, s3)
+        for (int i = 0; i < n; i++) {
+            s0 += q[i] * k0[i];
+            s1 += q[i] * k1[i];
+            s2 += q[i] * k2[i];
+            s3 += q[i] * k3[i];
+        }
+        out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+    }
+    static inline void pg_axpy(float *y, float w, const float *v, int n) {
+        for (int i = 0; i < n; i++) y[i] += w * v[i];
+    }
+    static inline void pg_axpy4(float *y, const float *w, const float *v0, const float *v1,
+                                const float *v2, const float *v3, int n) {
+        const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+        for (int i = 0; i < n; i++) y[i] += w0 * v0[i] + w1 * v1[i] + w2 * v2[i] + w3 * v3[i];
+    }
+    static inline void pg_scale(float *y, float a, int n) {
+        for (int i = 0; i < n; i++) y[i] *= a;
+    }
+
+    /* The rows' heads of one cache slot: they are adjacent, from head_offset[0] to the end of
+       head_offset[rows - 1] (rows go head by head, query by query). */
+    static inline int pg_span(const int64_t *head_offset, int rows, int head_dim) {
+        return (int)(head_offset[rows - 1] - head_offset[0]) + head_dim;
+    }
+
+    /* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across
+       the rows so pages are read in order; row r's K row of key j starts at
+       keys + slot[j] + head_offset[r]. Asks for the keys `ahead` places on in advance. */
+    PG_CLONES static void pg_score_tile(const float *keys, const int64_t *slot, int num_keys,
+                                        const float **query_row, const int64_t *head_offset, int rows,
+                                        int head_dim, int ahead, float *scores, int stride) {
+        const int span = pg_span(head_offset, rows, head_dim);
+        int j = 0;
+        for (; j + 4 <= num_keys; j += 4) {
+            for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+                pg_prefetch(keys + slot[a] + head_offset[0], span);
+            for (int r = 0; r < rows; r++) {
+                const float *k = keys + head_offset[r];
+                pg_dot4(query_row[r], k + slot[j], k + slot[j + 1], k + slot[j + 2], k + slot[j + 3],
+                        head_dim, scores + r * stride + j);
+            }
+        }
+        for (; j < num_keys; j++)
+            for (int r = 0; r < rows; r++)
+                scores[r * stride + j] = pg_dot(query_row[r], keys + head_offset[r] + slot[j], head_dim);
+    }
+
+    /* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like
+       pg_score_tile; acc is [rows, head_dim]. */
+    PG_CLONES static void pg_accumulate_tile(const float *values, const int64_t *slot, int num_keys,
+                                             const float *weights, int stride, const int64_t *head_offset,
+                                             int rows, int head_dim, int ahead, float *acc) {
+        const int span = pg_span(head_offset, rows, head_dim);
+        int j = 0;
+        for (; j + 4 <= num_keys; j += 4) {
+            for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+                pg_prefetch(values + slot[a] + head_offset[0], span);
+            for (int r = 0; r < rows; r++) {
+                const float *v = values + head_offset[r];
+                pg_axpy4(acc + r * head_dim, weights + r * stride + j, v + slot[j], v + slot[j + 1],
+                         v + slot[j + 2], v + slot[j + 3], head_dim);
+            }
+        }
+        for (; j < num_keys; j++)
+            for (int r = 0; r < rows; r++)
+                pg_axpy(acc + r * head_dim, weights[r * stride + j], values + head_offset[r] + slot[j], head_dim);
+    }
+    """
+    void pg_scale(float *y, float a, int n) noexcept nogil
+    void pg_score_tile(const float *keys, const int64_t *slot, int num_keys, const float **query_row,
+                       const int64_t *head_offset, int rows, int head_dim, int ahead, float *scores,
+                       int stride) noexcept nogil
+    void pg_accumulate_tile(const float *values, const int64_t *slot, int num_keys, const float *weights,
+                            int stride, const int64_t *head_offset, int rows, int head_dim, int ahead,
+                            float *acc) noexcept nogil
+
+
+cdef struct Problem:
+    # what every item reads and writes; strides count float elements
+    const float *query
+    int64_t q_token_stride, q_head_stride
+    float *out
+    int64_t out_token_stride, out_head_stride
+    const float *k_cache
+    const float *v_cache
+    const int32_t *block_tables
+    int64_t table_width
+    const int32_t *seq_lens
+    const int32_t *query_start
+    int num_heads, num_kv_heads, head_dim, block_size
+    float scale
+    int window  # 0: no sliding window
+
+
+cdef struct Item:
+    # queries first..first+count-1 of sequence seq, with the query heads of KV heads
+    # kv_first..kv_first+kv_count-1; row r is query r // (kv_count * group), head r % (kv_count * group)
+    int seq, first, count, kv_first, kv_count
+
+
+cdef struct Scratch:
+    # one thread's buffers, reused for every item it takes
+    float *acc      # [rows, head_dim] unnormalised output
+    float *row_max  # [rows] running max score
+    float *row_sum  # [rows] running sum of exp(score - max)
+    float *probs    # [rows, KEY_TILE] scores, then their exp
+    const float **query_row  # [rows] each row's query vector
+    int64_t *head_offset     # [rows] element offset of the row's KV head within a cache slot
+    int64_t *slot_offset     # [KEY_TILE] element offset of each key's slot in the caches
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when this kernel can run the call: CPU tensors, float32 query and caches, and no
+    gradient wanted (the kernel records none; the torch path does)."""
+    return (query.device.type == "cpu" and k_cache.device.type == "cpu"
+            and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and not (torch.is_grad_enabled() and query.requires_grad))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, sliding_window: int | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_attention (query [T, H, D] -> [T, H, D]), for inputs
+    `supports` accepts; runs on torch's intra-op thread count with the GIL released."""
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    block_tables, seq_lens, query_start_loc = (
+        t.to(device="cpu", dtype=torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    out = torch.empty_like(query) if out is None else out
+    # the kernel writes float32 rows with contiguous head_dim; anything else goes through a copy
+    target = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty_like(query)
+    cdef Problem p = _problem(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              target, scale, sliding_window)
+    cdef int num_seqs = seq_lens.shape[0]
+    _check(&p, num_seqs, query.shape[0], k_cache.shape[0])
+    cdef int num_threads = torch.get_num_threads()
+    cdef int status
+    with nogil:
+        status = _run(&p, num_seqs, num_threads)
+    if status != 0:
+        raise MemoryError("no memory for paged attention's work list")
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+cdef Problem _problem(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
+                      sliding_window) except *:
+    """Raw pointers and sizes of the call (the tensors must outlive the kernel run)."""
+    cdef Problem p
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads or query.shape[2] != k_cache.shape[3] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if out.shape != query.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have the query's shape {tuple(query.shape)}")
+    if block_tables.dim() != 2 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError("block_tables must be [B, W] and query_start_loc [B + 1] for seq_lens [B]")
+    p.query = <const float *><uintptr_t>query.data_ptr()
+    p.q_token_stride, p.q_head_stride = query.stride(0), query.stride(1)
+    p.out = <float *><uintptr_t>out.data_ptr()
+    p.out_token_stride, p.out_head_stride = out.stride(0), out.stride(1)
+    p.k_cache = <const float *><uintptr_t>k_cache.data_ptr()
+    p.v_cache = <const float *><uintptr_t>v_cache.data_ptr()
+    p.block_tables = <const int32_t *><uintptr_t>block_tables.data_ptr()
+    p.table_width = block_tables.shape[1]
+    p.seq_lens = <const int32_t *><uintptr_t>seq_lens.data_ptr()
+    p.query_start = <const int32_t *><uintptr_t>query_start_loc.data_ptr()
+    p.num_heads, p.num_kv_heads = num_heads, num_kv_heads
+    p.head_dim, p.block_size = query.shape[2], k_cache.shape[1]
+    p.scale = scale
+    p.window = 0 if sliding_window is None else sliding_window
+    return p
+
+
+cdef void _check(const Problem *p, int num_seqs, int64_t num_tokens, int64_t num_blocks) except *:
+    """Refuse metadata that would make the kernel read outside its tensors (the torch path would
+    raise an index error there; here it would be a crash)."""
+    cdef int b, page, num_pages, q_len, seq_len
+    cdef int32_t block
+    if p.window < 0:
+        raise ValueError(f"sliding_window must be positive, got {p.window}")
+    if p.query_start[0] < 0 or p.query_start[num_seqs] > num_tokens:
+        raise ValueError("query_start_loc points outside the query")
+    for b in range(num_seqs):
+        seq_len, q_len = p.seq_lens[b], p.query_start[b + 1] - p.query_start[b]
+        num_pages = (seq_len + p.block_size - 1) // p.block_size
+        if q_len < 0 or q_len > seq_len or num_pages > p.table_width:
+            raise ValueError(f"sequence {b}: {q_len} queries over {seq_len} tokens do not fit its block table")
+        for page in range(num_pages):
+            block = p.block_tables[b * p.table_width + page]
+            if block < 0 or block >= num_blocks:
+                raise ValueError(f"sequence {b}: page {page} is block {block}, outside the cache")
+
+
+cdef int _run(const Problem *p, int num_seqs, int num_threads) noexcept nogil:
+    """Attend every item on num_threads OpenMP threads, each with its own scratch buffers;
+    returns -1 when memory runs out (nothing is computed then)."""
+    cdef int num_items = 0
+    cdef Item *items = _make_items(p, num_seqs, num_threads, &num_items)
+    cdef int rows = max(ROW_TILE, p.num_heads)  # no item has more
+    cdef char *memory = NULL
+    cdef Scratch *scratch = _new_scratch(num_threads, rows, p.head_dim, &memory)
+    cdef int i
+    if items != NULL and scratch != NULL:
+        for i in prange(num_items, schedule="dynamic", num_threads=num_threads):
+            _attend_item(p, &scratch[threadid()], &items[i])
+    cdef int status = 0 if items != NULL and scratch != NULL else -1
+    free(items)
+    free(scratch)
+    free(memory)
+    return status
+
+
+cdef Scratch *_new_scratch(int num_threads, int rows, int head_dim, char **memory_out) noexcept nogil:
+    """One Scratch per thread, their buffers all in one allocation (returned in memory_out; the
+    caller frees both); NULL when out of memory."""
+    # pointer-sized arrays first, so every array stays aligned to its type
+    cdef size_t pointers = rows * (sizeof(float *) + sizeof(int64_t)) + KEY_TILE * sizeof(int64_t)
+    cdef size_t per_thread = pointers + (rows * head_dim + 2 * rows + rows * KEY_TILE) * sizeof(float)
+    cdef Scratch *scratch = <Scratch *>malloc(num_threads * sizeof(Scratch))
+    cdef char *memory = <char *>malloc(num_threads * per_thread)
+    cdef Scratch *s
+    cdef int t
+    if scratch == NULL or memory == NULL:
+        free(scratch)
+        free(memory)
+        return NULL
+    for t in range(num_threads):
+        s = &scratch[t]
+        s.query_row = <const float **>(memory + t * per_thread)
+        s.head_offset = <int64_t *>(s.query_row + rows)
+        s.slot_offset = s.head_offset + rows
+        s.acc = <float *>(s.slot_offset + KEY_TILE)
+        s.row_max = s.acc + rows * head_dim
+        s.row_sum = s.row_max + rows
+        s.probs = s.row_sum + rows
+    memory_out[0] = memory
+    return scratch
+
+
+cdef Item *_make_items(const Problem *p, int num_seqs, int num_threads, int *num_items) noexcept nogil:
+    """Cut the batch into items (see Item); NULL when out of memory."""
+    cdef int group = p.num_heads // p.num_kv_heads
+    cdef int b, q_len, num_decodes = 0
+    for b in range(num_seqs):
+        num_decodes += p.query_start[b + 1] - p.query_start[b] == 1
+    # decodes take all KV heads at once, unless too few of them would leave threads idle
+    cdef int decode_kv_heads = p.num_kv_heads if num_decodes >= 4 * num_threads else 1
+    cdef int query_tile = max(1, ROW_TILE // group)  # prefill queries per item, one KV head each
+    cdef int n = 0
+    for b in range(num_seqs):
+        q_len = p.query_start[b + 1] - p.query_start[b]
+        if q_len == 1:
+            n += p.num_kv_heads // decode_kv_heads
+        elif q_len > 1:
+            n += (q_len + query_tile - 1) // query_tile * p.num_kv_heads
+    cdef Item *items = <Item *>malloc((n + 1) * sizeof(Item))
+    if items == NULL:
+        return NULL
+    num_items[0] = n
+    n = 0
+    for b in range(num_seqs):
+        q_len = p.query_start[b + 1] - p.query_start[b]
+        if q_len == 1:
+            n = _add_items(items, n, b, 1, 1, decode_kv_heads, p.num_kv_heads)
+        elif q_len > 1:
+            n = _add_items(items, n, b, q_len, query_tile, 1, p.num_kv_heads)
+    return items
+
+
+cdef int _add_items(Item *items, int n, int seq, int q_len, int query_tile, int kv_heads_per_item,
+                    int num_kv_heads) noexcept nogil:
+    """Append sequence seq's items: its queries in tiles of query_tile, times its KV heads in
+    runs of kv_heads_per_item (which divides num_kv_heads); returns the new item count."""
+    cdef int tile, kv
+    for tile in range((q_len + query_tile - 1) // query_tile):
+        for kv in range(num_kv_heads // kv_heads_per_item):
+            items[n].seq = seq
+            items[n].first = tile * query_tile
+            items[n].count = min(query_tile, q_len - tile * query_tile)
+            items[n].kv_first = kv * kv_heads_per_item
+            items[n].kv_count = kv_heads_per_item
+            n += 1
+    return n
+
+
+cdef void _attend_item(const Problem *p, Scratch *s, const Item *item) noexcept nogil:
+    """All of one item: its rows over every key any of its queries sees, a tile at a time."""
+    cdef int rows = _item_rows(p, s, item)
+    cdef int q_len = p.query_start[item.seq + 1] - p.query_start[item.seq]
+    cdef int first_pos = p.seq_lens[item.seq] - q_len + item.first  # context position of the first query
+    cdef int key_end = first_pos + item.count  # keys [key_start, key_end) are seen by some query
+    cdef int key_start = 0 if p.window == 0 else max(0, first_pos - p.window + 1)
+    cdef int r, tile, tile_start, num_keys
+    # prefetch distance in keys: PREFETCH_BYTES of the item's K (or V) rows
+    cdef int ahead = max(4, PREFETCH_BYTES // (item.kv_count * p.head_dim * <int>sizeof(float)))
+    for r in range(rows):
+        s.row_max[r] = -INFINITY
+        s.row_sum[r] = 0
+    for r in range(rows * p.head_dim):
+        s.acc[r] = 0
+    for tile in range((key_end - key_start + KEY_TILE - 1) // KEY_TILE):
+        tile_start = key_start + tile * KEY_TILE
+        num_keys = min(KEY_TILE, key_end - tile_start)
+        _slot_offsets(p, item.seq, tile_start, num_keys, s.slot_offset)
+        _score_tile(p, s, rows, num_keys, ahead)
+        _mask_tile(p, s, item, first_pos, tile_start, num_keys)
+        _softmax_tile(s, rows, p.head_dim, num_keys)
+        # weights of keys a row may not see are 0, and their value rows are finite (every key of a
+        # tile is a written context position)
+        pg_accumulate_tile(p.v_cache, s.slot_offset, num_keys, s.probs, KEY_TILE, s.head_offset, rows,
+                           p.head_dim, ahead, s.acc)
+    _write_rows(p, s, item)
+
+
+cdef int _item_rows(const Problem *p, Scratch *s, const Item *item) noexcept nogil:
+    """Fill each row's query pointer and KV-head offset; returns the item's row count."""
+    cdef int group = p.num_heads // p.num_kv_heads
+    cdef int heads = item.kv_count * group  # query heads per query
+    cdef int r, head
+    for r in range(item.count * heads):
+        head = item.kv_first * group + r % heads
+        s.query_row[r] = (p.query + (p.query_start[item.seq] + item.first + r // heads) * p.q_token_stride
+                          + head * p.q_head_stride)
+        s.head_offset[r] = head // group * p.head_dim
+    return item.count * heads
+
+
+cdef void _slot_offsets(const Problem *p, int seq, int key_pos, int num_keys, int64_t *offsets) noexcept nogil:
+    """Element offset in the caches of the slot of each key key_pos..key_pos+num_keys-1 of
+    sequence seq (walking the pages, so no division per key)."""
+    cdef const int32_t *table = p.block_tables + seq * p.table_width
+    cdef int64_t slot_stride = <int64_t>p.num_kv_heads * p.head_dim
+    cdef int page = key_pos // p.block_size
+    cdef int slot = key_pos % p.block_size
+    cdef int j
+    for j in range(num_keys):
+        offsets[j] = (<int64_t>table[page] * p.block_size + slot) * slot_stride
+        slot += 1
+        if slot == p.block_size:
+            slot = 0
+            page += 1
+
+
+cdef void _score_tile(const Problem *p, Scratch *s, int rows, int num_keys, int ahead) noexcept nogil:
+    """probs[r, j] = scale * q_r . k_j for every row and key of the tile."""
+    cdef int r
+    pg_score_tile(p.k_cache, s.slot_offset, num_keys, s.query_row, s.head_offset, rows, p.head_dim, ahead,
+                  s.probs, KEY_TILE)
+    for r in range(rows):
+        pg_scale(s.probs + r * KEY_TILE, p.scale, num_keys)
+
+
+cdef void _mask_tile(const Problem *p, Scratch *s, const Item *item, int first_pos, int key_pos,
+                     int num_keys) noexcept nogil:
+    """Set the score of every key a row may not see to -inf: keys after its query (causal) and,
+    with a sliding window, keys window or more positions before it."""
+    cdef int heads = item.kv_count * (p.num_heads // p.num_kv_heads)
+    cdef int i, r, j, query_pos, lo, hi
+    cdef float *scores
+    for i in range(item.count):
+        query_pos = first_pos + i
+        lo = 0 if p.window == 0 else max(0, query_pos - p.window + 1 - key_pos)  # first visible j
+        hi = min(num_keys, query_pos + 1 - key_pos)  # one past the last visible j
+        if lo <= 0 and hi >= num_keys:
+            continue
+        for r in range(i * heads, (i + 1) * heads):
+            scores = s.probs + r * KEY_TILE
+            for j in range(num_keys):
+                if j < lo or j >= hi:
+                    scores[j] = -INFINITY
+
+
+cdef void _softmax_tile(Scratch *s, int rows, int head_dim, int num_keys) noexcept nogil:
+    """Online softmax step: fold the tile's scores into each row's running max and sum, rescale
+    its accumulator to the new max, and turn the scores into weights exp(score - max)."""
+    cdef int r, j
+    cdef float tile_max, new_max, correction, total
+    cdef float *probs
+    for r in range(rows):
+        probs = s.probs + r * KEY_TILE
+        tile_max = -INFINITY
+        for j in range(num_keys):
+            tile_max = max(tile_max, probs[j])
+        if tile_max == -INFINITY:  # the row sees none of these keys: weights 0, state unchanged
+            for j in range(num_keys):
+                probs[j] = 0
+            continue
+        new_max = max(s.row_max[r], tile_max)
+        correction = expf(s.row_max[r] - new_max)  # 0 for the first keys the row sees
+        if correction != 1:
+            pg_scale(s.acc + r * head_dim, correction, head_dim)
+        total = 0
+        for j in range(num_keys):
+            probs[j] = expf(probs[j] - new_max)
+            total += probs[j]
+        s.row_sum[r] = s.row_sum[r] * correction + total
+        s.row_max[r] = new_max
+
+
+cdef void _write_rows(const Problem *p, Scratch *s, const Item *item) noexcept nogil:
+    """out[token, head] = acc / sum for the item's rows (every query sees at least its own key)."""
+    cdef int group = p.num_heads // p.num_kv_heads
+    cdef int heads = item.kv_count * group
+    cdef int r, d
+    cdef float inverse
+    cdef float *dst
+    cdef const float *acc
+    for r in range(item.count * heads):
+        acc = s.acc + r * p.head_dim
+        dst = (p.out + (p.query_start[item.seq] + item.first + r // heads) * p.out_token_stride
+               + (item.kv_first * group + r % heads) * p.out_head_stride)
+        inverse = 1 / s.row_sum[r]
+        for d in range(p.head_dim):
+            dst[d] = acc[d] * inverse
