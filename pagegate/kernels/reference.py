@@ -1,4 +1,5 @@
-"""The torch reference backend: the definition of correct, and the CPU production path.
+"""The torch reference backend: the definition of correct, and the CPU path for half-precision
+caches (float32 on CPU goes to the fused kernel in cpu_paged.pyx, which must agree with this one).
 
 Attention gathers pages into a dense buffer and runs scaled_dot_product_attention on it in
 float32; SDPA reads the gathered [tokens, Hkv, D] layout as it is, without a transposing copy.
