@@ -2,6 +2,7 @@
 
     python bench/serve.py --launch --num-prompts 256 --concurrency 64 --offline
     python bench/serve.py --base-url http://127.0.0.1:8000 --request-rate 20 --dataset shared-prefix
+    python bench/serve.py --launch --protocol grpc      # pagegate.v1.Generation streams instead of SSE
 
 Requests are token-id prompts (exact lengths) with ignore_eos, so every request produces exactly
 --output-len tokens and the offline run (`--offline`: LLM.generate on the same requests, same process
@@ -32,7 +33,8 @@ import msgpack
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_SERVER_ARGS = "--num-kv-blocks 2048 --max-num-seqs 64 --dtype float32 --device cpu --max-queue -1"
+DEFAULT_SERVER_ARGS = ("--num-kv-blocks 2048 --max-num-seqs 64 --dtype float32 --device cpu --max-queue -1 "
+                       "--grpc-port 0")
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -173,6 +175,8 @@ def request_body(args: argparse.Namespace, request: BenchRequest) -> dict[str, A
 
 async def run_load(args: argparse.Namespace, base_url: str, requests: list[BenchRequest]) -> tuple[list, float]:
     """Fixed concurrency (default) or Poisson arrivals at --request-rate, capped by --concurrency."""
+    if args.protocol == "grpc":
+        return await run_grpc_load(args, args.grpc_target, requests)
     url = base_url.rstrip("/") + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
     msgpack_frames = args.protocol == "msgpack"
     gate = asyncio.Semaphore(args.concurrency)
@@ -193,6 +197,68 @@ async def run_load(args: argparse.Namespace, base_url: str, requests: list[Bench
             await asyncio.sleep(rng.expovariate(args.request_rate))
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
+
+
+# -- the gRPC transport (pagegate.v1.Generation, --protocol grpc) ----------------------------------
+def grpc_request(args: argparse.Namespace, request: BenchRequest) -> Any:
+    """The same body as the HTTP runs, as a CompletionRequest / ChatRequest (the RPC itself streams)."""
+    from pagegate.gateway.proto import pagegate_pb2 as pb
+    from pagegate.gateway.proto.convert import body_to_request
+
+    body = {k: v for k, v in request_body(args, request).items() if k != "stream"}
+    return body_to_request(body, pb.ChatRequest if args.endpoint == "chat" else pb.CompletionRequest)
+
+
+async def send_grpc_request(stub: Any, message: Any, chat: bool, metadata: tuple) -> RequestResult:
+    """One streamed call, accounted like the HTTP streams (a chunk with text is an arrival)."""
+    import grpc
+
+    result = RequestResult(start=time.perf_counter())
+    call = (stub.ChatStream if chat else stub.CompleteStream)(message, metadata=metadata)
+    try:
+        async for chunk in call:
+            now = time.perf_counter()
+            if any(c.delta.content if chat else c.text for c in chunk.choices):
+                if not result.chunk_times:
+                    result.ttft = now - result.start
+                result.chunk_times.append(now)
+            if chunk.HasField("usage"):
+                result.prompt_tokens = chunk.usage.prompt_tokens
+                result.output_tokens = chunk.usage.completion_tokens
+        result.ok = result.output_tokens > 0
+    except grpc.RpcError as exc:
+        result.error = f"{exc.code().name}: {exc.details()}"
+    result.latency = time.perf_counter() - result.start
+    return result
+
+
+async def run_grpc_load(args: argparse.Namespace, target: str, requests: list[BenchRequest]) -> tuple[list, float]:
+    """run_load over gRPC: every stream on one grpc.aio channel (one HTTP/2 connection), as gRPC
+    clients are used; the channel connects before the clock starts."""
+    import grpc
+
+    from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
+
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    messages = [grpc_request(args, r) for r in requests]
+    gate = asyncio.Semaphore(args.concurrency)
+    rng = random.Random(args.seed + 1)
+    async with grpc.aio.insecure_channel(target) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def one(message: Any) -> RequestResult:
+            async with gate:
+                return await send_grpc_request(stub, message, args.endpoint == "chat", metadata)
+
+        started = time.perf_counter()
+        tasks = []
+        for message in messages:
+            tasks.append(asyncio.create_task(one(message)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - started
 
 
 # -- CPU accounting: on a shared, noisy machine CPU seconds per token compare better than wall time --
@@ -331,7 +397,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch", action="store_true", help="start `pagegate serve SERVER_ARGS` for the run")
     p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="engine/server flags for --launch and --offline")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--protocol", choices=["openai", "msgpack"], default="openai")
+    p.add_argument("--protocol", choices=["openai", "msgpack", "grpc"], default="openai",
+                   help="openai: JSON + SSE; msgpack: msgpack bodies and frames; grpc: pagegate.v1.Generation")
+    p.add_argument("--grpc-target", default="127.0.0.1:50051", help="a running server's gRPC host:port "
+                   "(--protocol grpc without --launch)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
     p.add_argument("--num-prompts", type=int, default=256)
@@ -362,9 +431,12 @@ def serving(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     if not args.launch:
         yield args.base_url, None
         return
-    from pagegate.gateway.launcher import ServerProcess
+    from pagegate.gateway.launcher import ServerProcess, free_port
 
     extra = ["--api-key", args.api_key] if args.api_key else []
+    if args.protocol == "grpc":  # `pagegate serve --grpc-port`: the gRPC door on a free port
+        args.grpc_target = f"127.0.0.1:{free_port()}"
+        extra += ["--grpc-port", args.grpc_target.rsplit(":", 1)[1]]
     server = ServerProcess(server_flags(args) + extra + ["--disable-uvicorn-access-log"]).start()
     try:
         yield server.base_url, server.process.pid

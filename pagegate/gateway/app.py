@@ -49,9 +49,16 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         host.start()
+        grpc_server = None
         try:
+            if config.grpc_port:  # same process, event loop and engine as the HTTP server
+                from pagegate.gateway.grpc_server import start_grpc_server
+
+                grpc_server = await start_grpc_server(config.host, config.grpc_port, host)
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop()
             await host.stop()
 
     middleware = [Middleware(APIKeyMiddleware, api_keys=config.api_keys)]

@@ -62,6 +62,8 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     defaults = GatewayConfig()
     group.add_argument("--host", default=defaults.host)
     group.add_argument("--port", type=int, default=defaults.port)
+    group.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
+                       help="gRPC port on --host, same engine (0: no gRPC server)")
     group.add_argument("--api-key", action="append", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 (repeatable; also ${API_KEY_ENV})")
     group.add_argument("--max-queue", type=int, default=defaults.max_queue,
@@ -92,7 +94,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
-    gateway = GatewayConfig(host=args.host, port=args.port, api_keys=keys, served_model_names=list(names),
+    gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys, served_model_names=list(names),
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 50051  # pagegate.v1.Generation on host:grpc_port; 0: no gRPC server
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     max_queue: int | None = 1024  # waiting requests before 429; None: unbounded

@@ -7,5 +7,5 @@ import os
 
 def server_args(*extra: str) -> list[str]:
     model = os.environ.get("PAGEGATE_TEST_MODEL")
-    base = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log"]
+    base = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0"]
     return (["--model", model] if model else []) + base + list(extra)
