@@ -50,7 +50,7 @@ class Engine:
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
         self._build_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.tables,
-                                  config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+                                  config.scheduler.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.metrics = EngineMetrics(self.model_name, config.health)
         self.requests: dict[str, Request] = {}

@@ -12,7 +12,7 @@ from pagegate.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, tables: BlockTables, max_num_seqs: int,
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, tables: BlockTables,
                  max_num_batched_tokens: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
