@@ -22,6 +22,12 @@ cdef enum SeqState:
 
 
 cdef inline cnp.ndarray int32_array(object values):
+    """A contiguous 1-D int32 array of `values`; no copy (and no numpy call) when it already is one."""
+    cdef cnp.ndarray arr
+    if type(values) is cnp.ndarray:
+        arr = <cnp.ndarray>values
+        if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32 and cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            return arr
     return np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
 
 
@@ -107,11 +113,13 @@ cdef class BlockTables:
         cdef cnp.ndarray ids = int32_array(() if block_ids is None else block_ids)
         cdef int n = ids.shape[0]
         cdef uint64_t parent = <uint64_t>root_hash
+        cdef int32_t last
         if n:
-            last = self.pool.block_hash(int(ids[n - 1]))
-            if last is None or num_tokens != <int64_t>n * self.block_size:
+            last = (<int32_t*>cnp.PyArray_DATA(ids))[n - 1]
+            if (last < 0 or last >= self.pool.num_blocks or not self.pool.cached[last]
+                    or num_tokens != <int64_t>n * self.block_size):
                 raise ValueError("a new sequence can only start with full prefix-cache hits")
-            parent = <uint64_t>last
+            parent = self.pool.hashes[last]
         if self.num_free_slots == 0:
             raise ValueError(f"all {self.max_seqs} sequence slots are in use")
         if n != self.pages_for(num_tokens) or n > self.max_blocks_per_seq:
