@@ -258,21 +258,6 @@ cdef class BlockTables:
         cdef cnp.ndarray tokens = int32_array(token_ids)
         self.commit_unchecked(seq, <int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0])
 
-    def commit_many(self, seqs, token_ids) -> None:
-        """`commit` of one token for each sequence (a decode step), in one call."""
-        cdef cnp.ndarray handles = int32_array(seqs), tokens = int32_array(token_ids)
-        cdef const int32_t* h = <int32_t*>cnp.PyArray_DATA(handles)
-        cdef const int32_t* t = <int32_t*>cnp.PyArray_DATA(tokens)
-        cdef Py_ssize_t i, n = handles.shape[0]
-        if tokens.shape[0] != n:
-            raise ValueError(f"{n} sequences but {tokens.shape[0]} tokens")
-        for i in range(n):
-            self.check(h[i], ON_DEVICE)
-            if self.ncommitted[h[i]] >= self.ntokens[h[i]]:
-                raise ValueError(f"sequence {h[i]} has no uncommitted slot")
-        for i in range(n):
-            self.commit_unchecked(h[i], &t[i], 1)
-
     def append(self, int seq, token_ids) -> int:
         """grow + commit: reserve slots for known tokens and record them; returns new pages.
 

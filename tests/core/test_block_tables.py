@@ -279,8 +279,8 @@ def test_commit_caches_pages_as_they_fill_and_a_new_sequence_reuses_them():
     other = tables.add_sequence(blocks, n, root_hash=5)
     assert pool.refcount(int(blocks[0])) == 2  # held by seq and, through the hit, by other
     assert pool.match_prefix(list(range(10)), root_hash=6)[1] == 0  # another salt never shares
-    tables.grow_many([seq, other], 1)
-    tables.commit_many([seq, other], [10, 8])
+    assert tables.append_many([seq, other], [10, 8]) == 2
     assert tables.num_committed(seq) == 11 and tables.num_committed(other) == 9
-    with pytest.raises(ValueError, match="no uncommitted slot"):
-        tables.commit_many([seq], [1])
+    tables.grow(seq, 1)
+    with pytest.raises(ValueError, match="uncommitted slots"):
+        tables.append_many([seq], [1])
