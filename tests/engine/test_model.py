@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagegate import kernels
 from pagegate.engine.loader import load_model
 from pagegate.engine.model import RotaryEmbedding, apply_rope, rope_inv_freq
 from pagegate.engine.model_config import RopeConfig
 
 from .conftest import PagedBatch, SavedModel
-
-pytestmark = pytest.mark.skipif(not hasattr(kernels, "paged_attention"),
-                                reason="pagegate.kernels.paged_attention is not written yet")
 
 MODELS = ["llama_model", "llama3_rope_model", "head_dim_model", "mistral_model", "qwen2_model",
           "sharded_model"]

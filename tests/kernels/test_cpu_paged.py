@@ -7,11 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.kernels import dispatch, paged_attention, reference
+from pagegate.kernels import (
+    cpu_paged,  # noqa: E402  (built by setup.py; the install builds it)
+    dispatch,
+    paged_attention,
+    reference,
+)
 
 from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, poisoned_like, run_attention
-
-cpu_paged = pytest.importorskip("pagegate.kernels.cpu_paged", reason="run `python setup.py build_ext --inplace`")
 
 HEADS = [(4, 4), (4, 2), (8, 1)]  # (query heads, KV heads): GQA ratios 1, 2 and 8
 # contexts longer than a key tile (128) and prefill chunks longer than a query tile, so the online

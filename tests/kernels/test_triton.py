@@ -6,20 +6,18 @@ each program instance costs milliseconds there, so shapes stay small.
 
 import pytest
 import torch
-
-from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention
-
-pytest.importorskip("triton")
-
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pagegate.kernels import triton_decode, triton_prefill, triton_write, write_kv  # noqa: E402
 
+from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention
+
 # what counts is how the kernels were decorated, i.e. TRITON_INTERPRET when they were first imported
 INTERPRETED = isinstance(triton_write._write_kv_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA device, and the kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
+if not INTERPRETED and not torch.cuda.is_available():  # a misconfigured run must fail, not pass silently
+    pytest.fail("no CUDA device, and the kernels were imported without TRITON_INTERPRET=1 "
+                "(tests/kernels/conftest.py sets it)", pytrace=False)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DECODE_BATCH = [(length, 1) for length in (1, 15, 16, 17, 32, 33, 50)]
