@@ -7,12 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.kernels import (
-    cpu_paged,  # noqa: E402  (built by setup.py; the install builds it)
-    dispatch,
-    paged_attention,
-    reference,
-)
+from pagegate.kernels import cpu_paged, dispatch, paged_attention, reference  # cpu_paged: built by setup.py
 
 from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, poisoned_like, run_attention
 
