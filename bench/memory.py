@@ -72,7 +72,7 @@ def shared(args) -> None:
     off, on = results[False], results[True]
     system_pages = 1024 // BLOCK
     print(f"system prompt pages: unshared {32 * system_pages}, shared {system_pages} "
-          f"(1/{32 * system_pages // system_pages}); peak pages in use {off['peak_used_blocks']} -> "
+          f"(1/32); peak pages in use {off['peak_used_blocks']} -> "
           f"{on['peak_used_blocks']}")
     print(f"end to end: {off['seconds']:.2f} s without prefix caching, {on['seconds']:.2f} s with: "
           f"{off['seconds'] / on['seconds']:.2f}x")

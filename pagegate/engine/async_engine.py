@@ -50,15 +50,12 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)
-                else:
-                    self.engine.refresh_stats()  # aborts free pages outside step(): keep gauges true
         except BaseException as error:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine loop crashed")
             self.dead_error = error
         finally:
             for request_id in list(self.engine.requests):  # free every page before anyone hears back
                 self.engine.abort(request_id)
-            self.engine.refresh_stats()
         if self.dead_error is not None:
             with self._lock:
                 streams = list(self._streams)

@@ -155,6 +155,7 @@ class Engine:
         for seq in request.seqs:
             self.scheduler.free(seq)
             seq.status = SeqStatus.FINISHED
+        self.refresh_stats()  # pages came back outside step(): keep the gauges true
         return True
 
     def has_unfinished(self) -> bool:

@@ -54,8 +54,7 @@ class EngineMetrics:
             ("pagegate:swap_out_blocks", "Pages swapped out to CPU memory."),
             ("pagegate:swap_in_blocks", "Pages swapped back in."),
         ]:
-            self._counters[name] = Counter(name.removesuffix("_total"), doc, labels,
-                                           registry=self.registry).labels(model_name)
+            self._counters[name] = Counter(name, doc, labels, registry=self.registry).labels(model_name)
         for name, doc in [
             ("vllm:time_to_first_token_seconds", "Time to first token."),
             ("vllm:inter_token_latency_seconds", "Time between tokens of a sequence."),

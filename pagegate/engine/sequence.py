@@ -89,7 +89,7 @@ class Request:
 
     def output(self) -> RequestOutput:
         """The cumulative output of every choice so far."""
-        choices = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
+        choices = [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason,
                                     list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
                    for s in self.seqs if self.forked or self.params.n == 1]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, self.finished,
