@@ -105,9 +105,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_uncomputed == 1:  # decodes go in runs, one core call per run
+                added = self._append_decodes(i, budget, batch)
+                i, budget = i + added, budget - added
+                if added:
+                    continue
             n = min(seq.num_uncomputed, budget)
-            if not self._reserve_or_preempt(seq, n, batch, now):
+            if not self._make_room(seq, n, batch, now):
                 break  # seq itself was preempted: everything after it already was
+            self._reserve(seq, n)
             batch.add(seq, n)
             budget -= n
             i += 1
@@ -124,7 +130,22 @@ class Scheduler:
         self.tables.append(seq.handle, seq.token_ids[seq.num_computed:seq.num_computed + n])
         seq.num_computed += n
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
+    def _append_decodes(self, start: int, budget: int, batch: ScheduledBatch) -> int:
+        """Reserve the one token of each decode in running[start:] (up to the first non-decode) that
+        fits without preempting; returns how many were added."""
+        run = []
+        for seq in self.running[start:start + budget]:
+            if seq.num_uncomputed != 1:
+                break
+            run.append(seq)
+        added = self.tables.append_many([s.handle for s in run], [s.token_ids[-1] for s in run])
+        for seq in run[:added]:
+            seq.num_computed += 1
+            batch.add(seq, 1)
+        return added
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
+        """Preempt from the tail until seq's next n tokens fit; False when seq itself had to go."""
         while self.tables.pages_needed(seq.handle, n) > self.pool.num_free_blocks:
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
@@ -136,7 +157,6 @@ class Scheduler:
             self._preempt(self.running.pop(), batch, now)
             if victim is seq:
                 return False
-        self._reserve(seq, n)
         return True
 
     def _preempt(self, victim: Sequence, batch: ScheduledBatch, now: float) -> None:
