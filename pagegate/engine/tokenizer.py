@@ -28,9 +28,9 @@ class Tokenizer:
     add_bos_token / add_eos_token flags of tokenizer_config.json are ignored when tokenizer.json exists.
     """
 
-    def __init__(self, tokenizer_file: str | Path, tokenizer_config: dict[str, Any] | None = None,
+    def __init__(self, tokenizer: HFTokenizer, tokenizer_config: dict[str, Any] | None = None,
                  chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = ()) -> None:
-        self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        self._tokenizer = tokenizer
         config = tokenizer_config or {}
         self.special_tokens = {key: _token_content(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
@@ -52,7 +52,7 @@ class Tokenizer:
         template = template_file.read_text() if template_file.is_file() else None
         extra_eos = (token_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")) +
                      token_id_list(_read_json(folder / "config.json").get("eos_token_id")))
-        return cls(folder / "tokenizer.json", config, template, extra_eos)
+        return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), config, template, extra_eos)
 
     @property
     def vocab_size(self) -> int:
