@@ -1,6 +1,7 @@
 """Engine benchmarks.
 
     python -m bench.engine throughput [--requests 256]   # LLM.generate vs transformers static batches of 32
+    python -m bench.engine throughput --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --requests 128
     python -m bench.engine step                          # scheduler + batch builder CPU time, 256 decoding seqs
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,30 +19,48 @@ from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BatchBuilder
 from pagegate.engine.engine import DEFAULT_MODEL
+from pagegate.engine.gguf_loader import is_gguf
+from pagegate.engine.loader import peak_rss_mib
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, Sequence
 
 
-def workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length): prompts of 20-400 tokens, outputs of 20-300."""
+def workload(num: int, vocab: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs, both lengths uniform in their inclusive ranges."""
     rng = np.random.default_rng(seed)
-    return [(rng.integers(10, vocab, int(rng.integers(20, 401))).tolist(), int(rng.integers(20, 301)))
-            for _ in range(num)]
+    return [(rng.integers(10, vocab, int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))).tolist(),
+             int(rng.integers(output_lens[0], output_lens[1] + 1))) for _ in range(num)]
 
 
-def run_pagegate(requests, **llm_kwargs) -> float:
-    llm = LLM(None, **llm_kwargs)
+def run_pagegate(model: str | None, requests, **llm_kwargs) -> tuple[float, float]:
+    """(load seconds, generation seconds) of LLM.generate over every request at once."""
+    start = time.perf_counter()
+    llm = LLM(model, **llm_kwargs)
+    loaded = time.perf_counter() - start
     llm.generate([p for p, _ in requests[:4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
     llm.generate([p for p, _ in requests], params, use_tqdm=False)
-    return time.perf_counter() - start
+    return loaded, time.perf_counter() - start
 
 
-def run_transformers(requests, batch_size: int = 32) -> float:
+def load_transformers(model: str | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    if model is None:
+        return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    path = Path(model)
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_transformers(model: str | None, requests, batch_size: int = 32) -> tuple[float, float]:
+    """(load seconds, generation seconds) of `generate` in static, left-padded batches."""
+    start = time.perf_counter()
+    hf_model = load_transformers(model)
+    loaded = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
@@ -49,20 +69,27 @@ def run_transformers(requests, batch_size: int = 32) -> float:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         longest = max(n for _, n in batch)  # a static batch runs until its longest request is done
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                           min_new_tokens=longest, pad_token_id=0)
-    return time.perf_counter() - start
+            hf_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                              min_new_tokens=longest, pad_token_id=0)
+    return loaded, time.perf_counter() - start
 
 
 def throughput(args) -> None:
     torch.set_num_threads(2)
-    requests = workload(args.requests, 2048)
+    if args.model is None:
+        requests = workload(args.requests, 2048, (20, 400), (20, 300))
+    else:  # the issue's real-model workload
+        requests = workload(args.requests, 49152 if is_gguf(Path(args.model)) else 32000, (64, 512), (64, 256))
     tokens = sum(n for _, n in requests)
-    ours = run_pagegate(requests, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens)
-    theirs = run_transformers(requests)
-    print(f"{len(requests)} requests, {tokens} output tokens")
-    print(f"pagegate LLM.generate:          {ours:7.1f} s  {tokens / ours:8.1f} output tokens/s")
-    print(f"transformers, static batches 32: {theirs:7.1f} s  {tokens / theirs:8.1f} output tokens/s")
+    our_load, ours = run_pagegate(args.model, requests, max_num_seqs=256,
+                                  max_num_batched_tokens=args.max_num_batched_tokens)
+    our_rss = peak_rss_mib()
+    their_load, theirs = run_transformers(args.model, requests)
+    print(f"model {args.model or 'pagegate-default'}: {len(requests)} requests, {tokens} output tokens")
+    print(f"pagegate LLM.generate:           {ours:7.1f} s  {tokens / ours:8.1f} output tokens/s  "
+          f"(load {our_load:.1f} s, peak RSS {our_rss:.0f} MiB)")
+    print(f"transformers, static batches 32: {theirs:7.1f} s  {tokens / theirs:8.1f} output tokens/s  "
+          f"(load {their_load:.1f} s, peak RSS of both {peak_rss_mib():.0f} MiB)")
     print(f"speed-up: {theirs / ours:.2f}x (goal >= 5x)")
 
 
@@ -96,6 +123,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("throughput")
     t.add_argument("--requests", type=int, default=256)
+    t.add_argument("--model", default=None, help="a HF folder or GGUF file (default: the embedded model)")
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s = sub.add_parser("step")
     s.add_argument("--steps", type=int, default=200)

@@ -12,7 +12,7 @@ import torch
 from pagegate.config import EngineConfig
 from pagegate.core import compute_block_hash
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
-from pagegate.engine.loader import load_model
+from pagegate.engine.loader import load_checkpoint
 from pagegate.engine.metrics import EngineMetrics
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import InvalidParamError, SamplingParams
@@ -20,7 +20,7 @@ from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
-from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class Engine:
         self.device = resolve_device(config.device)
         path = Path(config.model) if config.model else DEFAULT_MODEL
         log.info("loading weights from %s", path)
-        self.model, self.model_config, self.generation = load_model(path, config.dtype, self.device)
-        self.tokenizer = Tokenizer.from_folder(path)
+        (self.model, self.model_config, self.generation), self.tokenizer = load_checkpoint(
+            path, config.dtype, self.device)
         self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |

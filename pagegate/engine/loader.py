@@ -1,8 +1,11 @@
-"""Load a Hugging Face model folder (config.json, *.safetensors, generation_config.json)."""
+"""Load a model: a Hugging Face folder (config.json, *.safetensors, generation_config.json) or a GGUF file."""
 
 from __future__ import annotations
 
 import json
+import logging
+import resource
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -10,8 +13,13 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from pagegate.engine.gguf_loader import GGUFFile, is_gguf
+from pagegate.engine.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.model import CausalLM, PackedLinear, build_empty_model
 from pagegate.engine.model_config import ModelConfig, ModelLoadError, token_id_list
+from pagegate.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -43,13 +51,39 @@ class LoadedModel(NamedTuple):
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu") -> LoadedModel:
-    """Build the model for a folder and fill it from its safetensors files."""
-    folder = Path(path)
-    config = ModelConfig.from_folder(folder)
-    device = torch.device(device)
-    model = build_empty_model(config, resolve_dtype(dtype, config, device), device)
-    load_weights(model, weight_files(folder))
-    return LoadedModel(model, config, read_generation_defaults(folder, config))
+    """Build the model for a folder or a GGUF file and fill its weights."""
+    return load_checkpoint(path, dtype, device)[0]
+
+
+def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
+                    device: str | torch.device = "cpu") -> tuple[LoadedModel, Tokenizer | None]:
+    """The model and its tokenizer (None: a folder without tokenizer.json); logs time and peak memory."""
+    path, device, start = Path(path), torch.device(device), time.perf_counter()
+    if is_gguf(path):
+        gguf = GGUFFile(path)
+        model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device)
+        gguf.load_weights(checkpoint_layout(model))
+        generation = GenerationDefaults(eos_token_ids=list(gguf.config.eos_token_ids))
+        try:
+            tokenizer = tokenizer_from_gguf(gguf.metadata)
+        except (KeyError, ValueError) as error:
+            raise ModelLoadError(f"cannot build the tokenizer of {path.name}: {error}") from error
+        loaded = LoadedModel(model, gguf.config, generation)
+    else:
+        config = ModelConfig.from_folder(path)
+        model = build_empty_model(config, resolve_dtype(dtype, config, device), device)
+        load_weights(model, weight_files(path))
+        loaded = LoadedModel(model, config, read_generation_defaults(path, config))
+        tokenizer = Tokenizer.from_folder(path)
+    log.info("loaded %s (%s, %.1fM parameters, %s) in %.1f s; peak RSS %.0f MiB", path.name,
+             loaded.config.architecture, sum(p.numel() for p in model.parameters()) / 1e6,
+             str(model.dtype).removeprefix("torch."), time.perf_counter() - start, peak_rss_mib())
+    return loaded, tokenizer
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -51,6 +51,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with linear or llama3 scaling."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.type == "linear":
         return inv_freq / rope.factor
     if rope.type != "llama3":

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagegate.config import EngineConfig
+from pagegate.engine.model_config import ModelLoadError
 from pagegate.engine.params import SamplingParams
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
@@ -51,7 +52,10 @@ class EngineHost:
             self.model = self._model_context(self.engine)
             await self._warm_up()
         except Exception as exc:
-            logger.exception("the engine failed to start")
+            if isinstance(exc, ModelLoadError):  # the user's file or flags: the message says it all
+                logger.error("cannot serve this model: %s", exc)
+            else:
+                logger.exception("the engine failed to start")
             self.state, self.reason = FAILED, f"the engine failed to start: {type(exc).__name__}: {exc}"
             if self._on_fatal is not None:
                 self._on_fatal()

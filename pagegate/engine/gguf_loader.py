@@ -1,0 +1,167 @@
+"""Read a GGUF file (llama.cpp's format): the model's shape from its metadata, weights dequantized.
+
+The `gguf` package parses the file and dequantizes blocks; this module maps llama.cpp's names and
+layouts onto the Hugging Face ones the rest of pagegate knows, so nothing above the loader sees GGUF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from pagegate.engine.model_config import ModelConfig, ModelLoadError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_ROPE_FREQS = "rope_freqs.weight"  # llama3-style scaling stored as per-frequency divisors
+
+
+def is_gguf(path: Path) -> bool:
+    """A `.gguf` path, or any file that starts with GGUF's magic bytes."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with path.open("rb") as file:
+        return file.read(4) == b"GGUF"
+
+
+class GGUFFile:
+    """An opened GGUF: its metadata as Python values, its tensors, and the ModelConfig they describe."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path} does not exist or is not a file")
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as error:  # the gguf package raises whatever numpy hits on a bad file
+            raise ModelLoadError(f"cannot read {self.path} as GGUF (truncated or corrupt?): {error}") from error
+        self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
+        self.tensors: dict[str, ReaderTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
+        self._check_tensor_types()
+        self.config = self._config()
+
+    def _check_tensor_types(self) -> None:
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type not in TENSOR_TYPES:
+                raise ModelLoadError(
+                    f"tensor {tensor.name} has type {tensor.tensor_type.name}, which pagegate cannot "
+                    f"dequantize; supported: {', '.join(t.name for t in TENSOR_TYPES)}")
+
+    def _config(self) -> ModelConfig:
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                 f"{', '.join(ARCHITECTURES)}")
+        config = ModelConfig.from_dict(self._hf_config(arch))
+        if _ROPE_FREQS in self.tensors:
+            factors = tuple(float(f) for f in self._array(_ROPE_FREQS))
+            config = replace(config, rope=replace(config.rope, freq_factors=factors))
+        return config
+
+    def _hf_config(self, arch: str) -> dict[str, Any]:
+        """The metadata as the config.json dict transformers would write for the same model."""
+        meta = self.metadata
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        try:
+            hidden, heads = get("embedding_length"), get("attention.head_count")
+            head_dim = get("attention.key_length") or hidden // heads
+            raw: dict[str, Any] = {
+                "architectures": [ARCHITECTURES[arch]],
+                "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+                "hidden_size": hidden,
+                "intermediate_size": get("feed_forward_length"),
+                "num_hidden_layers": get("block_count"),
+                "num_attention_heads": heads,
+                "num_key_value_heads": get("attention.head_count_kv") or heads,
+                "head_dim": head_dim,
+                "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+                "rope_theta": get("rope.freq_base", 10000.0),
+                "rope_scaling": self._rope_scaling(arch),
+                "max_position_embeddings": get("context_length", 2048),
+                "tie_word_embeddings": "output.weight" not in self.tensors,
+                "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+                "mlp_bias": "blk.0.ffn_up.bias" in self.tensors,
+                "torch_dtype": "bfloat16",  # accelerators only; on CPU `auto` is float32
+                "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            }
+        except (KeyError, TypeError) as error:
+            raise ModelLoadError(f"{self.path} lacks the {arch} metadata pagegate needs: {error}") from error
+        if get("rope.dimension_count", head_dim) != head_dim:
+            raise ModelLoadError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+        return raw
+
+    def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
+        kind = self.metadata.get(f"{arch}.rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        return {"rope_type": kind, "factor": self.metadata.get(f"{arch}.rope.scaling.factor", 1.0),
+                "original_max_position_embeddings":
+                    self.metadata.get(f"{arch}.rope.scaling.original_context_length")}
+
+    def load_weights(self, layout: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+        """Dequantize every tensor into the model parameter `layout` maps its Hugging Face name to."""
+        expected = set(layout)
+        for tensor in tqdm(self.reader.tensors, desc="dequantizing", unit="tensor", disable=None):
+            if tensor.name == _ROPE_FREQS:
+                continue
+            name = hf_name(tensor.name)
+            if name not in layout:
+                raise ModelLoadError(f"unexpected tensor {tensor.name} in {self.path.name}")
+            param, start, rows = layout[name]
+            values = self._unpermuted(name, self._array(tensor.name))
+            if tuple(values.shape) != (rows, *param.shape[1:]):
+                raise ModelLoadError(f"tensor {tensor.name} has shape {tuple(values.shape)}, the model expects "
+                                     f"{(rows, *param.shape[1:])}")
+            param.data[start:start + rows].copy_(values)
+            expected.discard(name)
+        if expected:
+            raise ModelLoadError(f"{self.path.name} is missing tensor(s): {', '.join(sorted(expected)[:5])}")
+
+    def _array(self, name: str) -> torch.Tensor:
+        """One tensor as float32 in PyTorch's [rows, columns] order (GGUF lists dims innermost first)."""
+        tensor = self.tensors[name]
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        return torch.from_numpy(values.reshape(shape).copy())  # the file is mapped read-only
+
+    def _unpermuted(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's row order for Q and K: it interleaves each head's two rotary halves."""
+        if self.config.architecture != "LlamaForCausalLM":
+            return values
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            heads = self.config.num_attention_heads
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            heads = self.config.num_key_value_heads
+        else:
+            return values
+        rest = values.shape[1:]
+        return values.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(values.shape)
+
+
+def hf_name(gguf_name: str) -> str:
+    """llama.cpp's tensor name -> the Hugging Face checkpoint name (`blk.3.attn_q.weight` -> ...)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    return gguf_name

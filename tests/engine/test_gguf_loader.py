@@ -1,0 +1,131 @@
+"""GGUF files: config, names, Q/K layout and every supported tensor type, against transformers' own reader."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagegate import LLM, SamplingParams
+from pagegate.engine.gguf_loader import GGUFFile
+from pagegate.engine.loader import load_model
+from pagegate.engine.model_config import ModelConfig, ModelLoadError
+from pagegate.gateway.launcher import free_port
+
+from .conftest import SavedModel, hf, save_hf_model
+from .gguf_files import write_gguf
+
+# k-quants need rows of 256 values: a tiny model 256 wide
+WIDE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+PROMPTS = [[5, 17, 99, 3], [200, 1, 45, 45, 45, 80, 7], [12]]
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
+    return save_hf_model(tmp_path_factory.mktemp("wide"), hf().LlamaConfig(**WIDE), seed=11)
+
+
+def greedy(model: str | Path, **kwargs: object) -> list[list[int]]:
+    llm = LLM(str(model), device="cpu", num_kv_blocks=32, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch, fixture", [("llama", "llama_model"), ("qwen2", "qwen2_model"),
+                                           ("llama", "head_dim_model")])
+def test_float32_gguf_serves_like_the_folder(arch: str, fixture: str, request: pytest.FixtureRequest,
+                                              tmp_path: Path) -> None:
+    saved = request.getfixturevalue(fixture)
+    path = write_gguf(tmp_path / "model.gguf", saved.hf_model, arch)
+    folder_config, gguf_config = ModelConfig.from_folder(saved.path), GGUFFile(path).config
+    for field in ("architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "hidden_size", "intermediate_size", "vocab_size", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "rope"):
+        assert getattr(gguf_config, field) == getattr(folder_config, field), field
+    assert greedy(path) == greedy(saved.path)
+
+
+QUANT_TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_quantized_weights_equal_transformers_dequantized(qtype: Q, wide_model: SavedModel,
+                                                          tmp_path: Path) -> None:
+    """transformers dequantizes with its own torch code: agreeing with it checks types, names and Q/K order."""
+    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
+    ours = load_model(path, dtype="float32").model
+    theirs = hf().AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    expected = theirs.state_dict()
+    for name, param in _checkpoint_tensors(ours).items():
+        torch.testing.assert_close(param, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("qtype, levels", [(Q.Q5_0, 16), (Q.Q5_1, 32), (Q.Q8_0, 128)], ids=lambda q: str(q))
+def test_quantized_weights_are_within_one_step_of_the_originals(qtype: Q, levels: int, wide_model: SavedModel,
+                                                                 tmp_path: Path) -> None:
+    """Q5_0 and Q5_1 (transformers cannot read them): each weight within a quantization step of its value."""
+    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
+    ours = _checkpoint_tensors(load_model(path, dtype="float32").model)
+    for name, original in wide_model.hf_model.state_dict().items():
+        if original.dim() != 2 or "rotary" in name:
+            continue
+        blocks = original.reshape(original.shape[0], -1, 32)
+        step = blocks.abs().amax(-1, keepdim=True) * 2 / levels
+        error = (ours[name].reshape(blocks.shape) - blocks).abs()
+        assert (error <= step + 1e-6).all(), name
+
+
+def _checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face checkpoint names (packed q/k/v and gate/up split apart)."""
+    from pagegate.engine.loader import checkpoint_layout
+
+    return {name: param[start:start + rows] for name, (param, start, rows) in checkpoint_layout(model).items()}
+
+
+# ---- bad files -----------------------------------------------------------------------------------------
+
+
+def _unknown_architecture(path: Path, saved: SavedModel) -> Path:
+    write_gguf(path, saved.hf_model)
+    data = path.read_bytes().replace(b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llama",
+                                     b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00rwkv6")
+    path.write_bytes(data)
+    return path
+
+
+def _truncated(path: Path, saved: SavedModel) -> Path:
+    write_gguf(path, saved.hf_model)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def _unsupported_type(path: Path, saved: SavedModel) -> Path:
+    def iq4(name: str, values: np.ndarray) -> Q:
+        return Q.IQ4_NL if name == "model.layers.1.mlp.up_proj.weight" else Q.F32
+
+    return write_gguf(path, saved.hf_model, quant=iq4)
+
+
+BAD_FILES = {
+    "truncated": (_truncated, "truncated or corrupt"),
+    "unknown-architecture": (_unknown_architecture, "GGUF architecture 'rwkv6' is not supported; supported: llama, qwen2"),
+    "unsupported-type": (_unsupported_type, "tensor blk.1.ffn_up.weight has type IQ4_NL"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_fails_at_start_with_a_clear_error(case: str, llama_model: SavedModel, tmp_path: Path) -> None:
+    make, message = BAD_FILES[case]
+    path = make(tmp_path / "bad.gguf", llama_model)
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GGUFFile(path)
+    served = subprocess.run([sys.executable, "-m", "pagegate", "serve", str(path), "--port", str(free_port()),
+                             "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    assert served.returncode == 1
+    assert message in served.stderr
+    assert "Traceback" not in served.stderr
