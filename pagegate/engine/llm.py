@@ -1,9 +1,11 @@
-"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))` and `LLM(...).chat(messages)`, shaped
+like vLLM's."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NotRequired, TypedDict
 
 from tqdm import tqdm
 
@@ -12,9 +14,30 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.sequence import Request
 from pagegate.engine.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: tokenized with the model's special tokens (usually a BOS)."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt: the ids go to the model as they are; `prompt` is only reported back."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+Conversation = list[dict[str, Any]]
+Params = SamplingParams | Sequence[SamplingParams] | None
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class LLM:
@@ -42,28 +65,56 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of the prompts."""
-        prompts = _as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            ids.append(str(next(self._ids)))
-            self.engine.add_request(ids[-1], prompt, p, priority[i] if priority else 0)
-        return self._run(ids, use_tqdm)
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of the prompts.
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> RequestOutput:
-        """One conversation rendered with the model's chat template."""
+        A prompt is text, a list of token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`;
+        pass one prompt or a list of them (a flat list of ints is one prompt).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        # every prompt is validated before any is queued: a bad one leaves nothing behind
+        requests = [self._make_request(prompt, p, priority[i] if priority else 0)
+                    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
+        for request in requests:
+            self.engine.add(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template (the model's, or `chat_template`) and generate.
+
+        One conversation (a list of message dicts) or a list of them; always a list of outputs, like vLLM.
+        The prompt ids are those the REST chat endpoint makes for the same messages.
+        """
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template")
-        return self.generate(tokenizer.apply_chat_template(messages), sampling_params, use_tqdm)[0]
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render a chat")
+        conversations = [messages] if _is_one_conversation(messages) else list(messages)
+        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        if tools is not None:
+            kwargs["tools"] = tools
+        kwargs.update(chat_template_kwargs or {})  # as in vLLM, these win over the named arguments
+        if continue_final_message and kwargs["add_generation_prompt"]:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            normalized = [_template_message(m) for m in conversation]
+            text = tokenizer.apply_chat_template(normalized, chat_template=chat_template, **kwargs)
+            if continue_final_message:
+                text = _cut_after_final_message(text, normalized)
+            prompts.append(TokensPrompt(prompt_token_ids=tokenizer.encode_chat(text), prompt=text))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
+        text, engine_prompt, salt = _unpack(prompt)
+        request = self.engine.make_request(str(next(self._ids)), engine_prompt, params, priority, salt)
+        if text is not None:
+            request.prompt = text
+        return request
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -82,9 +133,64 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
+
+
+def _params_per_prompt(sampling_params: Params, count: int) -> list[SamplingParams]:
+    params = sampling_params or SamplingParams()
+    params = [params] * count if isinstance(params, SamplingParams) else list(params)
+    if len(params) != count:
+        raise ValueError(f"{count} prompts but {len(params)} sampling params")
+    return params
+
+
+def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int], str | None]:
+    """(text to report, what the engine tokenizes or takes as ids, cache salt) of one prompt."""
+    if isinstance(prompt, str):
+        return None, prompt, None
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(f"unsupported prompt field(s) {sorted(unknown)}; use {sorted(_PROMPT_KEYS)}")
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
+        if "prompt" in prompt:
+            return None, prompt["prompt"], prompt.get("cache_salt")
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt), None
+    raise TypeError(f"a prompt is a str, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def _is_one_conversation(messages: Conversation | Sequence[Conversation]) -> bool:
+    return not messages or isinstance(messages[0], Mapping)
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the REST chat endpoint hands it to the template: text parts joined, developer as system."""
+    content = message.get("content")
+    if isinstance(content, list):
+        kinds = {part.get("type") for part in content} - {"text"}
+        if kinds:
+            raise ValueError(f"content parts of type {sorted(kinds)} are not supported; only 'text'")
+        content = "".join(part["text"] for part in content)
+    role = message["role"]
+    return {**message, "role": "system" if role == "developer" else role, "content": content}
+
+
+def _cut_after_final_message(text: str, messages: Conversation) -> str:
+    """The rendered chat up to the end of the last message's content, so generation continues it
+    (transformers' continue_final_message; some templates strip the content, so try it stripped too)."""
+    final = messages[-1]["content"] if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    for piece in (final, final.strip()):
+        end = text.rfind(piece)
+        if end >= 0:
+            return text[:end + len(piece)]
+    raise ValueError("the chat template does not render the final message's content verbatim")

@@ -73,14 +73,24 @@ class Tokenizer:
         return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        """Render messages with the folder's chat template; encode the result without special tokens."""
-        if not self.chat_template:
+                            chat_template: str | None = None, **extra: Any) -> str:
+        """Render messages with `chat_template` or the model's own; tokenize the result with `encode_chat`."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         variables = {key: value or "" for key, value in self.special_tokens.items()}
         variables.update(extra)
-        return _compile_template(self.chat_template).render(
+        return _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat: its own special tokens, plus the BOS the model expects only if the
+        template did not write it (templates that do must not get a second one)."""
+        token_ids = self.encode(text, add_special_tokens=False)
+        prefix = [t for t in self.encode("", add_special_tokens=True) if t not in self.eos_token_ids]
+        if prefix and token_ids[:len(prefix)] != prefix:
+            token_ids = prefix + token_ids
+        return token_ids
 
     def _surface_text(self, token_id: int) -> str:
         # Decoded after an anchor token, a leading space survives decoders that strip it at the start.

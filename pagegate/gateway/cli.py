@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("model_tag", nargs="?", default=None, help="same as --model (positional, like vllm serve)")
-    group.add_argument("--model", default=None, help="a local Hugging Face checkpoint folder (default: the embedded model)")
+    group.add_argument("--model", default=None,
+                       help="a local Hugging Face checkpoint folder or GGUF file (default: the embedded model)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="the name(s) clients use in `model`; the first is reported (default: the model's name)")
     group.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")

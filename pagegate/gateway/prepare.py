@@ -27,6 +27,7 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def encode_chat(self, text: str) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
 
 
@@ -133,12 +134,7 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise BadRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    # The BOS the model expects (if any): templates that write it themselves must not get a second one.
-    prefix = [t for t in tokenizer.encode("", add_special_tokens=True) if t not in tokenizer.eos_token_ids]
-    if prefix and token_ids[: len(prefix)] != prefix:
-        token_ids = prefix + token_ids
-    return EnginePrompt(token_ids, text)
+    return EnginePrompt(tokenizer.encode_chat(text), text)
 
 
 def _template_role(role: str) -> str:

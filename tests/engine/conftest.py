@@ -102,6 +102,26 @@ def sharded_model(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
     return save_hf_model(tmp_path_factory.mktemp("sharded"), config, seed=6, max_shard_size="80KB")
 
 
+@pytest.fixture(scope="session", params=["bfloat16", "float16"])
+def half_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
+    """A Llama saved in bfloat16 or float16 (config.json's dtype says which); hf_model is in that dtype."""
+    folder = tmp_path_factory.mktemp(request.param)
+    saved = save_hf_model(folder, hf().LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2), seed=7)
+    saved.hf_model.to(getattr(torch, request.param)).save_pretrained(folder)
+    return saved
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory, bytelevel_tokenizer_dir: Path) -> SavedModel:
+    """A Llama folder with the byte-level tokenizer, all as transformers writes them: the template goes
+    to chat_template.jinja (not tokenizer_config.json), bos/eos to generation_config.json."""
+    folder = tmp_path_factory.mktemp("chat_model")
+    config = hf().LlamaConfig(**{**TINY, "vocab_size": 400}, bos_token_id=0, eos_token_id=1)
+    saved = save_hf_model(folder, config, seed=8)
+    hf().AutoTokenizer.from_pretrained(bytelevel_tokenizer_dir).save_pretrained(folder)
+    return saved
+
+
 def _train_bpe(tokenizer: object, special_tokens: list[str], vocab_size: int,
                **trainer_kwargs: object) -> None:
     from tokenizers import trainers

@@ -1,11 +1,13 @@
 """The offline API against transformers: greedy parity through the whole engine, under page pressure."""
 
+import copy
+
 import pytest
 import torch
 
 from pagegate import LLM, SamplingParams
 
-from .conftest import SavedModel
+from .conftest import SavedModel, hf
 
 PROMPT_LENGTHS = [5, 17, 16, 33, 1, 48, 9, 70]
 MAX_TOKENS = 10
@@ -113,9 +115,120 @@ def test_too_long_prompt_is_rejected_with_both_numbers(llama_model):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, max_model_len=64)
     with pytest.raises(InvalidParamError, match="60 tokens and max_tokens is 10"):
         llm.generate([3] * 60, SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(InvalidParamError):  # the good first prompt is not left queued either
+        llm.generate([[3] * 5, [3] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     assert_all_pages_free(llm)
 
 
 def test_pool_too_small_for_max_model_len_fails_at_start(llama_model):
     with pytest.raises(ValueError, match="needs 16 pages"):
         LLM(str(llama_model.path), device="cpu", num_kv_blocks=8)
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_llm(chat_model) -> LLM:
+    return LLM(str(chat_model.path), device="cpu", num_kv_blocks=64)
+
+
+def rest_chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt ids the REST chat endpoint makes for these messages."""
+    from pagegate.gateway.prepare import ModelContext, chat_prompt
+    from pagegate.gateway.protocol import ChatMessage
+
+    context = ModelContext(("m",), tokenizer, 256, tokenizer.vocab_size)
+    return chat_prompt([ChatMessage(**m) for m in messages], context).token_ids
+
+
+def test_generate_takes_every_vllm_prompt_shape(chat_llm):
+    text = "Paged attention keeps the cache in blocks. " * 3
+    ids = chat_llm.get_tokenizer().encode(text)
+    shapes = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}, {"prompt_token_ids": ids, "prompt": text}]
+    outputs = chat_llm.generate(shapes, SHORT, use_tqdm=False)
+    tokens = outputs[0].outputs[0].token_ids
+    assert all(o.prompt_token_ids == ids and o.outputs[0].token_ids == tokens for o in outputs)
+    assert [o.prompt for o in outputs] == [text, None, text, None, text]
+    for shape in shapes[:4]:  # one prompt alone, whatever its shape
+        [alone] = chat_llm.generate(shape, SHORT, use_tqdm=False)
+        assert alone.outputs[0].token_ids == tokens
+    assert outputs[-1].num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0  # full pages from the prefix cache
+    salted = chat_llm.generate({"prompt": text, "cache_salt": "tenant"}, SHORT, use_tqdm=False)[0]
+    assert salted.num_cached_tokens == 0 and salted.outputs[0].token_ids == tokens
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        chat_llm.generate({"prompt": text, "multi_modal_data": {}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        chat_llm.generate({"cache_salt": "x"}, use_tqdm=False)
+    with pytest.raises(TypeError, match="float"):
+        chat_llm.generate([text, 1.5], use_tqdm=False)
+    assert_all_pages_free(chat_llm)
+
+
+def test_chat_prompt_ids_match_transformers_and_the_rest_endpoint(chat_model, chat_llm):
+    hf_tokenizer = hf().AutoTokenizer.from_pretrained(chat_model.path)
+    theirs = hf_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+    outputs = chat_llm.chat(CONVERSATION, SHORT, use_tqdm=False)
+    assert isinstance(outputs, list) and len(outputs) == 1
+    out = outputs[0]
+    assert out.prompt_token_ids == theirs == rest_chat_ids(chat_llm.get_tokenizer(), CONVERSATION)
+    assert out.prompt_token_ids.count(hf_tokenizer.bos_token_id) == 1  # the template writes it; no second
+    assert out.prompt == hf_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert out.outputs[0].token_ids == chat_llm.generate(theirs, SHORT, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_chat_template_without_bos_gets_the_bos_once_like_the_rest_endpoint(chat_llm):
+    tokenizer = chat_llm.get_tokenizer()
+    [out] = chat_llm.chat(CONVERSATION, SHORT, use_tqdm=False, chat_template=CHATML)
+    assert out.prompt == "<|system|>Be brief.<|end|><|user|>Hello world!<|end|><|assistant|>"
+    assert out.prompt_token_ids == [tokenizer.bos_token_id, *tokenizer.encode(out.prompt, add_special_tokens=False)]
+    chatml_tokenizer = copy.copy(tokenizer)
+    chatml_tokenizer.chat_template = CHATML
+    assert out.prompt_token_ids == rest_chat_ids(chatml_tokenizer, CONVERSATION)
+    assert tokenizer.chat_template != CHATML  # the override did not stick
+
+
+def test_chat_takes_a_list_of_conversations_and_of_params(chat_llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world!"}]}]
+    params = [SHORT, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+    outputs = chat_llm.chat([CONVERSATION, parts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 2]
+    assert outputs[1].prompt == "<|begin|><|user|>Hello world!<|end|><|assistant|>"
+    assert outputs[1].prompt_token_ids == rest_chat_ids(chat_llm.get_tokenizer(), parts)
+    developer = [{"role": "developer", "content": "Be brief."}, CONVERSATION[1]]
+    assert chat_llm.chat(developer, SHORT, use_tqdm=False)[0].prompt_token_ids == outputs[0].prompt_token_ids
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        chat_llm.chat([CONVERSATION, parts], [SHORT] * 3, use_tqdm=False)
+    assert_all_pages_free(chat_llm)
+
+
+def test_chat_template_arguments(chat_model, chat_llm):
+    def prompt(messages=CONVERSATION, **kwargs) -> str:
+        return chat_llm.chat(messages, SHORT, use_tqdm=False, **kwargs)[0].prompt
+
+    with_header = prompt()
+    assert with_header.endswith("<|assistant|>")
+    assert prompt(add_generation_prompt=False) == with_header.removesuffix("<|assistant|>")
+    assert prompt(chat_template_kwargs={"add_generation_prompt": False}) == with_header.removesuffix("<|assistant|>")
+    custom = "{{ greeting }}{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
+    assert prompt(chat_template=custom, tools=[{"name": "search"}],
+                  chat_template_kwargs={"greeting": "Hi: "}) == "Hi: [search]Hello world!"
+    partial = [*CONVERSATION, {"role": "assistant", "content": "The answer"}]
+    hf_tokenizer = hf().AutoTokenizer.from_pretrained(chat_model.path)
+    theirs = hf_tokenizer.apply_chat_template(partial, continue_final_message=True, tokenize=False)
+    assert prompt(partial, add_generation_prompt=False, continue_final_message=True) == theirs
+    assert theirs.endswith("<|assistant|>The answer")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        chat_llm.chat(partial, continue_final_message=True)
+    with pytest.raises(ValueError, match="image_url"):
+        chat_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_chat_needs_a_tokenizer(llama_model):
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.chat(CONVERSATION, use_tqdm=False)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from pagegate.engine.loader import load_model, read_generation_defaults, resolve_dtype, weight_files
 from pagegate.engine.model_config import ModelConfig, ModelLoadError, RopeConfig
 
-from .conftest import SavedModel
+from .conftest import SavedModel, hf
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -198,3 +198,23 @@ def test_dtype_resolution(llama_model: SavedModel) -> None:
         resolve_dtype("int8", config, torch.device("cpu"))
     model, _, _ = load_model(llama_model.path, dtype="float16")
     assert model.dtype == torch.float16
+
+
+def test_half_checkpoint_loads_exact_values_in_any_dtype(half_model: SavedModel) -> None:
+    name = str(half_model.hf_model.dtype).removeprefix("torch.")
+    assert ModelConfig.from_folder(half_model.path).torch_dtype == name  # transformers 5 writes "dtype"
+    theirs = half_model.hf_model.model.layers[1].self_attn.q_proj.weight
+    as_float, _, _ = load_model(half_model.path)  # auto on CPU: float32 holding the half values
+    as_half, _, _ = load_model(half_model.path, dtype=name)
+    assert (as_float.dtype, as_half.dtype) == (torch.float32, half_model.hf_model.dtype)
+    for model, dtype in ((as_float, torch.float32), (as_half, half_model.hf_model.dtype)):
+        q = model.model.layers[1].self_attn.qkv_proj.weight[:64]
+        assert torch.equal(q, theirs.to(dtype))
+        assert torch.equal(model.lm_head.weight, half_model.hf_model.lm_head.weight.to(dtype))
+
+
+def test_generation_config_written_by_transformers(llama_model: SavedModel, tmp_path: Path) -> None:
+    folder = _copy(llama_model, tmp_path)
+    hf().GenerationConfig(bos_token_id=1, eos_token_id=[9, 2], temperature=0.7, do_sample=True).save_pretrained(folder)
+    defaults = read_generation_defaults(folder, ModelConfig.from_folder(folder))
+    assert defaults.eos_token_ids == [9, 2] and defaults.sampling_overrides() == {"temperature": 0.7}

@@ -1,0 +1,76 @@
+"""A real instruct model from its GGUF file: greedy parity with transformers and sensible answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagegate import LLM, SamplingParams
+
+from .conftest import hf
+
+MAX_TOKENS = 24
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "Les enfants jouent dans le jardin et",
+    "The three primary colors are",
+    "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf: Path) -> LLM:
+    return LLM(str(smollm2_gguf), device="cpu", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_gguf: Path) -> torch.nn.Module:
+    return hf().AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                     dtype=torch.float32).eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def top2_gap(model: torch.nn.Module, ids: list[int]) -> tuple[float, list[int]]:
+    """transformers' gap between its two best next-token logits after `ids`, and those two tokens."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    best = logits.topk(2)
+    return float(best.values[0] - best.values[1]), best.indices.tolist()
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(smollm2_llm: LLM, hf_smollm2: torch.nn.Module) -> None:
+    """Identical tokens, or a divergence where transformers' own top two logits are a float near-tie."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    identical = 0
+    for prompt, mine in zip(prompts, ours, strict=True):
+        theirs = hf_greedy(hf_smollm2, prompt)
+        if mine == theirs:
+            identical += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+        gap, best = top2_gap(hf_smollm2, prompt + mine[:first])
+        assert gap < 1e-3 and mine[first] in best, (tokenizer.decode(prompt), first, gap)
+    assert identical >= len(PROMPTS) // 2
+
+
+def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    output = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert "Paris" in output.text
+    assert output.finish_reason == "stop"  # <|im_end|> is an end-of-turn token

@@ -1,0 +1,40 @@
+"""The official OpenAI SDK against `pagegate serve` on a real instruct model's GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from pagegate.gateway.launcher import ServerProcess
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf: Path) -> openai.OpenAI:
+    args = [str(smollm2_gguf), "--device", "cpu", "--grpc-port", "0", "--max-model-len", "1024",
+            "--kv-cache-memory", "256MiB", "--disable-uvicorn-access-log"]
+    with ServerProcess(args) as server:
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_model_is_listed_under_the_file_name(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    assert [m.id for m in smollm2.models.list()] == [smollm2_gguf.name]
+
+
+def test_chat_answers_a_factual_question(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    reply = smollm2.chat.completions.create(model=smollm2_gguf.name, messages=QUESTION, max_tokens=24, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 20  # the template's default system message is in the prompt
+
+
+def test_streamed_chat_gives_the_same_answer(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    model = smollm2_gguf.name
+    whole = smollm2.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+    stream = smollm2.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0,
+                                             stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(pieces) > 3 and "".join(pieces) == whole.choices[0].message.content
