@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_CACHE := .cache/models
 SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test bench bench-peers lint clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP) $(SMOLLM2)
 
 bench: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
+
+# pagegate vs llama.cpp (built once from the llama-cpp-python sdist into .cache/peers) -> docs/peers.{md,png}
+bench-peers: $(STAMP) $(SMOLLM2)
+	command -v cmake >/dev/null || (apt-get update && apt-get install -y cmake)
+	$(PY) -m bench.peers.compare $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check pagegate tests bench scripts

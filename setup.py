@@ -1,4 +1,4 @@
-"""Build the Cython extensions: pagegate.core and the fused CPU attention kernel (the rest is in pyproject.toml)."""
+"""Build the Cython extensions: pagegate.core and the CPU kernels (the rest is in pyproject.toml)."""
 
 import numpy
 from Cython.Build import cythonize
@@ -14,13 +14,14 @@ extensions = [
     )
     for name in ("block_pool", "block_tables")
 ] + [
-    # the fused CPU paged-attention kernel: OpenMP threads, no numpy
+    # the CPU kernels: fused paged attention and the quantized matmul; OpenMP threads, no numpy
     Extension(
-        "pagegate.kernels.cpu_paged",
-        ["pagegate/kernels/cpu_paged.pyx"],
+        f"pagegate.kernels.{name}",
+        [f"pagegate/kernels/{name}.pyx"],
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )
+    for name in ("cpu_paged", "cpu_quant")
 ]
 
 setup(

@@ -67,6 +67,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    quantization: str | None = None  # "gguf": keep GGUF blocks; "none": dequantize; None: gguf on CPU
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -43,7 +43,7 @@ class Engine:
         path = Path(config.model) if config.model else DEFAULT_MODEL
         log.info("loading weights from %s", path)
         (self.model, self.model_config, self.generation), self.tokenizer = load_checkpoint(
-            path, config.dtype, self.device)
+            path, config.dtype, self.device, config.quantization)
         self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |

@@ -14,9 +14,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+from torch import nn
 from tqdm import tqdm
 
+from pagegate.engine.model import CausalLM
 from pagegate.engine.model_config import ModelConfig, ModelLoadError
+from pagegate.engine.quantized import QuantEmbedding, QuantLinear
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -52,6 +55,8 @@ class GGUFFile:
             raise ModelLoadError(f"cannot read {self.path} as GGUF (truncated or corrupt?): {error}") from error
         self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
         self.tensors: dict[str, ReaderTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
+        self._gguf_names = {hf_name(name): name for name in self.tensors}
+        self.kept: set[str] = set()  # tensors that stay in blocks (keep_blocks)
         self._check_tensor_types()
         self.config = self._config()
 
@@ -117,11 +122,31 @@ class GGUFFile:
                 "original_max_position_embeddings":
                     self.metadata.get(f"{arch}.rope.scaling.original_context_length")}
 
+    def keep_blocks(self, model: CausalLM, block_types: frozenset[int]) -> None:
+        """Swap each linear layer (and the embedding) whose weights are all of one type in `block_types`
+        for one that keeps the file's blocks; load_weights then skips those tensors."""
+        for path, module in list(model.named_modules()):
+            if not isinstance(module, nn.Embedding | nn.Linear):
+                continue
+            parent = path.rsplit(".", 1)[0]
+            names = [f"{parent}.{shard}.weight" for shard in getattr(module, "shard_names", ())] or [f"{path}.weight"]
+            tensors = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
+            kinds = {int(t.tensor_type) for t in tensors if t is not None}
+            if None in tensors or len(kinds) != 1 or not kinds <= block_types:
+                continue  # a tied lm_head has no tensor of its own
+            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(np.array(t.data)))
+                                for name, t in zip(names, tensors, strict=True)])
+            model.set_submodule(path, _block_module(module, blocks, kinds.pop()))
+            self.kept.update(t.name for t in tensors)
+        embedding = model.model.embed_tokens
+        if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
+            model.lm_head = embedding.as_linear()
+
     def load_weights(self, layout: dict[str, tuple[torch.Tensor, int, int]]) -> None:
-        """Dequantize every tensor into the model parameter `layout` maps its Hugging Face name to."""
+        """Dequantize every tensor not kept in blocks into the parameter `layout` maps its name to."""
         expected = set(layout)
         for tensor in tqdm(self.reader.tensors, desc="dequantizing", unit="tensor", disable=None):
-            if tensor.name == _ROPE_FREQS:
+            if tensor.name == _ROPE_FREQS or tensor.name in self.kept:
                 continue
             name = hf_name(tensor.name)
             if name not in layout:
@@ -155,6 +180,15 @@ class GGUFFile:
             return values
         rest = values.shape[1:]
         return values.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(values.shape)
+
+
+def _block_module(module: nn.Module, blocks: torch.Tensor, qtype: int) -> nn.Module:
+    """The block-keeping replacement of an nn.Embedding or a (packed) nn.Linear."""
+    dtype = module.weight.dtype
+    if isinstance(module, nn.Embedding):
+        return QuantEmbedding(blocks, qtype, module.embedding_dim, dtype)
+    return QuantLinear(blocks, qtype, module.in_features, dtype, getattr(module, "shard_names", ()),
+                       getattr(module, "shard_sizes", ()), bias=module.bias is not None)
 
 
 def hf_name(gguf_name: str) -> str:

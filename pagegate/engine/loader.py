@@ -15,9 +15,10 @@ from safetensors import safe_open
 
 from pagegate.engine.gguf_loader import GGUFFile, is_gguf
 from pagegate.engine.gguf_tokenizer import tokenizer_from_gguf
-from pagegate.engine.model import CausalLM, PackedLinear, build_empty_model
+from pagegate.engine.model import CausalLM, build_empty_model
 from pagegate.engine.model_config import ModelConfig, ModelLoadError, token_id_list
 from pagegate.engine.tokenizer import Tokenizer
+from pagegate.kernels.quant import block_types
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,26 @@ class LoadedModel(NamedTuple):
     generation: GenerationDefaults
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LoadedModel:
     """Build the model for a folder or a GGUF file and fill its weights."""
-    return load_checkpoint(path, dtype, device)[0]
+    return load_checkpoint(path, dtype, device, quantization)[0]
 
 
-def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
-                    device: str | torch.device = "cpu") -> tuple[LoadedModel, Tokenizer | None]:
-    """The model and its tokenizer (None: a folder without tokenizer.json); logs time and peak memory."""
+def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                    quantization: str | None = None) -> tuple[LoadedModel, Tokenizer | None]:
+    """The model and its tokenizer (None: a folder without tokenizer.json); logs time and peak memory.
+
+    A GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks on CPU unless quantization is "none".
+    """
     path, device, start = Path(path), torch.device(device), time.perf_counter()
+    if quantization not in (None, "gguf", "none"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported; use gguf or none")
     if is_gguf(path):
         gguf = GGUFFile(path)
         model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device)
+        if quantization != "none" and device.type == "cpu":
+            gguf.keep_blocks(model, block_types())
         gguf.load_weights(checkpoint_layout(model))
         generation = GenerationDefaults(eos_token_ids=list(gguf.config.eos_token_ids))
         try:
@@ -75,10 +83,17 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
         load_weights(model, weight_files(path))
         loaded = LoadedModel(model, config, read_generation_defaults(path, config))
         tokenizer = Tokenizer.from_folder(path)
-    log.info("loaded %s (%s, %.1fM parameters, %s) in %.1f s; peak RSS %.0f MiB", path.name,
-             loaded.config.architecture, sum(p.numel() for p in model.parameters()) / 1e6,
-             str(model.dtype).removeprefix("torch."), time.perf_counter() - start, peak_rss_mib())
+    log.info("loaded %s (%s, %s, weights %.0f MiB) in %.1f s; peak RSS %.0f MiB", path.name,
+             loaded.config.architecture, str(model.dtype).removeprefix("torch."), weight_bytes(model) / 2**20,
+             time.perf_counter() - start, peak_rss_mib())
     return loaded, tokenizer
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's weights (quantized blocks included, shared tensors once)."""
+    blocks = [buffer for name, buffer in model.named_buffers() if name.endswith("blocks")]
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *blocks]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def peak_rss_mib() -> float:
@@ -123,7 +138,7 @@ def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int
     for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens and is listed once
         module_path, leaf = name.rsplit(".", 1)
         module = model.get_submodule(module_path)
-        if not isinstance(module, PackedLinear):
+        if not getattr(module, "shard_names", ()):  # one tensor (PackedLinear and its QuantLinear stack several)
             layout[name] = (param, 0, param.shape[0])
             continue
         parent, start = module_path.rsplit(".", 1)[0], 0

@@ -213,11 +213,11 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype  # the embedding may be kept in quantized blocks
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:

@@ -37,6 +37,9 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--quantization", "-q", choices=["gguf", "none"], default=None,
+                       help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks (default on CPU); "
+                            "none: dequantize every weight to --dtype")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
 
 
@@ -89,7 +92,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode)
     engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
-                          dtype=args.dtype, device=args.device, seed=args.seed,
+                          dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size, cache=cache, scheduler=scheduler)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):

@@ -41,6 +41,15 @@ def cpu_kernel() -> ModuleType | None:
         return None
 
 
+@functools.cache
+def quant_kernel() -> ModuleType | None:
+    """The CPU quantized-matmul extension, or None when it was not built (or cannot load)."""
+    try:
+        return importlib.import_module("pagegate.kernels.cpu_quant")
+    except ImportError:
+        return None
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()

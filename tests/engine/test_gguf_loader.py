@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.gguf_loader import GGUFFile
-from pagegate.engine.loader import load_model
+from pagegate.engine.loader import load_model, weight_bytes
 from pagegate.engine.model_config import ModelConfig, ModelLoadError
+from pagegate.engine.quantized import QuantEmbedding, QuantLinear
 from pagegate.gateway.launcher import free_port
 
 from .conftest import SavedModel, hf, save_hf_model
@@ -58,7 +59,7 @@ def test_quantized_weights_equal_transformers_dequantized(qtype: Q, wide_model: 
                                                           tmp_path: Path) -> None:
     """transformers dequantizes with its own torch code: agreeing with it checks types, names and Q/K order."""
     path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
-    ours = load_model(path, dtype="float32").model
+    ours = load_model(path, dtype="float32", quantization="none").model
     theirs = hf().AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     expected = theirs.state_dict()
     for name, param in _checkpoint_tensors(ours).items():
@@ -70,7 +71,7 @@ def test_quantized_weights_are_within_one_step_of_the_originals(qtype: Q, levels
                                                                  tmp_path: Path) -> None:
     """Q5_0 and Q5_1 (transformers cannot read them): each weight within a quantization step of its value."""
     path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
-    ours = _checkpoint_tensors(load_model(path, dtype="float32").model)
+    ours = _checkpoint_tensors(load_model(path, dtype="float32", quantization="none").model)
     for name, original in wide_model.hf_model.state_dict().items():
         if original.dim() != 2 or "rotary" in name:
             continue
@@ -78,6 +79,26 @@ def test_quantized_weights_are_within_one_step_of_the_originals(qtype: Q, levels
         step = blocks.abs().amax(-1, keepdim=True) * 2 / levels
         error = (ours[name].reshape(blocks.shape) - blocks).abs()
         assert (error <= step + 1e-6).all(), name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q, tmp_path: Path) -> None:
+    """Q/K rows reordered, packed q/k/v and gate/up, biases and a tied embedding, all read from blocks."""
+    config = hf().Qwen2Config(**{**WIDE, "tie_word_embeddings": True})
+    saved = save_hf_model(tmp_path / "qwen2", config, seed=12)
+    for arch, model in (("llama", wide_model_of(tmp_path)), ("qwen2", saved.hf_model)):
+        path = write_gguf(tmp_path / f"{arch}.gguf", model, arch, quant=lambda name, values: qtype)
+        kept = load_model(path).model
+        assert isinstance(kept.model.embed_tokens, QuantEmbedding)
+        linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
+        assert len(linears) == 4 * WIDE["num_hidden_layers"] + 1  # + lm_head: output.weight, or tied
+        assert kept.config.tie_word_embeddings == (arch == "qwen2")
+        assert weight_bytes(kept) < 0.4 * weight_bytes(load_model(path, quantization="none").model)
+        assert greedy(path) == greedy(path, quantization="none")
+
+
+def wide_model_of(tmp_path: Path) -> torch.nn.Module:
+    return save_hf_model(tmp_path / "llama", hf().LlamaConfig(**WIDE), seed=13).hf_model
 
 
 def _checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

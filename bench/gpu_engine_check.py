@@ -1,0 +1,202 @@
+"""The engine on a device against the CPU: greedy agreement in float32, then tokens/s.
+
+    python bench/gpu_engine_check.py                       # CUDA: the default model, and SmolLM2 if its GGUF is there
+    python bench/gpu_engine_check.py --device cpu --quick  # a dry run of this script on a machine without a GPU
+
+For each model, the CPU float32 run is the reference (greedy, top-2 logprobs). The device's float32 run must
+give the same tokens, except after a near tie (the CPU's top two within --tie-nats), and the same logprobs
+within --logprob-tol. In the model's own dtype (`auto`: bfloat16 for SmolLM2 on CUDA) agreement is reported,
+not judged, and throughput is timed: one stream, then --batch requests at once. With --rows, appends markdown
+table rows (check | result | figures) for bench/gpu_check.sh. Exits 1 when an agreement check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
+from pagegate import LLM, SamplingParams  # noqa: E402
+from pagegate.engine.outputs import CompletionOutput, Logprob  # noqa: E402
+from pagegate.kernels import resolve_backend  # noqa: E402
+
+SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three prime numbers:",
+    "A paged KV cache stores keys and values in",
+    "Translate to German: good morning",
+    "1, 1, 2, 3, 5, 8,",
+    # long enough to span many 16-token pages, so prefill walks a real block table
+    " ".join(["The quick brown fox jumps over the lazy dog."] * 40),
+]
+
+
+@dataclass
+class Agreement:
+    """How a candidate run's greedy outputs compare with the reference's, prompt by prompt."""
+
+    identical: int = 0
+    near_tie: int = 0  # diverged where the reference's top two were within tie_nats: not an error
+    mismatch: int = 0
+    matched_tokens: int = 0
+    total_tokens: int = 0
+    max_logprob_diff: float = 0.0  # over the tokens both runs chose alike
+
+    def describe(self) -> str:
+        prompts = self.identical + self.near_tie + self.mismatch
+        return (f"{self.identical}/{prompts} prompts identical, {self.near_tie} near-tie divergences, "
+                f"{self.mismatch} mismatches; {self.matched_tokens / max(self.total_tokens, 1):.0%} of tokens "
+                f"agree, max logprob diff {self.max_logprob_diff:.1e}")
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def is_near_tie(step: Logprob, other_token: int, tie_nats: float) -> bool:
+    """The candidate's token was the reference's runner-up by less than tie_nats."""
+    return other_token in step.top and step.logprob - step.top[other_token] <= tie_nats
+
+
+def compare(reference: list[CompletionOutput], candidate: list[CompletionOutput], tie_nats: float) -> Agreement:
+    result = Agreement()
+    for ref, got in zip(reference, candidate, strict=True):
+        n = shared_prefix(ref.token_ids, got.token_ids)
+        result.matched_tokens += n
+        result.total_tokens += len(ref.token_ids)
+        for a, b in zip(ref.logprobs[:n], got.logprobs[:n], strict=True):
+            result.max_logprob_diff = max(result.max_logprob_diff, abs(a.logprob - b.logprob))
+        if n == len(ref.token_ids) == len(got.token_ids):
+            result.identical += 1
+        elif n < min(len(ref.token_ids), len(got.token_ids)) and is_near_tie(ref.logprobs[n], got.token_ids[n],
+                                                                              tie_nats):
+            result.near_tie += 1
+        else:
+            result.mismatch += 1
+    return result
+
+
+def load(model: Path | None, device: str, dtype: str, num_kv_blocks: int) -> LLM:
+    return LLM(str(model) if model else None, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, seed=0)
+
+
+def release(llm: LLM) -> None:
+    """Drop an engine and its KV cache before the next one is built."""
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def greedy(llm: LLM, max_tokens: int) -> list[CompletionOutput]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    return [out.outputs[0] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def tokens_per_s(llm: LLM, num_requests: int, prompt_len: int, output_len: int) -> float:
+    """Output tokens per second of LLM.generate over num_requests random-token prompts, after a warm-up."""
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(num_requests)
+    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(out.outputs[0].token_ids) for out in outputs) / elapsed
+
+
+def check_model(name: str, model: Path | None, args: argparse.Namespace) -> tuple[bool, list[tuple[str, str, str]]]:
+    """Reference, float32 agreement (judged), own-dtype agreement and speed (reported); (ok, table rows)."""
+    rows = []
+    cpu = load(model, "cpu", "float32", args.cpu_kv_blocks)
+    reference = greedy(cpu, args.max_tokens)
+    release(cpu)
+
+    exact = load(model, args.device, "float32", args.kv_blocks)
+    agreement = compare(reference, greedy(exact, args.max_tokens), args.tie_nats)
+    release(exact)
+    ok = agreement.mismatch == 0 and agreement.max_logprob_diff <= args.logprob_tol
+    print(f"[{name}] {args.device} float32 vs cpu float32: {agreement.describe()} -> {'PASS' if ok else 'FAIL'}")
+    rows.append((f"engine {name}: {args.device} float32 = cpu float32", "PASS" if ok else "FAIL",
+                 agreement.describe()))
+
+    own = load(model, args.device, "auto", args.kv_blocks)
+    dtype = str(own.engine.model.dtype).removeprefix("torch.")
+    if dtype != "float32":
+        loose = compare(reference, greedy(own, args.max_tokens), args.tie_nats)
+        print(f"[{name}] {args.device} {dtype} vs cpu float32 (reported, not judged): {loose.describe()}")
+        rows.append((f"engine {name}: {args.device} {dtype} vs cpu float32", "INFO", loose.describe()))
+    single = tokens_per_s(own, 1, args.prompt_len, args.single_tokens)
+    batched = tokens_per_s(own, args.batch, args.prompt_len, args.batch_tokens)
+    release(own)
+    speed = (f"1 stream {single:,.0f} tok/s; {args.batch} requests {batched:,.0f} tok/s "
+             f"({args.prompt_len}-token prompts, {args.single_tokens}/{args.batch_tokens} tokens out)")
+    print(f"[{name}] {args.device} {dtype}: {speed}")
+    rows.append((f"engine {name}: speed ({args.device}, {dtype})", "INFO", speed))
+    return ok, rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="device under test (cpu: a dry run against itself)")
+    p.add_argument("--smollm2", type=Path, default=SMOLLM2, help="SmolLM2 GGUF; skipped when the file is missing")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per agreement prompt")
+    p.add_argument("--tie-nats", type=float, default=0.01, help="top-two gap below which a divergence is a tie")
+    p.add_argument("--logprob-tol", type=float, default=0.01, help="float32 logprobs must agree this closely")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--single-tokens", type=int, default=256, help="output tokens of the one-stream run")
+    p.add_argument("--batch", type=int, default=64, help="requests at once in the batched run")
+    p.add_argument("--batch-tokens", type=int, default=128, help="output tokens per request of the batched run")
+    p.add_argument("--kv-blocks", type=int, default=4096, help="KV pages on the device")
+    p.add_argument("--cpu-kv-blocks", type=int, default=1024, help="KV pages of the CPU reference")
+    p.add_argument("--quick", action="store_true", help="small sizes (a dry run): 8 tokens, batch 8")
+    p.add_argument("--rows", type=Path, default=None, help="append markdown table rows to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.max_tokens, args.prompt_len, args.single_tokens, args.batch, args.batch_tokens = 8, 32, 16, 8, 8
+        args.kv_blocks = min(args.kv_blocks, 1024)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_engine_check: torch sees no CUDA device here (try --device cpu for a dry run)")
+        return 2
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {where}, torch {torch.__version__}, attention backend {resolve_backend(device)}")
+    models: list[tuple[str, Path | None]] = [("default model", None)]
+    if args.smollm2.is_file():
+        models.append(("SmolLM2-135M Q4_1", args.smollm2))
+    ok, rows = True, []
+    for name, model in models:
+        model_ok, model_rows = check_model(name, model, args)
+        ok &= model_ok
+        rows += model_rows
+    if not args.smollm2.is_file():
+        print(f"SmolLM2 skipped: {args.smollm2} is missing")
+        rows.append(("engine SmolLM2-135M Q4_1", "SKIP", f"{args.smollm2} not present"))
+    if args.rows:
+        with args.rows.open("a") as out:
+            out.writelines(f"| {check} | {result} | {figures} |\n" for check, result, figures in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The quantized matmul (pagegate.kernels.cpu_quant) against gguf's own dequantization, in float64."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagegate.kernels import cpu_quant
+from pagegate.kernels.quant import FUSED_MAX_ROWS, quantized_matmul
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, the float32 weights they stand for) of a random [n, k] weight."""
+    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(weights, qtype)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(dequantize(blocks, qtype).copy())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantize_is_exactly_ggufs(qtype: Q) -> None:
+    blocks, weights = quantized(qtype, 37, 96)
+    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), 96), weights)
+    rows = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), 96, rows), weights[rows])
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(TYPES), m=st.integers(1, 2 * FUSED_MAX_ROWS + 3), n=st.integers(1, 70),
+       blocks_per_row=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_matmul_matches_the_dequantized_weights(qtype: Q, m: int, n: int, blocks_per_row: int, seed: int) -> None:
+    """Both paths (fused decode for few rows, float tiles + GEMM for many) give x @ W.T."""
+    k = 32 * blocks_per_row
+    blocks, weights = quantized(qtype, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    expected = (x.double() @ weights.double().t()).float()
+    torch.testing.assert_close(quantized_matmul(x, blocks, int(qtype)), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_quant.matmul(x, blocks, int(qtype)), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_inputs_come_back_in_bfloat16() -> None:
+    blocks, weights = quantized(Q.Q4_1, 8, 64)
+    x = torch.randn(3, 64).bfloat16()
+    out = quantized_matmul(x, blocks, int(Q.Q4_1))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ weights.t(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("qtype, k, match", [(Q.Q4_K, 256, "no CPU kernel"), (Q.Q4_1, 48, "multiple of 32"),
+                                             (Q.Q8_0, 64, "bytes a row")])
+def test_bad_blocks_are_refused(qtype: Q, k: int, match: str) -> None:
+    blocks = torch.zeros(4, 40, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        cpu_quant.matmul(torch.zeros(1, k), blocks, int(qtype))
+    with pytest.raises(IndexError):
+        cpu_quant.dequantize(quantized(Q.Q8_0, 4, 32)[0], int(Q.Q8_0), 32, torch.tensor([4]))
