@@ -39,7 +39,7 @@ SMOLLM2=${SMOLLM2:-$ROOT/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 WORK=$(mktemp -d /tmp/pagegate-gpu-check.XXXXXX)  # JSON, rows, the serve plot: not for LOGS
 
 # per-step budgets in seconds; every one is also cut to what is left of BUDGET_S
-SETUP_S=120 TESTS_S=100 KERNELS_S=60 ENGINE_S=110 SERVE_S=80
+SETUP_S=120 TESTS_S=100 KERNELS_S=75 ENGINE_S=110 SERVE_S=80
 if [[ $DEVICE == cpu ]]; then  # the dry run: Triton's interpreter and a CPU engine are slower
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1500}
     SETUP_S=$((SETUP_S * 3)) TESTS_S=$((TESTS_S * 3)) KERNELS_S=$((KERNELS_S * 3))
@@ -117,10 +117,12 @@ finish() {  # finish EXIT_CODE
 }
 
 # -- 1. environment ----------------------------------------------------------------------------------
-# Prints the requirements (pip syntax) that this Python does not meet: pyproject.toml's dependencies and
-# build requirements, the extra ones named as arguments, and what the packages already put in SITE need.
+# Prints the requirements (pip syntax) that this Python does not meet, each after "wheel<TAB>" when
+# WHEELS_DIR has a wheel that fits it, else after "index<TAB>": pyproject.toml's dependencies and build
+# requirements, the extra ones named as arguments, and what the packages already put in SITE need.
 MISSING_PY='
 import importlib.metadata as md
+import os
 import sys
 
 try:
@@ -129,12 +131,30 @@ except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 try:
     from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
+    from packaging.tags import sys_tags
+    from packaging.utils import canonicalize_name, parse_wheel_filename
 except ImportError:
     from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.utils import canonicalize_name
+    from pip._vendor.packaging.tags import sys_tags
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
 
-site, extra = sys.argv[1], sys.argv[2:]
+site, wheels_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+supported = set(sys_tags())
+wheels = []
+for file in os.listdir(wheels_dir) if os.path.isdir(wheels_dir) else []:
+    try:
+        name, version, _, tags = parse_wheel_filename(file)
+    except ValueError:  # not a wheel
+        continue
+    if tags & supported:
+        wheels.append((name, version))
+
+
+def source(req):
+    fits = any(n == canonicalize_name(req.name) and req.specifier.contains(v, prereleases=True) for n, v in wheels)
+    return "wheel" if fits else "index"
+
+
 with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)
 build = [r for r in project["build-system"]["requires"] if not r.startswith("wheel")]
@@ -148,10 +168,10 @@ while queue:
     try:
         dist = md.distribution(name)
     except md.PackageNotFoundError:
-        print(f"{req.name}{req.specifier}")
+        print(f"{source(req)}\t{req.name}{req.specifier}")
         continue
     if not req.specifier.contains(dist.version, prereleases=True):
-        print(f"{req.name}{req.specifier}")
+        print(f"{source(req)}\t{req.name}{req.specifier}")
     elif str(dist.locate_file("")).startswith(site):
         queue.extend(dist.requires or [])
 '
@@ -180,41 +200,69 @@ pypi_answers() {
     until_deadline "$1" timeout 15 "$PY" -m pip index versions pip --timeout 5 --retries 0 >/dev/null 2>&1
 }
 
-# Install what MISSING_PY lists into SITE, from WHEELS_DIR, else from PyPI, a few rounds (each round's
-# packages may need more); 1 when something stays missing.
+# pip_into_site DEADLINE PIP_ARGS...: pip install --target a fresh folder, then move its entries into SITE,
+# merging folders that several packages share (nvidia/): `--target SITE --upgrade` would replace them.
+pip_into_site() {
+    local deadline=$1 tmp rc entry
+    shift
+    tmp=$(mktemp -d "$SITE.XXXXXX")  # beside SITE, so mv is a rename
+    until_deadline "$deadline" "$PY" -m pip install -q --no-deps --no-compile --target "$tmp" "$@" \
+        >>"$LOGS/01-setup.log" 2>&1
+    rc=$?
+    if ((rc == 0)); then
+        for entry in "$tmp"/*; do
+            [[ -e $entry ]] || continue
+            if [[ -d $entry && -d $SITE/${entry##*/} ]]; then
+                cp -a "$entry"/. "$SITE/${entry##*/}"/
+            else
+                mv -f "$entry" "$SITE"/
+            fi
+        done
+    fi
+    rm -rf "$tmp"
+    return "$rc"
+}
+
+# Install what MISSING_PY lists into SITE, from WHEELS_DIR where it has a fitting wheel, else from PyPI if
+# it answers; in rounds, since each round's packages may need more. 1 when something stays missing.
 install_missing() {
-    local deadline=$1 round listed missing=() log=$LOGS/01-setup.log
-    local pip=("$PY" -m pip install -q --no-deps --no-compile --upgrade --target "$SITE") wheels=()
-    [[ -d $WHEELS_DIR ]] && wheels=(--find-links "$WHEELS_DIR")
+    local deadline=$1 round listed kind req log=$LOGS/01-setup.log from_wheels from_index
     shift
     for round in 1 2 3 4 5 6 7 8; do
-        listed=$(until_deadline "$deadline" "$PY" -c "$MISSING_PY" "$SITE" "$@" 2>>"$log") || {
+        listed=$(until_deadline "$deadline" "$PY" -c "$MISSING_PY" "$SITE" "$WHEELS_DIR" "$@" 2>>"$log") || {
             echo "   could not list the missing requirements; last lines of $log:"
             tail -n 5 "$log" | sed 's/^/   | /'
             return 1
         }
         [[ -n $listed ]] || return 0
-        mapfile -t missing <<<"$listed"
-        echo "   round $round, installing into $SITE: ${missing[*]}"
-        if ((${#wheels[@]})) &&
-            until_deadline "$deadline" "${pip[@]}" --no-index "${wheels[@]}" "${missing[@]}" >>"$log" 2>&1; then
-            continue
+        from_wheels=() from_index=()
+        while IFS=$'\t' read -r kind req; do
+            if [[ $kind == wheel ]]; then from_wheels+=("$req"); else from_index+=("$req"); fi
+        done <<<"$listed"
+        echo "   round $round into $SITE: from WHEELS_DIR: ${from_wheels[*]:-none}; from PyPI: ${from_index[*]:-none}"
+        if ((${#from_wheels[@]})) &&
+            ! pip_into_site "$deadline" --no-index --find-links "$WHEELS_DIR" "${from_wheels[@]}"; then
+            echo "   installing from $WHEELS_DIR failed; last lines of $log:"
+            tail -n 5 "$log" | sed 's/^/   | /'
+            return 1
         fi
-        echo "   not all in WHEELS_DIR ($WHEELS_DIR); trying PyPI"
-        if pypi_answers "$deadline" &&
-            until_deadline "$deadline" "${pip[@]}" --timeout 10 --retries 1 "${wheels[@]}" "${missing[@]}" >>"$log" 2>&1; then
-            continue
+        ((${#from_index[@]})) || continue
+        if ! pypi_answers "$deadline"; then
+            echo "   MISSING (no fitting wheel in $WHEELS_DIR, and PyPI does not answer): ${from_index[*]}"
+            return 1
         fi
-        echo "   MISSING (no wheel in $WHEELS_DIR, PyPI unreachable or without it): ${missing[*]}"
-        grep -h -i "no matching distribution\|error" "$log" | tail -n 5 | sed 's/^/   | /'
-        return 1
+        if ! pip_into_site "$deadline" --timeout 10 --retries 1 "${from_index[@]}"; then
+            echo "   MISSING (installing from PyPI failed): ${from_index[*]}; last lines of $log:"
+            tail -n 5 "$log" | sed 's/^/   | /'
+            return 1
+        fi
     done
+    echo "   still unmet after $round rounds: ${from_wheels[*]:-} ${from_index[*]:-}"
     return 1
 }
 
 setup_env() {
-    local deadline=$((SECONDS + SETUP_S < DEADLINE ? SECONDS + SETUP_S : DEADLINE)) start=$SECONDS extra=("pytest>=8")
-    [[ $DEVICE == cpu ]] || extra+=("triton>=3.0")
+    local deadline=$((SECONDS + SETUP_S < DEADLINE ? SECONDS + SETUP_S : DEADLINE)) start=$SECONDS
     echo "== setup (at most $((deadline - SECONDS)) s; log $LOGS/01-setup.log)"
     if ! find_python "$deadline"; then
         PY=$(command -v "${PYTHON:-python3}") || {
@@ -227,7 +275,7 @@ setup_env() {
         row "environment" FAIL "$PY has no pip: cannot install what is missing"
         return 1
     }
-    if ! install_missing "$deadline" "${extra[@]}"; then
+    if ! install_missing "$deadline" "pytest>=8" "triton>=3.0"; then
         row "environment" FAIL "missing packages (see above); carry their wheels in WHEELS_DIR=$WHEELS_DIR"
         return 1
     fi
