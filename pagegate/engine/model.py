@@ -42,6 +42,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32, scale in the model dtype, as Hugging Face does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,36 +71,40 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half, as HF Llama) with a cos/sin table for every position."""
+    """Neox-style RoPE (rotate_half, as HF Llama) with a cos/sin table for every position.
+
+    The table holds cos and a signed sin over the whole head: x -> x cos + roll(x, D/2) sin'
+    is HF's x cos + rotate_half(x) sin in four ops, with the same roundings."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
         self.max_position_embeddings = max_position_embeddings
-        self.register_buffer("cos_sin", torch.empty(max_position_embeddings, head_dim), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(max_position_embeddings, 2 * head_dim), persistent=False)
         if not self.cos_sin.is_meta:
             self.build_cache()
 
     def build_cache(self) -> None:
-        """Fill the float32 [max_pos, head_dim] table: cos in the first half, sin in the second."""
+        """Fill the float32 [max_pos, 2 * head_dim] table: (cos, cos) then (-sin, sin) per position."""
         inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings)
         positions = torch.arange(self.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.cat([cos, cos, -sin, sin], dim=-1)
         self.cos_sin = table.to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim / 2] for the given positions."""
+        """cos, signed sin [T, 1, head_dim] for the given positions."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D]: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.to(x.dtype)
+    """Rotate x [T, H, D]: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in float32."""
+    x32 = x if x.dtype == torch.float32 else x.float()
+    rotated = x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin
+    return rotated if x.dtype == torch.float32 else rotated.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -116,10 +122,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q_size, k_size, _ = self.qkv_proj.shard_sizes
+        qkv = self.qkv_proj(x)
+        qk = apply_rope(qkv[:, :q_size + k_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+                        cos, sin)  # q and k rotated together: one set of ops
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + k_size:].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
