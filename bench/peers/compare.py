@@ -156,8 +156,7 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, figure in enumerate(FIGURES):
         ratios = [sides["pagegate"][figure] / sides["llama.cpp"][figure] for sides in results.values()]
-        ax.bar(np.arange(len(results)) + (i - (len(FIGURES) - 1) / 2) * width, ratios, width,
-               label=figure.split(" (")[0].replace(" tok/s", ""))
+        ax.bar(np.arange(len(results)) + (i - (len(FIGURES) - 1) / 2) * width, ratios, width, label=figure)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(results)), list(results))
     ax.set_ylabel("pagegate / llama.cpp (tok/s)")

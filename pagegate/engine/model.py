@@ -11,6 +11,7 @@ from torch import nn
 
 from pagegate import kernels
 from pagegate.engine.model_config import ModelConfig, RopeConfig
+from pagegate.kernels.quant import linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
@@ -25,7 +26,14 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each sequence's tokens in the flat batch
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through pagegate's kernels (decode steps stream the weight on every core)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """Several checkpoint projections stacked along the output dim (q/k/v, gate/up) for one matmul."""
 
     def __init__(self, in_features: int, shard_names: tuple[str, ...], shard_sizes: tuple[int, ...],
@@ -118,7 +126,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, ("q_proj", "k_proj", "v_proj"),
                                      (q_size, kv_size, kv_size), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -143,7 +151,7 @@ class MLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, ("gate_proj", "up_proj"), (size, size),
                                          bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -190,7 +198,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

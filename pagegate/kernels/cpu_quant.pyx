@@ -16,8 +16,8 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t
 
 import torch
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8  # ggml's type ids
+BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q8_0: 34}
 cdef enum:
     BLOCK = 32
     MAX_ROWS = 16  # input rows matmul takes at once (accumulators on the stack)
@@ -59,6 +59,14 @@ cdef extern from *:
 
     /* One block's 32 weights as float32, exactly as ggml defines them. */
     static inline void pgq_decode(int qtype, const uint8_t *block, float *w) {
+        if (qtype == 0) {
+            memcpy(w, block, 128);
+            return;
+        }
+        if (qtype == 1) {
+            for (int j = 0; j < 32; j++) w[j] = pgq_half(block + 2 * j);
+            return;
+        }
         const float d = pgq_half(block);
         if (qtype == 8) {
             const int8_t *q = (const int8_t *)(block + 2);
@@ -93,7 +101,7 @@ cdef extern from *:
 
     #if defined(__GNUC__) && defined(__x86_64__)
     #include <immintrin.h>
-    #define PGQ_AVX2 __attribute__((target("avx2,fma")))
+    #define PGQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
     PGQ_AVX2 static inline __m256 pgq_bytes_to_float(__m128i bytes, int is_signed) {
         return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
@@ -108,12 +116,17 @@ cdef extern from *:
         const __m128i low4 = _mm_set1_epi8(15);
         for (int b = 0; b < k / 32; b++) {
             const uint8_t *block = blocks + (int64_t)b * block_bytes;
-            const __m256 d = _mm256_set1_ps(pgq_half(block));
             __m256 w[4];
-            if (qtype == 8) {
+            if (qtype == 0) {
+                for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)block + 8 * i);
+            } else if (qtype == 1) {
+                for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
+            } else if (qtype == 8) {
+                const __m256 d = _mm256_set1_ps(pgq_half(block));
                 for (int i = 0; i < 4; i++)
                     w[i] = _mm256_mul_ps(d, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * i)), 1));
             } else {
+                const __m256 d = _mm256_set1_ps(pgq_half(block));
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (qtype == 3 ? 4 : 2)));
                 const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
                 const __m128i nibbles[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -137,7 +150,9 @@ cdef extern from *:
             out[r * out_stride] = _mm_cvtss_f32(h);
         }
     }
-    static int pgq_use_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+    static int pgq_use_avx2(void) {
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
     #else
     static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
                              const float *x, int rows, float *out, int64_t out_stride) {}
@@ -166,7 +181,7 @@ pgq_init()
 
 def _check(blocks, int qtype, int k):
     if qtype not in BLOCK_BYTES:
-        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: Q4_0, Q4_1, Q8_0")
+        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, Q4_0, Q4_1, Q8_0")
     if k % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 [N, K / 32 * block bytes] tensor, K a multiple of 32")
     if blocks.shape[1] != k // BLOCK * BLOCK_BYTES[qtype]:

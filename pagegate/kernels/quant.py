@@ -1,19 +1,34 @@
-"""Matmul with weights kept in GGUF blocks (Q4_0, Q4_1, Q8_0), on CPU (pagegate.kernels.cpu_quant)."""
+"""Matmuls on pagegate's CPU kernel (pagegate.kernels.cpu_quant): weights kept in GGUF blocks
+(Q4_0, Q4_1, Q8_0, F16), and float32 linear layers with few input rows (decode steps), where
+streaming the weight on every core beats the BLAS's single-threaded matrix-vector product."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagegate.kernels.dispatch import quant_kernel
 
+F32 = 0  # ggml's type id of plain float32 rows
 FUSED_MAX_ROWS = 8  # up to this many input rows decode each block once for all of them
 TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used by one GEMM while in cache
 
 
 def block_types() -> frozenset[int]:
-    """The ggml type ids this machine can keep in blocks (none when the extension is not built)."""
+    """The ggml type ids worth keeping in blocks (none when the extension is not built)."""
     kernel = quant_kernel()
-    return frozenset(kernel.BLOCK_BYTES) if kernel is not None else frozenset()
+    return frozenset(kernel.BLOCK_BYTES) - {F32} if kernel is not None else frozenset()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a float32 CPU call with at most FUSED_MAX_ROWS rows runs on the kernel."""
+    kernel = quant_kernel()
+    if (kernel is None or x.dim() != 2 or x.shape[0] > FUSED_MAX_ROWS or x.device.type != "cpu"
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape[1] % 32
+            or not weight.is_contiguous() or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    out = kernel.matmul(x, weight.view(torch.uint8), F32)
+    return out if bias is None else out + bias
 
 
 def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:

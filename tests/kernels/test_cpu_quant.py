@@ -9,16 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagegate.kernels import cpu_quant
-from pagegate.kernels.quant import FUSED_MAX_ROWS, quantized_matmul
+from pagegate.kernels.quant import FUSED_MAX_ROWS, linear, quantized_matmul
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
 def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, the float32 weights they stand for) of a random [n, k] weight."""
     weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = quantize(weights, qtype)
-    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(dequantize(blocks, qtype).copy())
+    dequantized = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)), dequantized
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -58,3 +59,11 @@ def test_bad_blocks_are_refused(qtype: Q, k: int, match: str) -> None:
         cpu_quant.matmul(torch.zeros(1, k), blocks, int(qtype))
     with pytest.raises(IndexError):
         cpu_quant.dequantize(quantized(Q.Q8_0, 4, 32)[0], int(Q.Q8_0), 32, torch.tensor([4]))
+
+
+@pytest.mark.parametrize("rows", [1, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1])
+def test_linear_agrees_with_torch_on_both_paths(rows: int) -> None:
+    weight, bias, x = torch.randn(70, 96), torch.randn(70), torch.randn(rows, 96)
+    torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    odd = torch.randn(5, 40)  # not whole blocks of 32: torch's path
+    torch.testing.assert_close(linear(x[:, :40], odd), x[:, :40] @ odd.t())
