@@ -35,7 +35,7 @@ bench: $(STAMP) $(SMOLLM2)
 # pagegate vs llama.cpp (built once from the llama-cpp-python sdist into .cache/peers) -> docs/peers.{md,png}
 bench-peers: $(STAMP) $(SMOLLM2)
 	command -v cmake >/dev/null || (apt-get update && apt-get install -y cmake)
-	$(PY) -m bench.peers.compare $(ARGS)
+	$(PY) -m bench.peers.compare --models default,smollm2,llama100m $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check pagegate tests bench scripts
