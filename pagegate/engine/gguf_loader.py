@@ -134,7 +134,7 @@ class GGUFFile:
             kinds = {int(t.tensor_type) for t in tensors if t is not None}
             if None in tensors or len(kinds) != 1 or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
-            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(np.array(t.data)))
+            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(np.array(t.data).view(np.uint8)))
                                 for name, t in zip(names, tensors, strict=True)])
             model.set_submodule(path, _block_module(module, blocks, kinds.pop()))
             self.kept.update(t.name for t in tensors)

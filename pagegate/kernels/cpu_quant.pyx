@@ -27,15 +27,6 @@ cdef extern from *:
     #include <stdint.h>
     #include <string.h>
 
-    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
-    #  if __has_attribute(target_clones)
-    #    define PGQ_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-    #  endif
-    #endif
-    #ifndef PGQ_CLONES
-    #  define PGQ_CLONES
-    #endif
-
     static float pgq_half_table[65536];  /* float16 bits -> float32, filled once at import */
 
     static float pgq_half_to_float(uint16_t h) {
@@ -107,33 +98,41 @@ cdef extern from *:
         return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
     }
 
-    /* The same with AVX2: a block's 32 weights in four vectors (d q + m as one fused multiply-add),
-       folded into two accumulators a row so consecutive FMAs do not wait on each other. */
+    /* One block's 32 weights as four AVX2 vectors, the same values as pgq_decode (no fused multiply-add). */
+    PGQ_AVX2 static inline void pgq_decode_avx2(int qtype, const uint8_t *block, __m256 *w) {
+        if (qtype == 0) {
+            for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)block + 8 * i);
+        } else if (qtype == 1) {
+            for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
+        } else if (qtype == 8) {
+            const __m256 d = _mm256_set1_ps(pgq_half(block));
+            for (int i = 0; i < 4; i++)
+                w[i] = _mm256_mul_ps(d, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * i)), 1));
+        } else {
+            const __m256 d = _mm256_set1_ps(pgq_half(block));
+            const __m128i low4 = _mm_set1_epi8(15), bytes = _mm_loadu_si128((const __m128i *)(block + (qtype == 3 ? 4 : 2)));
+            const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            const __m128i nibbles[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            if (qtype == 3) {
+                const __m256 m = _mm256_set1_ps(pgq_half(block + 2));
+                for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(d, pgq_bytes_to_float(nibbles[i], 0)), m);
+            } else {
+                const __m256 eight = _mm256_set1_ps(8.0f);
+                for (int i = 0; i < 4; i++)
+                    w[i] = _mm256_mul_ps(d, _mm256_sub_ps(pgq_bytes_to_float(nibbles[i], 0), eight));
+            }
+        }
+    }
+
+    /* pgq_row_plain with AVX2: each block decoded once, folded into two accumulators a row so
+       consecutive FMAs do not wait on each other. */
     PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
                                       const float *x, int rows, float *out, int64_t out_stride) {
         __m256 acc[2 * 16];
         for (int i = 0; i < 2 * rows; i++) acc[i] = _mm256_setzero_ps();
-        const __m128i low4 = _mm_set1_epi8(15);
         for (int b = 0; b < k / 32; b++) {
-            const uint8_t *block = blocks + (int64_t)b * block_bytes;
             __m256 w[4];
-            if (qtype == 0) {
-                for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)block + 8 * i);
-            } else if (qtype == 1) {
-                for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
-            } else if (qtype == 8) {
-                const __m256 d = _mm256_set1_ps(pgq_half(block));
-                for (int i = 0; i < 4; i++)
-                    w[i] = _mm256_mul_ps(d, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * i)), 1));
-            } else {
-                const __m256 d = _mm256_set1_ps(pgq_half(block));
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (qtype == 3 ? 4 : 2)));
-                const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-                const __m128i nibbles[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                const __m256 offset = qtype == 3 ? _mm256_set1_ps(pgq_half(block + 2))
-                                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-                for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, pgq_bytes_to_float(nibbles[i], 0), offset);
-            }
+            pgq_decode_avx2(qtype, blocks + (int64_t)b * block_bytes, w);
             for (int r = 0; r < rows; r++) {
                 const float *xb = x + (int64_t)r * k + b * 32;
                 acc[2 * r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[2 * r]);
@@ -150,25 +149,39 @@ cdef extern from *:
             out[r * out_stride] = _mm_cvtss_f32(h);
         }
     }
+
+    PGQ_AVX2 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
+                                                 float *out) {
+        for (int b = 0; b < k / 32; b++) {
+            __m256 w[4];
+            pgq_decode_avx2(qtype, blocks + (int64_t)b * block_bytes, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
+        }
+    }
     static int pgq_use_avx2(void) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     }
     #else
     static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
                              const float *x, int rows, float *out, int64_t out_stride) {}
+    static void pgq_dequantize_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k, float *out) {}
     static int pgq_use_avx2(void) { return 0; }
     #endif
 
-    typedef void (*pgq_row_fn)(int, const uint8_t *, int, int, const float *, int, float *, int64_t);
-    static pgq_row_fn pgq_row = pgq_row_plain;
-    static void pgq_init(void) {
-        for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
-        if (pgq_use_avx2()) pgq_row = pgq_row_avx2;
+    static void pgq_dequantize_row_plain(int qtype, const uint8_t *blocks, int block_bytes, int k, float *out) {
+        for (int b = 0; b < k / 32; b++) pgq_decode(qtype, blocks + (int64_t)b * block_bytes, out + b * 32);
     }
 
-    PGQ_CLONES static void pgq_dequantize_row(int qtype, const uint8_t *blocks, int block_bytes, int k,
-                                              float *out) {
-        for (int b = 0; b < k / 32; b++) pgq_decode(qtype, blocks + (int64_t)b * block_bytes, out + b * 32);
+    typedef void (*pgq_row_fn)(int, const uint8_t *, int, int, const float *, int, float *, int64_t);
+    typedef void (*pgq_dequantize_fn)(int, const uint8_t *, int, int, float *);
+    static pgq_row_fn pgq_row = pgq_row_plain;
+    static pgq_dequantize_fn pgq_dequantize_row = pgq_dequantize_row_plain;
+    static void pgq_init(void) {
+        for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
+        if (pgq_use_avx2()) {
+            pgq_row = pgq_row_avx2;
+            pgq_dequantize_row = pgq_dequantize_row_avx2;
+        }
     }
     """
     void pgq_init() noexcept nogil

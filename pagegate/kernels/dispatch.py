@@ -33,21 +33,22 @@ def triton_interpreted() -> bool:
 
 
 @functools.cache
+def _extension(name: str) -> ModuleType | None:
+    """A compiled kernel module of this package, or None when it was not built (or cannot load)."""
+    try:
+        return importlib.import_module(f"pagegate.kernels.{name}")
+    except ImportError:
+        return None
+
+
 def cpu_kernel() -> ModuleType | None:
-    """The fused CPU attention extension, or None when it was not built (or cannot load)."""
-    try:
-        return importlib.import_module("pagegate.kernels.cpu_paged")
-    except ImportError:
-        return None
+    """The fused CPU attention extension (cpu_paged), or None."""
+    return _extension("cpu_paged")
 
 
-@functools.cache
 def quant_kernel() -> ModuleType | None:
-    """The CPU quantized-matmul extension, or None when it was not built (or cannot load)."""
-    try:
-        return importlib.import_module("pagegate.kernels.cpu_quant")
-    except ImportError:
-        return None
+    """The CPU quantized-matmul extension (cpu_quant), or None."""
+    return _extension("cpu_quant")
 
 
 def requested_backend(backend: str | None = None) -> str:

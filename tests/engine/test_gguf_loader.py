@@ -81,7 +81,7 @@ def test_quantized_weights_are_within_one_step_of_the_originals(qtype: Q, levels
         assert (error <= step + 1e-6).all(), name
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q, tmp_path: Path) -> None:
     """Q/K rows reordered, packed q/k/v and gate/up, biases and a tied embedding, all read from blocks."""
     config = hf().Qwen2Config(**{**WIDE, "tie_word_embeddings": True})
@@ -93,7 +93,7 @@ def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q,
         linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
         assert len(linears) == 4 * WIDE["num_hidden_layers"] + 1  # + lm_head: output.weight, or tied
         assert kept.config.tie_word_embeddings == (arch == "qwen2")
-        assert weight_bytes(kept) < 0.4 * weight_bytes(load_model(path, quantization="none").model)
+        assert weight_bytes(kept) < 0.55 * weight_bytes(load_model(path, quantization="none").model)
         assert greedy(path) == greedy(path, quantization="none")
 
 
