@@ -34,7 +34,7 @@ def workload(num: int, vocab: int, prompt_lens: tuple[int, int], output_lens: tu
 
 
 def run_pagegate(model: str | None, requests, **llm_kwargs) -> tuple[float, float]:
-    """(load seconds, generation seconds) of LLM.generate over every request at once."""
+    """(load seconds, generation seconds) of LLM.generate over every request at once; prints preemptions."""
     start = time.perf_counter()
     llm = LLM(model, **llm_kwargs)
     loaded = time.perf_counter() - start
@@ -42,7 +42,9 @@ def run_pagegate(model: str | None, requests, **llm_kwargs) -> tuple[float, floa
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
     llm.generate([p for p, _ in requests], params, use_tqdm=False)
-    return loaded, time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    print(f"pagegate: {llm.stats()['num_blocks']} KV pages, {llm.stats()['preemptions']} preemptions")
+    return loaded, elapsed
 
 
 def load_transformers(model: str | None) -> torch.nn.Module:
@@ -81,7 +83,7 @@ def throughput(args) -> None:
     else:  # the issue's real-model workload
         requests = workload(args.requests, 49152 if is_gguf(Path(args.model)) else 32000, (64, 512), (64, 256))
     tokens = sum(n for _, n in requests)
-    our_load, ours = run_pagegate(args.model, requests, max_num_seqs=256,
+    our_load, ours = run_pagegate(args.model, requests, max_num_seqs=256, kv_cache_memory=args.kv_cache_memory,
                                   max_num_batched_tokens=args.max_num_batched_tokens)
     our_rss = peak_rss_mib()
     their_load, theirs = run_transformers(args.model, requests)
@@ -124,6 +126,7 @@ def main() -> None:
     t = sub.add_parser("throughput")
     t.add_argument("--requests", type=int, default=256)
     t.add_argument("--model", default=None, help="a HF folder or GGUF file (default: the embedded model)")
+    t.add_argument("--kv-cache-memory", default="1GiB", help="pagegate's KV pool (transformers has no limit)")
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s = sub.add_parser("step")
     s.add_argument("--steps", type=int, default=200)

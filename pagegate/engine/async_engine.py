@@ -34,6 +34,7 @@ class AsyncEngine:
         self.default_sampling = self.engine.generation.sampling_overrides()  # generation_config.json
         self.metrics = self.engine.metrics
         self._inbox: queue.Queue = queue.Queue()
+        self._inbox_seqs = 0  # sequences of the requests in the inbox (under _lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -70,6 +71,8 @@ class AsyncEngine:
         while True:
             kind, payload = item
             if kind == "add":
+                with self._lock:
+                    self._inbox_seqs -= payload.params.n
                 try:
                     self.engine.add(payload)
                 except ValueError as error:  # e.g. a request id still in use: that request fails, not the loop
@@ -100,6 +103,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            self._inbox_seqs += params.n
         self._inbox.put(("add", request))
         finished = False
         try:
@@ -133,6 +137,13 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running) + self._inbox.qsize()
+
+    def queue_load(self) -> tuple[int, int]:
+        """(sequences waiting to run, running slots free now), counting n choices each: what admission
+        control weighs a new request against. Read from any thread."""
+        with self._lock:
+            inbox = self._inbox_seqs
+        return inbox + self.engine.scheduler.num_waiting_seqs, self.engine.scheduler.free_slots
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -95,6 +95,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences not yet admitted, a request's n choices each (they fork after its prefill)."""
+        waiting = list(self.waiting)  # one C-level copy: safe against the engine thread appending
+        return sum(1 if seq.request.forked else seq.request.params.n for seq in waiting)
+
+    @property
+    def free_slots(self) -> int:
+        """Running slots open now under the running cap (swapped sequences have theirs reserved)."""
+        return max(0, self.cap.value - len(self.running) - len(self.swapped))
+
     # ---- one step ----------------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> ScheduledBatch:

@@ -36,6 +36,7 @@ class EngineHost:
         self.started_at = int(time.time())
         self._on_fatal = on_fatal
         self._pending = 0  # admitted engine requests without a first output yet
+        self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self.num_rejected = 0
         self._active: set[OutputMerger] = set()
         self._load_task: asyncio.Task | None = None
@@ -142,16 +143,19 @@ class EngineHost:
             return {}
 
     # -- requests --------------------------------------------------------------------------------
-    def admit(self, count: int) -> None:
-        """429 when --max-queue requests already wait; callers then start a generation at once."""
+    def admit(self, num_seqs: int) -> None:
+        """429 unless the request's sequences (prompts x n) fit in the engine's free running slots plus
+        --max-queue waiting ones; callers then start the generation at once."""
         limit = self.config.max_queue
         if limit is None:
             return
-        waiting = max(self._pending, self.engine.num_waiting)
-        if waiting >= limit:
+        waiting, free = self.engine.queue_load()
+        waiting += self._unsubmitted
+        if waiting + num_seqs > limit + free:
             self.num_rejected += 1
-            raise Overloaded(f"The server is overloaded: {waiting} requests are waiting (limit {limit}). "
-                             "Retry later.", headers={"Retry-After": str(self.config.retry_after_s)})
+            raise Overloaded(f"The server is overloaded: {waiting} sequences are waiting and this request adds "
+                             f"{num_seqs} (limit {limit} waiting, {free} free running slots). Retry later.",
+                             headers={"Retry-After": str(self.config.retry_after_s)})
 
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""
@@ -176,7 +180,15 @@ class EngineHost:
 
         merger = OutputMerger(streams, on_first, on_close)
         self._active.add(merger)
+        # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
+        # in the order they are scheduled, so this one runs right after those steps.
+        seqs = len(ids) * prepared.params.n
+        self._unsubmitted += seqs
+        asyncio.get_running_loop().call_soon(self._submitted, seqs)
         return merger, ids
+
+    def _submitted(self, seqs: int) -> None:
+        self._unsubmitted -= seqs
 
     def _abort(self, request_id: str) -> None:
         try:

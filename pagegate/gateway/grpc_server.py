@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -146,7 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if stream:
             body["stream"] = True
         prepared = prepare(body, model)
-        self.host.admit(len(prepared.prompts))
+        self.host.admit(len(prepared.prompts) * prepared.params.n)
         return prepared, renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -228,6 +229,38 @@ class GrpcServer:
         logger.info("gRPC server on %s stopped", self.address)
 
 
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Register pagegate.v1.Generation with requests decoded by us, not by grpc: a malformed message then
+    gets INVALID_ARGUMENT (a failing grpc deserializer answers UNKNOWN)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Generation"].methods:
+        request_cls, response_cls = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = factory(_decoding(servicer, method.name, request_cls),
+                                        response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _decoding(servicer: GenerationServicer, name: str, request_cls: type) -> Callable[..., Any]:
+    """The servicer's method behind an authorization check and our own decoding of the request."""
+    method = getattr(servicer, name)
+
+    async def behaviour(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            servicer._authorize(context)  # the key first: strangers learn nothing about message formats
+        except Exception as exc:
+            await _abort(context, exc)
+        try:
+            request = request_cls.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"malformed {request_cls.DESCRIPTOR.full_name} message: {exc}")
+        return await method(request, context)
+
+    return behaviour
+
+
 async def start_grpc_server(host: str, port: int, engine_host: EngineHost) -> GrpcServer:
     """Serve pagegate.v1.Generation, health and reflection on host:port, in the running event loop,
     over the REST app's EngineHost. Raises RuntimeError when the port cannot be bound."""
@@ -236,7 +269,7 @@ async def start_grpc_server(host: str, port: int, engine_host: EngineHost) -> Gr
         ("grpc.max_receive_message_length", engine_host.config.max_request_bytes),
         ("grpc.max_send_message_length", -1),
     ])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine_host), server)
+    add_generation_service(GenerationServicer(engine_host), server)
     health = EngineHealth(engine_host)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

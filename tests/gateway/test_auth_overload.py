@@ -99,3 +99,18 @@ def test_low_chunk_rate_batches_tokens_without_changing_text(guarded: ServerProc
     assert "".join(c.choices[0].text for c in chunks) == whole
     assert len(chunks) < 30  # 60 tokens, one stream paced at 1/20 s: several tokens a chunk
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_queue_counts_sequences_not_requests(guarded: ServerProcess) -> None:
+    """--max-num-seqs 1, --max-queue 1: an idle server takes two sequences (one runs, one waits), never more,
+    whether they come as prompts of one request or as its n choices."""
+    def post(prompts: list[str], n: int = 1) -> httpx.Response:
+        body = {"prompt": prompts, "n": n, "max_tokens": 1}
+        return httpx.post(guarded.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+
+    assert post(["a", "b"]).status_code == 200
+    assert post(["a"], n=2).status_code == 200
+    for prompts, n in ((["a", "b", "c"], 1), (["a", "b"], 2), (["a"] * 600, 2)):
+        refused = post(prompts, n)
+        assert refused.status_code == 429, (len(prompts), n)
+        assert f"adds {len(prompts) * n}" in refused.json()["error"]["message"]

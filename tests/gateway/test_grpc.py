@@ -392,6 +392,18 @@ def test_unknown_model_is_not_found(served: Served, client: GrpcClient) -> None:
         client.chat(MESSAGES, model="nope")
 
 
+@pytest.mark.parametrize("method", ["Complete", "ChatStream"])
+def test_malformed_message_is_invalid_argument(served: Served, method: str) -> None:
+    call = (served.channel.unary_stream if method.endswith("Stream") else served.channel.unary_unary)(
+        f"/pagegate.v1.Generation/{method}")  # no serializers: raw bytes go out as they are
+    with pytest.raises(grpc.RpcError) as caught:
+        reply = call(b"\x0a\xff\xff\xff\xff\x0f", metadata=AUTH, timeout=10)  # a length past the end
+        if method.endswith("Stream"):
+            list(reply)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed pagegate.v1." in caught.value.details()
+
+
 def test_oversized_message_is_resource_exhausted(served: Served, client: GrpcClient, rest: httpx.Client) -> None:
     huge = "x" * (MAX_REQUEST + 1)
     error = rpc_error(served.stub.Complete, pb.CompletionRequest(text=huge), metadata=AUTH)
