@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature a request samples greedily: dividing logits by a vanishing temperature
+# overflows float32, and the limit of softmax(logits / t) as t -> 0 is the argmax (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty divides positive logits and multiplies negative ones; outside this range the
+# text is degenerate and, near 0 (5e-324 is 0 in float32), the logits overflow to inf and NaN.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -35,6 +43,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._check_finite()
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
@@ -45,8 +55,8 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (low <= self.repetition_penalty <= high, "repetition_penalty",
+             f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
@@ -59,9 +69,20 @@ class SamplingParams:
             if not ok:
                 raise InvalidParamError(message, param)
 
+    def _check_finite(self) -> None:
+        """Range checks pass infinity where a side is open and NaN never; say why in one message."""
+        floats = [("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
+                  ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                  ("repetition_penalty", self.repetition_penalty)]
+        floats += [("logit_bias", bias) for bias in (self.logit_bias or {}).values()]
+        for param, value in floats:
+            if not math.isfinite(value):
+                raise InvalidParamError(f"{param} must be a finite number, got {value}", param)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax sampling: temperature 0, or one so small that only the argmax is its limit."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class InvalidParamError(ValueError):

@@ -2,9 +2,10 @@
 
 Order per row: repetition penalty (HF, prompt + output tokens), presence/frequency penalties (OpenAI,
 output tokens), logit_bias, min_tokens masking. Logprobs are log_softmax of these processed logits,
-before temperature and min-p/top-k/top-p. Then temperature, the min-p/top-k/top-p filters and an
-exponential race (argmax of p / q, q ~ Exp(1)); a row with its own generator draws its q alone, so a
-seeded request samples the same tokens whatever else is in the batch.
+before temperature and min-p/top-k/top-p. Then temperature (below GREEDY_TEMPERATURE: the argmax, its
+limit), the min-p/top-k/top-p filters and an exponential race (argmax of p / q, q ~ Exp(1)); a row with
+its own generator draws its q alone, so a seeded request samples the same tokens whatever else is in
+the batch.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             return logits.argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+        # Greedy rows divide by 1 (a vanishing temperature would turn their logits into inf/NaN), and a
+        # temperature past float32's range stays finite so masked (-inf) logits do not become NaN.
+        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
+                                   device=logits.device).clamp_(max=torch.finfo(torch.float32).max)
         probs = torch.softmax(apply_top_k_top_p_min_p(logits / temperature[:, None], rows), dim=-1)
         sampled = (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

@@ -27,7 +27,13 @@ def wants_msgpack(request: Request) -> bool:
 
 
 def dumps_json(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """The one JSON writer of responses and stream chunks.
+
+    JSON has no NaN or Infinity: a non-finite float raises ValueError here (a 500, or an error chunk in a
+    stream) instead of going out as text strict parsers reject. None should arrive: the renderer maps
+    -inf logprobs to a finite floor and sampling parameters that would produce NaN are refused.
+    """
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def dumps_msgpack(obj: Any) -> bytes:
@@ -84,6 +90,7 @@ def _loads_msgpack(raw: bytes) -> Any:
     if not raw:
         raise BadRequest("The request body is empty: send a msgpack map.")
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        # Invalid UTF-8 in a str becomes surrogate escapes, so validation can name the field it is in.
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape")
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise BadRequest(f"The request body is not valid msgpack: {exc}", code="invalid_msgpack") from None

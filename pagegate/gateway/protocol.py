@@ -1,7 +1,8 @@
 """Request models of the OpenAI-compatible API (pydantic v2) and the one function that validates a dict.
 
 Every front end (HTTP JSON, msgpack, a later gRPC door) hands a plain dict to `parse_request`;
-the errors come back as `APIError`s that already carry the OpenAI `param`.
+the errors come back as `APIError`s that already carry the OpenAI `param`. Text anywhere in a body
+must be encodable as UTF-8 and numbers must be finite, or the request is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagegate.engine.params import REPETITION_PENALTY_RANGE
 from pagegate.gateway.errors import BadRequest
 
 MAX_N = 128  # choices per request
@@ -25,6 +27,7 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 INT64 = 2**63 - 1
 INT32 = 2**31 - 1
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = REPETITION_PENALTY_RANGE
 
 PromptShape = str | list[str] | list[int] | list[list[int]]
 
@@ -51,7 +54,8 @@ Prompt = Annotated[PromptShape, PlainValidator(_check_prompt, json_schema_input_
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: Python's json reads NaN/Infinity literals and msgpack carries them; no knob takes them.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     # OpenAI fields this server recognises but does not implement; `parse_request` names them in a 400.
     unsupported: ClassVar[frozenset[str]] = frozenset()
@@ -80,7 +84,7 @@ class SamplingFields(StrictModel):
     # extras beyond OpenAI (vLLM names)
     top_k: int | None = Field(None, ge=-1, le=INT32)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32)
@@ -195,6 +199,7 @@ def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
     """Validate a decoded body (JSON or msgpack) into `model_cls`, or raise a 400 naming the param."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON (or msgpack) object.")
+    check_text(body)
     for key in sorted(model_cls.unsupported & body.keys()):
         if body[key] is not None:
             raise BadRequest(f"`{key}` is not supported by this server.", param=key, code="unsupported_parameter")
@@ -210,8 +215,9 @@ def _bad_request(exc: ValidationError) -> BadRequest:
     kind = error["type"]
     if kind == "missing":
         return BadRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
-    if kind == "extra_forbidden":
-        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    if kind == "extra_forbidden":  # a msgpack key need not be a string
+        name = param or _short(error["loc"][-1])
+        return BadRequest(f"Unrecognized request argument supplied: {name}", param=param, code="unknown_parameter")
     message = str(error["msg"]).removeprefix("Value error, ")
     if param:
         message = f"Invalid value for '{param}': {message}"
@@ -220,9 +226,9 @@ def _bad_request(exc: ValidationError) -> BadRequest:
     return BadRequest(message, param=param or None, code="invalid_value")
 
 
-def _is_field(part: str | int) -> bool:
+def _is_field(part: Any) -> bool:
     """Keep field names and list indexes of an error location, drop pydantic's union-member tags."""
-    return isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS)
+    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
@@ -231,3 +237,50 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_text(body: dict) -> None:
+    """400 for the first string (value or key, at any depth) that UTF-8 cannot encode.
+
+    JSON's "\\ud800" escape decodes to a lone surrogate, and msgpack's invalid UTF-8 arrives as
+    surrogate escapes (see codec); tokenizers and the response writer would fail on either later.
+    Iterative, so a deeply nested body cannot exhaust the Python stack.
+    """
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if (bad := _unencodable_at(value)) is not None:
+                raise _bad_text(path, value, bad)
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (bad := _unencodable_at(key)) is not None:
+                    raise _bad_text(path, key, bad, key=True)
+            pending.extend(((*path, key), item) for key, item in reversed(value.items())
+                           if _may_hold_text(item))
+        elif isinstance(value, list):
+            pending.extend(((*path, index), value[index]) for index in reversed(range(len(value)))
+                           if _may_hold_text(value[index]))
+
+
+def _may_hold_text(value: Any) -> bool:
+    return isinstance(value, (str, dict, list))
+
+
+def _unencodable_at(text: str) -> int | None:
+    """The index of the first character UTF-8 cannot encode (a surrogate), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _bad_text(path: tuple[str | int, ...], text: str, index: int, *, key: bool = False) -> BadRequest:
+    param = ".".join(str(part) for part in path) or None
+    where = ("a key of " if key else "") + (f"'{param}'" if param else "the body")
+    message = (f"Invalid value for {where}: the text is not valid UTF-8 "
+               f"(character {index} is U+{ord(text[index]):04X}, a lone surrogate or an undecodable byte).")
+    return BadRequest(message, param=param, code="invalid_value")

@@ -16,6 +16,14 @@ from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 
 TokenText = Callable[[int], str]
 
+# vLLM's floor: a token the request masked out has logprob -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """A logprob as the API returns it: -inf (and a NaN, which nothing should produce) become LOGPROB_FLOOR."""
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the comparison too
+
 
 @dataclass
 class ChoiceState:
@@ -173,15 +181,15 @@ class CompletionRenderer(Renderer):
         for token_id, logprob in rows:
             token = self.token_text(token_id)
             block["tokens"].append(token)
-            block["token_logprobs"].append(logprob.logprob if logprob else None)
+            block["token_logprobs"].append(finite_logprob(logprob.logprob) if logprob else None)
             block["top_logprobs"].append(self.top_dict(logprob) if logprob else None)
             block["text_offset"].append(state.text_offset)
             state.text_offset += self.text_width(token_id)
         return block
 
     def top_dict(self, logprob: Logprob) -> dict[str, float]:
-        top = {self.token_text(token_id): value for token_id, value in logprob.top.items()}
-        top.setdefault(self.token_text(logprob.token_id), logprob.logprob)
+        top = {self.token_text(token_id): finite_logprob(value) for token_id, value in logprob.top.items()}
+        top.setdefault(self.token_text(logprob.token_id), finite_logprob(logprob.logprob))
         return top
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
@@ -232,7 +240,7 @@ class ChatRenderer(Renderer):
 
     def token_entry(self, token_id: int, logprob: float) -> dict:
         token = self.token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode())}
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         choices = []

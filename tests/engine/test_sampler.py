@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.engine.params import SamplingParams
+from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -192,3 +192,53 @@ def test_input_logits_are_not_modified() -> None:
     before = logits.clone()
     Sampler([EOS])(logits, [_row(repetition_penalty=1.5, prompt=[1, 2]), _row(logit_bias={0: 3.0})])
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 5e-324, 1e-6])
+def test_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Dividing by it would overflow float32 to inf and NaN; its limit is the argmax (issue 12)."""
+    logits = _logits(4)
+    rows = [_row(temperature=temperature), _row(temperature=1.0),
+            _row(temperature=temperature, seed=3, generator=make_generator(3)), _row(temperature=temperature, logprobs=2)]
+    results = Sampler([EOS])(logits, rows)
+    assert [results[i].token_id for i in (0, 2, 3)] == logits[[0, 2, 3]].argmax(-1).tolist()
+    assert all(math.isfinite(v) for v in [results[3].logprob.logprob, *results[3].logprob.top.values()])
+
+
+def test_small_temperature_above_greedy_stays_finite() -> None:
+    logits = torch.tensor([[3.0, 2.9, -1.0, float("-inf")]]).expand(200, 4).clone()
+    results = Sampler([EOS], seed=1)(logits, [_row(temperature=2e-5) for _ in range(200)])
+    assert {r.token_id for r in results} == {0}  # p(1) / p(0) = exp(-0.1 / 2e-5): never
+
+
+def test_temperature_beyond_float32_keeps_masked_tokens_out() -> None:
+    """float32(1e300) is inf, and -inf / inf is NaN: a min_tokens-masked EOS must stay unsampled."""
+    logits = _logits(64, vocab=8)
+    results = Sampler([EOS], seed=2)(logits, [_row(temperature=1e300, min_tokens=2) for _ in range(64)])
+    tokens = [r.token_id for r in results]
+    assert EOS not in tokens and len(set(tokens)) > 3  # the limit of an infinite temperature: uniform
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e3}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"logit_bias": {5: math.nan}}, "logit_bias"),
+    ({"logit_bias": {5: -math.inf}}, "logit_bias"),
+])
+def test_numerically_unsafe_params_are_refused(params: dict, param: str) -> None:
+    with pytest.raises(InvalidParamError) as caught:
+        SamplingParams(**params)
+    assert caught.value.param == param
+
+
+def test_repetition_penalty_bounds_give_finite_logprobs() -> None:
+    logits = _logits(2) * 10
+    rows = [_row(prompt=list(range(V)), repetition_penalty=low_or_high, logprobs=5)
+            for low_or_high in (0.01, 100.0)]
+    for result in Sampler([EOS])(logits, rows):
+        assert all(math.isfinite(v) for v in [result.logprob.logprob, *result.logprob.top.values()])
