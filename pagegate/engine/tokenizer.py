@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -16,6 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from pagegate.engine.model_config import token_id_list
+from pagegate.engine.token_bounds import chars_per_token_bound
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
@@ -53,6 +55,11 @@ class Tokenizer:
         extra_eos = (token_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")) +
                      token_id_list(_read_json(folder / "config.json").get("eos_token_id")))
         return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), config, template, extra_eos)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most input characters one token can stand for (None: no such bound); see token_bounds."""
+        return chars_per_token_bound(self._tokenizer)
 
     @property
     def vocab_size(self) -> int:

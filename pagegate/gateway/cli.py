@@ -14,6 +14,7 @@ import uvicorn
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
 from pagegate.gateway.settings import GatewayConfig
 
 API_KEY_ENV = "PAGEGATE_API_KEY"
@@ -76,6 +77,8 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="CORS origins (space or comma separated; '*' for any)")
     group.add_argument("--max-request-size", default=str(defaults.max_request_bytes),
                        help="largest request body in bytes or like '16MiB' (413 beyond)")
+    group.add_argument("--max-header-size", default=str(defaults.max_header_bytes),
+                       help="largest request line + headers in bytes or like '64KiB' (431 beyond)")
     group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,
                        help="streamed chunks per second across all streams (each of N streams sends at most "
                             "every N/rate s, several tokens per chunk under load); 0: a chunk per update")
@@ -101,6 +104,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys, served_model_names=list(names),
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
+                            max_header_bytes=parse_bytes(args.max_header_size),
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level)
     return engine, gateway
 
@@ -135,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     holder: list[GatewayServer] = []
     app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
+    # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
-                               access_log=not args.disable_uvicorn_access_log,
+                               access_log=not args.disable_uvicorn_access_log, http=HeadLimitedH11Protocol,
+                               h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
     server = GatewayServer(uv_config, app.state.host)
     holder.append(server)

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from pagegate.gateway.auth import bearer_token, key_matches
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, Unauthorized, to_api_error
-from pagegate.gateway.prepare import ModelContext, PreparedRequest, prepare_chat, prepare_completion
+from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
 from pagegate.gateway.proto import pagegate_pb2 as pb
 from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
 from pagegate.gateway.proto.convert import request_to_body, response_from_body
@@ -106,7 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
                      renderer_cls: type[Renderer], id_prefix: str, response_cls: type) -> Any:
         try:
-            prepared, renderer = self._start(request, context, prepare, renderer_cls, id_prefix, stream=False)
+            prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=False)
             merger, _ = self.host.generate(prepared, renderer.request_id)
             finals = await collect(merger)  # cancelled with the call: collect closes the merger (abort)
             return response_from_body(renderer.response(finals), response_cls)
@@ -118,7 +118,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # context.write rather than yield: a cancelled call (client gone, deadline) then always raises
         # CancelledError in this frame, and the finally below aborts the generation at once.
         try:
-            prepared, renderer = self._start(request, context, prepare, renderer_cls, id_prefix, stream=True)
+            prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=True)
             merger, _ = self.host.generate(prepared, renderer.request_id)
         except Exception as exc:
             await _abort(context, exc)
@@ -138,15 +138,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             merger.close()
 
-    def _start(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
-               renderer_cls: type[Renderer], id_prefix: str, *, stream: bool) -> tuple[PreparedRequest, Renderer]:
+    async def _start(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
+                     renderer_cls: type[Renderer], id_prefix: str, *,
+                     stream: bool) -> tuple[PreparedRequest, Renderer]:
         """Auth, readiness, the shared validation path, admission (same order as the REST route)."""
         self._authorize(context)
         _, model = self.host.require_engine()
         body = request_to_body(request)
         if stream:
             body["stream"] = True
-        prepared = prepare(body, model)
+        prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
         self.host.admit(len(prepared.prompts) * prepared.params.n)
         return prepared, renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
 

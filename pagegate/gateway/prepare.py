@@ -1,13 +1,18 @@
 """The one place a validated request becomes engine inputs: prompts as token ids, SamplingParams, priority.
 
 A second front end (gRPC) calls `prepare_completion(body_dict, model)` / `prepare_chat(...)` exactly as
-the HTTP routes do, so validation, tokenization and limits stay identical across doors.
+the HTTP routes do, so validation, tokenization and limits stay identical across doors. Both doors run
+them through `off_loop`: parsing and tokenizing a large request must never stall the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.gateway.errors import BadRequest, NotFound
@@ -19,10 +24,14 @@ from pagegate.gateway.protocol import (
     parse_request,
 )
 
+T = TypeVar("T")
+PREPARE_THREADS = 4  # worker threads for request preparation, shared by every door: a flood queues, never spawns
+
 
 class TokenizerLike(Protocol):
     eos_token_ids: list[int]
     vocab_size: int
+    max_chars_per_token: int | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -56,6 +65,21 @@ class ModelContext:
             raise BadRequest("This model has no tokenizer: send token ids, not text.", param=param)
         return self.tokenizer
 
+    @functools.cached_property
+    def chars_per_token(self) -> int | None:
+        """The most characters one token can stand for (None: no such bound), computed on first use."""
+        return self.tokenizer.max_chars_per_token if self.tokenizer is not None else None
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Before tokenizing: a text longer than max_model_len tokens could ever cover is a 400 at once."""
+        per_token = self.chars_per_token
+        if per_token is None or len(text) <= per_token * self.max_model_len:
+            return
+        raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                         f"{param} text is {len(text)} characters long, more than {self.max_model_len} tokens of "
+                         f"at most {per_token} characters each can hold. Please shorten it.",
+                         param=param, code="context_length_exceeded")
+
 
 @dataclass
 class EnginePrompt:
@@ -84,12 +108,27 @@ class PreparedRequest:
         return bool(options and options.include_usage)
 
 
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """Run `work(*args)` (validate, render the chat template, tokenize) in the shared preparation threads.
+
+    `tokenizers` releases the GIL for most of an encode; the part it holds grows with the text, which
+    `check_text_fits` bounds before tokenizing (bench/health_latency.py measures the loop meanwhile)."""
+    return await asyncio.get_running_loop().run_in_executor(_workers(), functools.partial(work, *args))
+
+
+@functools.cache
+def _workers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagegate-prepare")
+
+
 def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelContext) -> PreparedRequest:
     request = body if isinstance(body, CompletionRequest) else parse_request(CompletionRequest, body)
     name = model.resolve(request.model)
-    prompts = [_completion_prompt(item, model) for item in _prompt_items(request.prompt)]
-    for prompt in prompts:
+    prompts = []
+    for item in _prompt_items(request.prompt):  # fail on the first prompt too long, before tokenizing the rest
+        prompt = _completion_prompt(item, model, request.max_tokens)
         check_length(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
+        prompts.append(prompt)
     params = sampling_params(request, model, request.max_tokens, request.logprobs)
     return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
 
@@ -116,12 +155,15 @@ def _prompt_items(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _completion_prompt(item: str | list[int], model: ModelContext) -> EnginePrompt:
+def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: int | None) -> EnginePrompt:
     if isinstance(item, str):
-        token_ids = model.require_tokenizer("prompt").encode(item, add_special_tokens=True)
+        tokenizer = model.require_tokenizer("prompt")
+        model.check_text_fits(item, "prompt")
+        token_ids = tokenizer.encode(item, add_special_tokens=True)
         if not token_ids:
             raise BadRequest("The prompt is empty after tokenization.", param="prompt")
         return EnginePrompt(token_ids, item)
+    check_length(len(item), max_tokens, model.max_model_len, "prompt")
     check_token_ids(item, model.vocab_size, "prompt")
     return EnginePrompt(list(item), None)
 
@@ -134,6 +176,7 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise BadRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
+    model.check_text_fits(text, "messages")  # the rendered text: a template may trim what it was given
     return EnginePrompt(tokenizer.encode_chat(text), text)
 
 

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import to_api_error
-from pagegate.gateway.prepare import ModelContext, PreparedRequest, prepare_chat, prepare_completion
+from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
 from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
 from pagegate.gateway.streaming import OutputMerger, collect, stream_body
 
@@ -38,8 +38,9 @@ async def _generate(
 ) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
-    prepared = prepare(await read_body(request, host.config.max_request_bytes), model)
-    host.admit(len(prepared.prompts))
+    body = await read_body(request, host.config.max_request_bytes)
+    prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
+    host.admit(len(prepared.prompts) * prepared.params.n)
     renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
     merger, _ = host.generate(prepared, renderer.request_id)
     msgpack_out = wants_msgpack(request)

@@ -12,7 +12,7 @@ import pagegate
 from pagegate.gateway.codec import read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.openapi import openapi_document
-from pagegate.gateway.prepare import chat_prompt, check_token_ids
+from pagegate.gateway.prepare import ModelContext, chat_prompt, check_token_ids, off_loop
 from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
 
 
@@ -47,22 +47,30 @@ async def openapi(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
-    req = parse_request(TokenizeRequest, await read_body(request, host.config.max_request_bytes))
-    model.resolve(req.model)
-    if req.messages is not None:
-        token_ids = chat_prompt(req.messages, model, req.add_generation_prompt).token_ids
-    else:
-        tokenizer = model.require_tokenizer("prompt")
-        token_ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    token_ids = await off_loop(_tokenize, await read_body(request, host.config.max_request_bytes), model)
     body = {"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids}
     return render(body, msgpack_body=wants_msgpack(request))
+
+
+def _tokenize(body: Any, model: ModelContext) -> list[int]:
+    req = parse_request(TokenizeRequest, body)
+    model.resolve(req.model)
+    if req.messages is not None:
+        return chat_prompt(req.messages, model, req.add_generation_prompt).token_ids
+    tokenizer = model.require_tokenizer("prompt")
+    model.check_text_fits(req.prompt or "", "prompt")
+    return tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
 
 
 async def detokenize(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
-    req = parse_request(DetokenizeRequest, await read_body(request, host.config.max_request_bytes))
+    text = await off_loop(_detokenize, await read_body(request, host.config.max_request_bytes), model)
+    return render({"prompt": text}, msgpack_body=wants_msgpack(request))
+
+
+def _detokenize(body: Any, model: ModelContext) -> str:
+    req = parse_request(DetokenizeRequest, body)
     model.resolve(req.model)
     check_token_ids(req.tokens, model.vocab_size, "tokens")
-    text = model.require_tokenizer("tokens").decode(req.tokens)
-    return render({"prompt": text}, msgpack_body=wants_msgpack(request))
+    return model.require_tokenizer("tokens").decode(req.tokens)

@@ -1,0 +1,76 @@
+"""uvicorn's h11 protocol with a limit on the request head: 431 past --max-header-size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pagegate.gateway.codec import dumps_json
+from pagegate.gateway.errors import error_body
+from pagegate.gateway.settings import GatewayConfig
+
+LINGER_S = 2.0  # after a 431, how long to drop what the client still sends before closing
+
+
+class HeadLimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that answers 431 to a request head (request line + headers) over
+    config.h11_max_incomplete_event_size bytes.
+
+    h11 measures a head only while it is incomplete, and uvicorn answers that with a 400; a head that came
+    whole in one read is measured by _HeadLimitedConnection. After the 431 the connection drops what the
+    client still sends, for LINGER_S at most, so that the client reads the answer instead of a reset.
+    """
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.conn = _HeadLimitedConnection(config.h11_max_incomplete_event_size or GatewayConfig.max_header_bytes)
+        self.discarding = False
+
+    def data_received(self, data: bytes) -> None:
+        if not self.discarding:
+            super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self.conn.head_too_large:
+            super().send_400_response(msg)
+            return
+        message = f"The request line and headers exceed the limit of {self.conn.max_head_bytes} bytes."
+        body = dumps_json(error_body(message, "invalid_request_error", None, "request_header_fields_too_large"))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.discarding = True
+        if self.transport.can_write_eof():  # the client sees the answer end; its own close then ends ours
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class _HeadLimitedConnection(h11.Connection):
+    """h11's server side that also refuses a complete head over the limit, and says which error it raised."""
+
+    def __init__(self, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.head_too_large = False
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.head_too_large = exc.error_status_hint == 431
+            raise
+        if isinstance(event, h11.Request) and _head_size(event) > self.max_head_bytes:
+            self.head_too_large = True
+            raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+        return event
+
+
+def _head_size(request: h11.Request) -> int:
+    """The request line and headers as sent, give or take optional whitespace."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()) + 2

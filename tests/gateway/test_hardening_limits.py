@@ -1,0 +1,103 @@
+"""One oversized request never freezes the others (issue 12): a prompt longer than max_model_len tokens
+could hold is refused before tokenization, off the event loop, while /health keeps answering; a request
+head past --max-header-size gets 431 and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagegate.gateway.cli import build_parser, configs_from_args
+from pagegate.gateway.launcher import ServerProcess
+
+BIG_TEXT = "All work and no play makes Jack a dull boy. " * 230_000  # ~10 MB, under the 16 MiB body limit
+HEALTH_BOUND_S = 2.0  # generous: the real figure comes from bench/health_latency.py
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str, param: str | None) -> str:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["code"], error["param"]) == (code, param)
+    return error["message"]
+
+
+def assert_refused_before_tokenizing(response: httpx.Response, param: str) -> None:
+    message = assert_openai_error(response, 400, "context_length_exceeded", param)
+    assert "characters long" in message, message  # the character bound, not a token count
+
+
+def test_health_answers_while_a_10mb_prompt_is_refused(server: ServerProcess, http: httpx.Client, model: str) -> None:
+    answer: dict[str, object] = {}
+
+    def send() -> None:
+        started = time.monotonic()
+        body = {"model": model, "prompt": BIG_TEXT, "max_tokens": 1}
+        answer["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+        answer["seconds"] = time.monotonic() - started
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while True:  # at least one probe, however fast the refusal
+        started = time.monotonic()
+        assert http.get("/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        if not sender.is_alive():
+            break
+        time.sleep(0.01)
+    sender.join()
+    assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f}s while a 10 MB prompt was refused"
+    assert_refused_before_tokenizing(answer["response"], "prompt")
+    assert answer["seconds"] < 10, f"the refusal took {answer['seconds']:.1f}s"
+
+
+@pytest.mark.parametrize(("path", "field", "param"), [
+    ("/v1/chat/completions", "messages", "messages"),
+    ("/tokenize", "prompt", "prompt"),
+])
+def test_other_doors_refuse_a_10mb_text_quickly(http: httpx.Client, model: str, path: str, field: str,
+                                                param: str) -> None:
+    value = [{"role": "user", "content": BIG_TEXT}] if field == "messages" else BIG_TEXT
+    started = time.monotonic()
+    response = http.post(path, json={"model": model, field: value})
+    assert_refused_before_tokenizing(response, param)
+    assert time.monotonic() - started < 10
+
+
+def raw_get(server: ServerProcess, header_bytes: int) -> tuple[int, bytes]:
+    """GET /health with one header of `header_bytes` bytes, over a plain socket: (status, body)."""
+    head = (b"GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\nX-Padding: " + b"p" * header_bytes
+            + b"\r\n\r\n")
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        sock.sendall(head)
+        chunks = []
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    answer = b"".join(chunks)
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("header_bytes", [100 * 1024, 16 * 1024 * 1024])
+def test_oversized_head_gets_431_and_the_server_keeps_serving(server: ServerProcess, http: httpx.Client,
+                                                              header_bytes: int) -> None:
+    started = time.monotonic()
+    status, body = raw_get(server, header_bytes)
+    assert status == 431 and json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    assert time.monotonic() - started < 10
+    assert http.get("/health").status_code == 200
+
+
+def test_head_under_the_default_limit_is_served(server: ServerProcess) -> None:
+    assert raw_get(server, 32 * 1024)[0] == 200  # past h11's own 16 KiB default, under our 64 KiB
+
+
+def test_max_header_size_flag() -> None:
+    assert configs_from_args(build_parser().parse_args([]))[1].max_header_bytes == 64 * 1024
+    assert configs_from_args(build_parser().parse_args(["--max-header-size", "8KiB"]))[1].max_header_bytes == 8192
