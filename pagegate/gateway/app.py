@@ -77,6 +77,7 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error = from_status(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+    error.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
     return render_error(error, msgpack_body=wants_msgpack(request))
 
 

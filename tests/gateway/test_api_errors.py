@@ -124,7 +124,9 @@ def test_body_over_limit_is_413(http: httpx.Client) -> None:
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:
     assert_error(http.get("/v1/nothing"), 404)
-    assert_error(http.get("/v1/completions"), 405)
+    not_allowed = http.get("/v1/completions")
+    assert_error(not_allowed, 405)
+    assert not_allowed.headers["allow"] == "POST"
     assert_error(http.get("/v1/models/no-such-model"), 404, "model")
 
 
