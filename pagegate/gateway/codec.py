@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import msgpack
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pagegate.gateway.errors import APIError, BadRequest, PayloadTooLarge
+from pagegate.gateway.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge
+
+logger = logging.getLogger("pagegate.gateway")
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -65,11 +68,15 @@ async def _read_limited(request: Request, limit: int) -> bytes:
         raise _too_large(int(declared), limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client's choice, not a server error: one line, no traceback
+        logger.info("%s %s: the client left after sending %d body bytes", request.method, request.url.path, size)
+        raise ClientClosed("The client closed the connection before sending the whole body.") from None
     return b"".join(chunks)
 
 

@@ -63,6 +63,13 @@ class Overloaded(APIError):
     default_code = "rate_limit_exceeded"
 
 
+class ClientClosed(APIError):
+    """The client left before its request was read (nginx's 499): nobody receives the answer."""
+
+    status_code = 499
+    default_code = "client_closed_request"
+
+
 class ServerError(APIError):
     status_code = 500
     error_type = "server_error"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import msgpack
 import openai
@@ -135,3 +138,20 @@ def test_errors_in_msgpack_when_asked(http: httpx.Client) -> None:
                          headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
     assert response.status_code == 400 and response.headers["content-type"] == "application/msgpack"
     assert msgpack.unpackb(response.content)["error"]["param"] == "n"
+
+
+def test_upload_abandoned_midway_is_one_info_line(server) -> None:
+    """A client that leaves during its upload is its own doing: logged once, no traceback, no 500."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    start = len(server.log())  # only this test's part of the shared server's log
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"prompt\": \"ab")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "the client left after sending" not in server.log()[start:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log()[start:]
+    line = next(x for x in log.splitlines() if "the client left after sending" in x)
+    assert " INFO " in line and "14 body bytes" in line
+    assert "Traceback" not in log and " 500" not in log
