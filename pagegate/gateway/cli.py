@@ -15,6 +15,7 @@ from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_by
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
+from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
 
 API_KEY_ENV = "PAGEGATE_API_KEY"
@@ -137,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     engine_config, config = configs_from_args(args)
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdLogFilter())
     holder: list[GatewayServer] = []
     app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+    uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
                                access_log=not args.disable_uvicorn_access_log, http=HeadLimitedH11Protocol,
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -160,7 +161,8 @@ class EngineHost:
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""
         engine = self.engine
-        ids = [f"{request_id}-{i}" for i in range(len(prepared.prompts))]
+        unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
+        ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
                                    cache_salt=prepared.cache_salt) for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))

@@ -8,6 +8,7 @@ them through `off_loop`: parsing and tokenizing a large request must never stall
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -113,7 +114,7 @@ async def off_loop(work: Callable[..., T], *args: Any) -> T:
 
     `tokenizers` releases the GIL for most of an encode; the part it holds grows with the text, which
     `check_text_fits` bounds before tokenizing (bench/health_latency.py measures the loop meanwhile)."""
-    return await asyncio.get_running_loop().run_in_executor(_workers(), functools.partial(work, *args))
+    return await asyncio.get_running_loop().run_in_executor(_workers(), functools.partial(contextvars.copy_context().run, work, *args))
 
 
 @functools.cache

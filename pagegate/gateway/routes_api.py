@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -16,6 +15,7 @@ from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import to_api_error
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
 from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
+from pagegate.gateway.request_id import request_id_of
 from pagegate.gateway.streaming import OutputMerger, collect, stream_body
 
 T = TypeVar("T")
@@ -41,7 +41,7 @@ async def _generate(
     body = await read_body(request, host.config.max_request_bytes)
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
     host.admit(len(prepared.prompts) * prepared.params.n)
-    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
+    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}")
     merger, _ = host.generate(prepared, renderer.request_id)
     msgpack_out = wants_msgpack(request)
     if prepared.stream:

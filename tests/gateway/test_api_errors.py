@@ -155,3 +155,30 @@ def test_upload_abandoned_midway_is_one_info_line(server) -> None:
     line = next(x for x in log.splitlines() if "the client left after sending" in x)
     assert " INFO " in line and "14 body bytes" in line
     assert "Traceback" not in log and " 500" not in log
+
+
+def test_every_response_carries_a_request_id(server, http: httpx.Client) -> None:
+    """The client's x-request-id is echoed, is the completion's id and tags the request's log lines;
+    without one (or with an unusable one) the server makes one up."""
+    start = len(server.log())
+    given = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                      headers={"x-request-id": "trace-42.a"})
+    assert given.headers["x-request-id"] == "trace-42.a" and given.json()["id"] == "cmpl-trace-42.a"
+    again = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                      headers={"x-request-id": "trace-42.a"})  # the same id twice is fine
+    assert again.status_code == 200
+    for headers in ({}, {"x-request-id": "spaces are not allowed"}):
+        made = http.get("/v1/models", headers=headers).headers["x-request-id"]
+        assert len(made) == 32 and made != "spaces are not allowed"
+    assert http.get("/v1/nothing").headers["x-request-id"]  # errors too
+    refused = http.post("/v1/completions", json={"prompt": PROMPT, "n": 0}, headers={"x-request-id": "bad-n"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-n"
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-request-id: gone-early\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "[request_id=gone-early]" not in server.log()[start:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "[request_id=gone-early]" in server.log()[start:]
