@@ -140,18 +140,27 @@ def test_errors_in_msgpack_when_asked(http: httpx.Client) -> None:
     assert msgpack.unpackb(response.content)["error"]["param"] == "n"
 
 
+def abandon_upload(server, head: bytes, sent: bytes) -> None:
+    """Send a request head promising 1,000 body bytes, then `sent` of them, then leave."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"Content-Length: 1000\r\n\r\n" + sent)
+        time.sleep(0.3)
+
+
+def log_since(server, start: int, wanted: str, timeout_s: float = 10.0) -> str:
+    """The server's log after offset `start`, once it mentions `wanted` (or the timeout passed)."""
+    deadline = time.monotonic() + timeout_s
+    while wanted not in server.log()[start:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return server.log()[start:]
+
+
 def test_upload_abandoned_midway_is_one_info_line(server) -> None:
     """A client that leaves during its upload is its own doing: logged once, no traceback, no 500."""
-    host, port = server.base_url.removeprefix("http://").split(":")
     start = len(server.log())  # only this test's part of the shared server's log
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100000\r\n\r\n{\"prompt\": \"ab")
-        time.sleep(0.3)
-    deadline = time.monotonic() + 10
-    while "the client left after sending" not in server.log()[start:] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    log = server.log()[start:]
+    abandon_upload(server, b"Content-Type: application/json\r\n", b'{"prompt": "ab')
+    log = log_since(server, start, "the client left after sending")
     line = next(x for x in log.splitlines() if "the client left after sending" in x)
     assert " INFO " in line and "14 body bytes" in line
     assert "Traceback" not in log and " 500" not in log
@@ -173,12 +182,5 @@ def test_every_response_carries_a_request_id(server, http: httpx.Client) -> None
     assert http.get("/v1/nothing").headers["x-request-id"]  # errors too
     refused = http.post("/v1/completions", json={"prompt": PROMPT, "n": 0}, headers={"x-request-id": "bad-n"})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-n"
-    host, port = server.base_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-request-id: gone-early\r\n"
-                     b"Content-Length: 1000\r\n\r\n{")
-        time.sleep(0.3)
-    deadline = time.monotonic() + 10
-    while "[request_id=gone-early]" not in server.log()[start:] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "[request_id=gone-early]" in server.log()[start:]
+    abandon_upload(server, b"x-request-id: gone-early\r\n", b"{")
+    assert "[request_id=gone-early]" in log_since(server, start, "[request_id=gone-early]")
