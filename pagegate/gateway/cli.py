@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -78,6 +79,8 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="CORS origins (space or comma separated; '*' for any)")
     group.add_argument("--max-request-size", default=str(defaults.max_request_bytes),
                        help="largest request body in bytes or like '16MiB' (413 beyond)")
+    group.add_argument("--request-timeout", type=float, default=defaults.request_read_timeout_s,
+                       help="seconds to receive a whole request (head and body); 408 beyond, 0: no limit")
     group.add_argument("--max-header-size", default=str(defaults.max_header_bytes),
                        help="largest request line + headers in bytes or like '64KiB' (431 beyond)")
     group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,
@@ -106,6 +109,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
                             max_header_bytes=parse_bytes(args.max_header_size),
+                            request_read_timeout_s=args.request_timeout,
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level)
     return engine, gateway
 
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
-                               access_log=not args.disable_uvicorn_access_log, http=HeadLimitedH11Protocol,
+                               access_log=not args.disable_uvicorn_access_log, http=functools.partial(HeadLimitedH11Protocol, read_timeout_s=config.request_read_timeout_s),
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
     server = GatewayServer(uv_config, app.state.host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import h11
@@ -24,14 +25,43 @@ class HeadLimitedH11Protocol(H11Protocol):
     client still sends, for LINGER_S at most, so that the client reads the answer instead of a reset.
     """
 
-    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: uvicorn.Config, *args: Any,
+                 read_timeout_s: float = GatewayConfig.request_read_timeout_s, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.conn = _HeadLimitedConnection(config.h11_max_incomplete_event_size or GatewayConfig.max_header_bytes)
         self.discarding = False
+        self.read_timeout_s = read_timeout_s
+        self.read_deadline: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
-        if not self.discarding:
-            super().data_received(data)
+        if self.discarding:
+            return
+        if self.read_deadline is None and self.read_timeout_s > 0:  # the first bytes of a request
+            self.read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+        super().data_received(data)
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+            self._cancel_read_deadline()  # the whole request is in (or the connection is over)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_deadline()
+        super().connection_lost(exc)
+
+    def _cancel_read_deadline(self) -> None:
+        if self.read_deadline is not None:
+            self.read_deadline.cancel()
+            self.read_deadline = None
+
+    def _read_timed_out(self) -> None:
+        """The request (head or body) did not arrive in time: 408 if no answer has begun, then close."""
+        self.read_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            message = f"The request was not received within {self.read_timeout_s:g} seconds."
+            body = dumps_json(error_body(message, "invalid_request_error", None, "request_timeout"))
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()  # a waiting route then sees the client gone (a 499, logged at info)
 
     def send_400_response(self, msg: str) -> None:
         if not self.conn.head_too_large:

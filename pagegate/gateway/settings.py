@@ -17,6 +17,7 @@ class GatewayConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     max_header_bytes: int = 64 * 1024  # request line + headers; larger heads get 431
+    request_read_timeout_s: float = 30.0  # from a request's first byte to its last; 408 beyond (0: none)
     log_level: str = "info"
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.

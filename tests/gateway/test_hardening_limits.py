@@ -101,3 +101,36 @@ def test_head_under_the_default_limit_is_served(server: ServerProcess) -> None:
 def test_max_header_size_flag() -> None:
     assert configs_from_args(build_parser().parse_args([]))[1].max_header_bytes == 64 * 1024
     assert configs_from_args(build_parser().parse_args(["--max-header-size", "8KiB"]))[1].max_header_bytes == 8192
+
+
+@pytest.fixture(scope="module")
+def impatient() -> ServerProcess:
+    """A server that gives each request one second to arrive whole."""
+    from tests.gateway.server_args import server_args
+
+    with ServerProcess(server_args("--request-timeout", "1", "--num-kv-blocks", "256")) as process:
+        yield process
+
+
+def answer_to(server: ServerProcess, sent: bytes) -> bytes:
+    """What the server says (until it closes) to a client that sends `sent` and then nothing."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(sent)
+        started, reply = time.monotonic(), b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        assert time.monotonic() - started < 5
+    return reply
+
+
+@pytest.mark.parametrize("sent", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",  # half a head
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro",  # a stalled body
+])
+def test_a_request_that_never_arrives_whole_gets_408(impatient: ServerProcess, sent: bytes) -> None:
+    reply = answer_to(impatient, sent)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert httpx.get(impatient.base_url + "/health").status_code == 200
+    slow_but_whole = httpx.post(impatient.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert slow_but_whole.status_code == 200
