@@ -134,10 +134,6 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None and not self._stopping.is_set()
 
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running) + self._inbox.qsize()
-
     def queue_load(self) -> tuple[int, int]:
         """(sequences waiting to run, running slots free now), counting n choices each: what admission
         control weighs a new request against. Read from any thread."""

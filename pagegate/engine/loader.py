@@ -60,7 +60,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
                     quantization: str | None = None) -> tuple[LoadedModel, Tokenizer | None]:
     """The model and its tokenizer (None: a folder without tokenizer.json); logs time and peak memory.
 
-    A GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks on CPU unless quantization is "none".
+    A GGUF's Q4_0 / Q4_1 / Q8_0 / F16 weights stay in their blocks on CPU unless quantization is "none".
     """
     path, device, start = Path(path), torch.device(device), time.perf_counter()
     if quantization not in (None, "gguf", "none"):

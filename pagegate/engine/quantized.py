@@ -1,4 +1,4 @@
-"""Layers whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0) and are decoded as they are used."""
+"""Layers whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, F16) and are decoded as they are used."""
 
 from __future__ import annotations
 

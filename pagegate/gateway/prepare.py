@@ -66,14 +66,9 @@ class ModelContext:
             raise BadRequest("This model has no tokenizer: send token ids, not text.", param=param)
         return self.tokenizer
 
-    @functools.cached_property
-    def chars_per_token(self) -> int | None:
-        """The most characters one token can stand for (None: no such bound), computed on first use."""
-        return self.tokenizer.max_chars_per_token if self.tokenizer is not None else None
-
     def check_text_fits(self, text: str, param: str) -> None:
         """Before tokenizing: a text longer than max_model_len tokens could ever cover is a 400 at once."""
-        per_token = self.chars_per_token
+        per_token = self.tokenizer.max_chars_per_token if self.tokenizer is not None else None
         if per_token is None or len(text) <= per_token * self.max_model_len:
             return
         raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, the "
@@ -114,7 +109,8 @@ async def off_loop(work: Callable[..., T], *args: Any) -> T:
 
     `tokenizers` releases the GIL for most of an encode; the part it holds grows with the text, which
     `check_text_fits` bounds before tokenizing (bench/health_latency.py measures the loop meanwhile)."""
-    return await asyncio.get_running_loop().run_in_executor(_workers(), functools.partial(contextvars.copy_context().run, work, *args))
+    call = functools.partial(contextvars.copy_context().run, work, *args)  # log lines keep the request id
+    return await asyncio.get_running_loop().run_in_executor(_workers(), call)
 
 
 @functools.cache
