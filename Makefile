@@ -39,6 +39,7 @@ bench-peers: $(STAMP) $(SMOLLM2)
 
 lint: $(STAMP)
 	$(PY) -m ruff check pagegate tests bench scripts
+	$(PY) -m mypy
 
 clean:
 	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so

@@ -8,8 +8,8 @@ gRPC status. Breaking out of a stream cancels the call, and the server aborts th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -54,7 +54,9 @@ def error_from_rpc(error: grpc.RpcError) -> PagegateError:
     """The typed exception for a failed call, with the OpenAI error fields from the trailing metadata."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
-    trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+    # (key, value) pairs on the sync and the asyncio API alike (the stubs know only the sync class)
+    metadata = cast(Iterable[tuple[str, str | bytes]], error.trailing_metadata() if hasattr(error, "trailing_metadata") else ())
+    trailers = {key: value for key, value in metadata if isinstance(value, str)}  # -bin keys are bytes
     status, cls = _BY_CODE.get(code, (500, ServerError))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and trailers.get("pagegate-error-code") != "rate_limit_exceeded":
         status, cls = 413, RequestTooLargeError  # a full queue says so; otherwise a message over the limit

@@ -11,6 +11,8 @@ from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
+from pagegate.core.stats import PoolStats
+
 cnp.import_array()
 
 
@@ -367,15 +369,8 @@ cdef class BlockPool:
     def num_cached_free_blocks(self) -> int:
         return self.num_cached_free
 
-    def stats(self) -> dict:
-        used = self.num_blocks - self.num_free_blocks
-        return {
-            "total": self.num_blocks,
-            "used": used,
-            "free": self.num_free_blocks,
-            "cached_evictable": self.num_cached_free,
-            "shared": self.num_shared,
-            "prefix_cache_hits": self.prefix_hits,
-            "prefix_cache_queries": self.prefix_queries,
-            "utilization": used / self.num_blocks,
-        }
+    def stats(self) -> PoolStats:
+        return PoolStats(total=self.num_blocks, used=self.num_blocks - self.num_free_blocks,
+                         free=self.num_free_blocks, cached_evictable=self.num_cached_free,
+                         shared=self.num_shared, prefix_cache_hits=self.prefix_hits,
+                         prefix_cache_queries=self.prefix_queries)

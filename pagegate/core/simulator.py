@@ -86,7 +86,8 @@ class _Accumulator:
 def simulate_contiguous(trace: Trace, total_bytes: int, bytes_per_token: int) -> SimResult:
     """First-fit over a real address space (in token slots) with sorted, coalesced free holes."""
     holes = [(0, total_bytes // bytes_per_token)]
-    queue, acc = deque(), _Accumulator()
+    queue: deque[int] = deque()
+    acc = _Accumulator()
     req, start = np.empty(0, np.int64), np.empty(0, np.int64)  # running requests, their offsets
     admit_step = np.zeros(len(trace), np.int64)
     step, nxt, done = 0, 0, 0
@@ -146,7 +147,8 @@ def simulate_paged(trace: Trace, total_bytes: int, bytes_per_token: int, block_s
     tables = BlockTables(pool, min(max_seqs, len(trace)), int(trace.max_len.max()) // block_size + 2)
     request_of = np.zeros(tables.max_seqs, np.int64)  # handle -> request
     generated = np.zeros(tables.max_seqs, np.int64)  # handle -> tokens generated so far
-    queue, acc, handles = deque(), _Accumulator(), np.empty(0, np.int32)  # handles in admission order
+    queue: deque[int] = deque()
+    acc, handles = _Accumulator(), np.empty(0, np.int32)  # handles in admission order
     step, nxt, done, preemptions = 0, 0, 0, 0
     while done < len(trace):
         nxt = _arrive(trace, queue, nxt, step)

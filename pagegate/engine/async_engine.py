@@ -11,12 +11,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from pagegate.config import EngineConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import EngineDeadError, RequestFailedError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.stats import EngineHealth, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +143,11 @@ class AsyncEngine:
             inbox = self._inbox_seqs
         return inbox + self.engine.scheduler.num_waiting_seqs, self.engine.scheduler.free_slots
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def health(self) -> dict:
-        health = self.engine.health()
-        health["engine_running"] = self.is_running
-        return health
+    def health(self) -> EngineHealth:
+        return replace(self.engine.health(), engine_running=self.is_running)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; every request is aborted and every page freed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from pagegate.config import EngineConfig
 from pagegate.core import compute_block_hash
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.loader import load_checkpoint
 from pagegate.engine.metrics import EngineMetrics
 from pagegate.engine.outputs import RequestOutput
@@ -20,6 +22,7 @@ from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
+from pagegate.engine.stats import EngineHealth, EngineStats
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class Engine:
             with torch.inference_mode():
                 hidden = self.model.model.embed_tokens(torch.zeros(tokens, dtype=torch.long, device=self.device))
                 for layer in self.model.model.layers:
-                    hidden = hidden + layer.mlp(hidden)
+                    hidden = hidden + layer.get_submodule("mlp")(hidden)
                 self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
             peak = torch.cuda.max_memory_allocated(self.device)
         return device_memory_budget(self.config.cache, self.device, peak)
@@ -92,15 +95,7 @@ class Engine:
                      priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate and tokenize; safe to call from any thread (touches no engine state)."""
         text, token_ids = self._tokenize(prompt)
-        limit = self.max_model_len
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-            raise InvalidParamError(
-                f"this model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(token_ids)} tokens and max_tokens is {params.max_tokens} "
-                f"({len(token_ids) + params.max_tokens} in all)", "max_tokens")
-        if len(token_ids) >= limit:
-            raise InvalidParamError(f"the prompt has {len(token_ids)} tokens, the limit is {limit - 1} "
-                                    f"(max_model_len {limit})", "prompt")
+        check_context(len(token_ids), params.max_tokens, self.max_model_len)
         root = hash_salt(cache_salt) if cache_salt else 0
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root)
 
@@ -112,10 +107,7 @@ class Engine:
             text = prompt
         else:
             token_ids, text = [int(t) for t in prompt], None
-            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidParamError(f"token id {bad[0]} is outside the vocabulary "
-                                        f"[0, {self.model_config.vocab_size})", "prompt")
+            check_token_ids(token_ids, self.model_config.vocab_size, "prompt")
         if not token_ids:
             raise InvalidParamError("the prompt is empty", "prompt")
         return text, token_ids
@@ -174,7 +166,7 @@ class Engine:
         logits = self.runner.execute(batch)
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
                             if s.num_computed <= s.num_prompt_tokens)
-        self.metrics.count("vllm:prompt_tokens", prompt_tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         self.num_prompt_tokens += prompt_tokens
         sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
         moved = self._sample(sampling, logits, time.monotonic())
@@ -195,7 +187,7 @@ class Engine:
         for seq, result in zip(seqs, results, strict=True):
             self._append_token(seq, result.token_id, result.logprob, now)
             moved[id(seq.request)] = seq.request
-        self.metrics.count("vllm:generation_tokens", len(results))
+        self.metrics.generation_tokens.inc(len(results))
         self.num_generation_tokens += len(results)
         for request in moved.values():
             if request.finished:
@@ -215,9 +207,9 @@ class Engine:
         request, params = seq.request, seq.request.params
         if request.first_token_time is None:
             request.first_token_time = now
-            self.metrics.observe("vllm:time_to_first_token_seconds", now - request.arrival_time)
+            self.metrics.time_to_first_token.observe(now - request.arrival_time)
         elif request.last_token_time is not None:
-            self.metrics.observe("vllm:inter_token_latency_seconds", now - request.last_token_time)
+            self.metrics.inter_token_latency.observe(now - request.last_token_time)
         request.last_token_time = now
         seq.token_ids.append(token)
         if seq.logprobs is not None and logprob is not None:
@@ -235,7 +227,7 @@ class Engine:
             self.scheduler.free(seq)
 
     def _detokenize(self, seq: Sequence, token: int) -> None:
-        if seq.detokenizer is None:
+        if seq.detokenizer is None or seq.stop_checker is None:
             return
         special_end = seq.finish_reason == "stop" and seq.stop_reason is None  # eos: not in the text
         delta = "" if special_end else seq.detokenizer.step([token])
@@ -250,10 +242,9 @@ class Engine:
 
     def _finish(self, request: Request, now: float) -> None:
         self.requests.pop(request.request_id, None)
-        self.metrics.observe("vllm:e2e_request_latency_seconds", now - request.arrival_time)
+        self.metrics.e2e_request_latency.observe(now - request.arrival_time)
         if request.first_scheduled_time is not None:
-            self.metrics.observe("vllm:request_queue_time_seconds",
-                                 request.first_scheduled_time - request.arrival_time)
+            self.metrics.request_queue_time.observe(request.first_scheduled_time - request.arrival_time)
 
     def _fail(self, request: Request) -> RequestOutput:
         log.warning("request %s failed: %s", request.request_id, request.error)
@@ -266,18 +257,17 @@ class Engine:
         """Recompute the gauges and the health grade from the scheduler's counts."""
         self.health_grade, self.health_reason = self.metrics.update(self.scheduler.stats(), now)
 
-    def stats(self) -> dict:
-        stats = self.scheduler.stats()
-        stats.update(requests=len(self.requests), prompt_tokens=self.num_prompt_tokens,
-                     generation_tokens=self.num_generation_tokens)
-        return stats
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler.stats()
+        return EngineStats(**{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},
+                           requests=len(self.requests), prompt_tokens=self.num_prompt_tokens,
+                           generation_tokens=self.num_generation_tokens)
 
-    def health(self) -> dict:
-        stats = self.stats()
-        return {"grade": self.health_grade, "reason": self.health_reason,
-                "kv_cache_usage": stats["kv_cache_usage"], "waiting": stats["waiting"],
-                "running": stats["running"], "swapped": stats["swapped"],
-                "swaps_in_window": len(self.metrics.swap_times)}
+    def health(self) -> EngineHealth:
+        stats = self.scheduler.stats()
+        return EngineHealth(grade=self.health_grade, reason=self.health_reason,
+                            kv_cache_usage=stats.kv_cache_usage, waiting=stats.waiting, running=stats.running,
+                            swapped=stats.swapped, swaps_in_window=len(self.metrics.swap_times))
 
 
 def hash_salt(salt: str) -> int:

@@ -130,9 +130,10 @@ class GGUFFile:
                 continue
             parent = path.rsplit(".", 1)[0]
             names = [f"{parent}.{shard}.weight" for shard in getattr(module, "shard_names", ())] or [f"{path}.weight"]
-            tensors = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
-            kinds = {int(t.tensor_type) for t in tensors if t is not None}
-            if None in tensors or len(kinds) != 1 or not kinds <= block_types:
+            found = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
+            tensors = [t for t in found if t is not None]
+            kinds = {int(t.tensor_type) for t in tensors}
+            if len(tensors) != len(names) or len(kinds) != 1 or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
             blocks = torch.cat([self._unpermuted(name, torch.from_numpy(np.array(t.data).view(np.uint8)))
                                 for name, t in zip(names, tensors, strict=True)])
@@ -182,7 +183,7 @@ class GGUFFile:
         return values.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(values.shape)
 
 
-def _block_module(module: nn.Module, blocks: torch.Tensor, qtype: int) -> nn.Module:
+def _block_module(module: nn.Embedding | nn.Linear, blocks: torch.Tensor, qtype: int) -> nn.Module:
     """The block-keeping replacement of an nn.Embedding or a (packed) nn.Linear."""
     dtype = module.weight.dtype
     if isinstance(module, nn.Embedding):

@@ -90,16 +90,17 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
-    ids = {name: metadata.get(f"tokenizer.ggml.{name}_token_id")
-           for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    named = {name: metadata.get(f"tokenizer.ggml.{name}_token_id")
+             for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    ids: dict[str, int] = {name: int(i) for name, i in named.items() if i is not None}
     if model == "gpt2":
         backend, add_bos = _byte_level(metadata, tokens)
     elif model == "llama":
-        ids = {"bos": 1, "eos": 2, "unknown": 0} | {name: i for name, i in ids.items() if i is not None}
+        ids = {"bos": 1, "eos": 2, "unknown": 0} | ids
         backend, add_bos = _sentencepiece(metadata, tokens, types, ids["unknown"]), True
     else:
         raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: gpt2, llama")
-    ids = {name: i for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+    ids = {name: i for name, i in ids.items() if 0 <= i < len(tokens)}
 
     special = [AddedToken(token, special=True, normalized=False)
                for token, kind in zip(tokens, types, strict=True) if kind in (_CONTROL, _UNKNOWN)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from tqdm import tqdm
 
@@ -15,6 +15,7 @@ from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import SamplingParams
 from pagegate.engine.sequence import Request
+from pagegate.engine.stats import EngineStats
 from pagegate.engine.tokenizer import Tokenizer
 
 
@@ -93,7 +94,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render a chat")
-        conversations = [messages] if _is_one_conversation(messages) else list(messages)
+        conversations = _conversations(messages)
         kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if tools is not None:
             kwargs["tools"] = tools
@@ -128,17 +129,17 @@ class LLM:
                         bar.update(1)
         return [finished[i] for i in ids]
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str | Mapping):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    return prompts
+        return [cast(Prompt, prompts)]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [cast(list[int], items)]  # one prompt of token ids
+    return cast(list[Prompt], items)
 
 
 def _params_per_prompt(sampling_params: Params, count: int) -> list[SamplingParams]:
@@ -157,18 +158,22 @@ def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int], str | None]:
         unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
             raise ValueError(f"unsupported prompt field(s) {sorted(unknown)}; use {sorted(_PROMPT_KEYS)}")
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt.get("cache_salt")
-        if "prompt" in prompt:
-            return None, prompt["prompt"], prompt.get("cache_salt")
+        fields: Mapping[str, Any] = prompt
+        token_ids, text, salt = fields.get("prompt_token_ids"), fields.get("prompt"), fields.get("cache_salt")
+        if token_ids is not None:
+            return text, list(token_ids), salt
+        if text is not None:
+            return None, text, salt
         raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt), None
     raise TypeError(f"a prompt is a str, a list of token ids or a dict, not {type(prompt).__name__}")
 
 
-def _is_one_conversation(messages: Conversation | Sequence[Conversation]) -> bool:
-    return not messages or isinstance(messages[0], Mapping)
+def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    if not messages or isinstance(messages[0], Mapping):
+        return [cast(Conversation, messages)]
+    return [cast(Conversation, conversation) for conversation in messages]
 
 
 def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:

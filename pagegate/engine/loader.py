@@ -8,7 +8,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -38,7 +38,7 @@ class GenerationDefaults:
     min_p: float | None = None
     repetition_penalty: float | None = None
 
-    def sampling_overrides(self) -> dict[str, Any]:
+    def sampling_overrides(self) -> dict[str, float]:
         """The sampling values the folder sets, as SamplingParams keyword arguments."""
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
@@ -65,6 +65,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
     path, device, start = Path(path), torch.device(device), time.perf_counter()
     if quantization not in (None, "gguf", "none"):
         raise ModelLoadError(f"quantization {quantization!r} is not supported; use gguf or none")
+    tokenizer: Tokenizer | None
     if is_gguf(path):
         gguf = GGUFFile(path)
         model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device)
@@ -134,15 +135,16 @@ def weight_files(folder: Path) -> list[Path]:
 
 def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     """Checkpoint tensor name -> (model parameter, first row, row count) for every expected tensor."""
-    layout = {}
+    layout: dict[str, tuple[torch.Tensor, int, int]] = {}
     for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens and is listed once
         module_path, leaf = name.rsplit(".", 1)
         module = model.get_submodule(module_path)
-        if not getattr(module, "shard_names", ()):  # one tensor (PackedLinear and its QuantLinear stack several)
+        shard_names = getattr(module, "shard_names", ())  # PackedLinear and its QuantLinear stack several tensors
+        if not shard_names:
             layout[name] = (param, 0, param.shape[0])
             continue
         parent, start = module_path.rsplit(".", 1)[0], 0
-        for shard_name, size in zip(module.shard_names, module.shard_sizes, strict=True):
+        for shard_name, size in zip(shard_names, getattr(module, "shard_sizes", ()), strict=True):
             layout[f"{parent}.{shard_name}.{leaf}"] = (param, start, size)
             start += size
     return layout

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagegate.config import HealthThresholds
+from pagegate.engine.stats import SchedulerStats
 
 HEALTH_GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -26,75 +28,73 @@ def health_grade(usage: float, waiting: int, swaps: int, t: HealthThresholds) ->
 
 
 class EngineMetrics:
-    """Owns a CollectorRegistry (one per engine, so tests can run several)."""
+    """Owns a CollectorRegistry (one per engine, so tests can run several); each metric is an attribute."""
 
     def __init__(self, model_name: str, thresholds: HealthThresholds) -> None:
         self.registry = CollectorRegistry()
         self.thresholds = thresholds
         self.swap_times: deque[float] = deque()
-        self._gauges, self._counters, self._histograms = {}, {}, {}
-        labels = ["model_name"]
-        for name, doc in [
-            ("vllm:num_requests_running", "Sequences running (holding device pages)."),
-            ("vllm:num_requests_waiting", "Sequences waiting to be scheduled."),
-            ("vllm:kv_cache_usage_perc", "Fraction of device KV pages in use (0-1)."),
-            ("pagegate:num_requests_swapped", "Sequences swapped out to CPU memory."),
-            ("pagegate:cpu_kv_cache_usage_perc", "Fraction of CPU swap pages in use (0-1)."),
-            ("pagegate:kv_shared_blocks_perc", "Fraction of device pages with refcount > 1 (0-1)."),
-            ("pagegate:health", "Health grade: 0 OK, 1 GOOD, 2 WARNING, 3 CRITICAL."),
-            ("pagegate:max_num_seqs", "The running cap after auto-tuning."),
-        ]:
-            self._gauges[name] = Gauge(name, doc, labels, registry=self.registry).labels(model_name)
-        for name, doc in [
-            ("vllm:num_preemptions", "Preempted sequences."),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
-            ("vllm:prompt_tokens", "Prompt tokens computed."),
-            ("vllm:generation_tokens", "Tokens generated."),
-            ("pagegate:swap_out_blocks", "Pages swapped out to CPU memory."),
-            ("pagegate:swap_in_blocks", "Pages swapped back in."),
-        ]:
-            self._counters[name] = Counter(name, doc, labels, registry=self.registry).labels(model_name)
-        for name, doc in [
-            ("vllm:time_to_first_token_seconds", "Time to first token."),
-            ("vllm:inter_token_latency_seconds", "Time between tokens of a sequence."),
-            ("vllm:e2e_request_latency_seconds", "Arrival to finish."),
-            ("vllm:request_queue_time_seconds", "Arrival to first scheduled."),
-        ]:
-            self._histograms[name] = Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS,
-                                               registry=self.registry).labels(model_name)
-        self._last_totals: dict[str, int] = {}
+        self._model_name = model_name
 
-    def observe(self, name: str, seconds: float) -> None:
-        self._histograms[name].observe(seconds)
+        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.running = gauge("vllm:num_requests_running", "Sequences running (holding device pages).")
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV pages in use (0-1).")
+        self.swapped = gauge("pagegate:num_requests_swapped", "Sequences swapped out to CPU memory.")
+        self.cpu_kv_cache_usage = gauge("pagegate:cpu_kv_cache_usage_perc", "Fraction of CPU swap pages in use (0-1).")
+        self.shared_blocks = gauge("pagegate:kv_shared_blocks_perc",
+                                   "Fraction of device pages with refcount > 1 (0-1).")
+        self.health = gauge("pagegate:health", "Health grade: 0 OK, 1 GOOD, 2 WARNING, 3 CRITICAL.")
+        self.max_num_seqs = gauge("pagegate:max_num_seqs", "The running cap after auto-tuning.")
 
-    def count(self, name: str, amount: int = 1) -> None:
-        if amount:
-            self._counters[name].inc(amount)
+        self.preemptions = counter("vllm:num_preemptions", "Preempted sequences.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.swap_out_blocks = counter("pagegate:swap_out_blocks", "Pages swapped out to CPU memory.")
+        self.swap_in_blocks = counter("pagegate:swap_in_blocks", "Pages swapped back in.")
 
-    def update(self, stats: dict, now: float | None = None) -> tuple[str, str]:
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between tokens of a sequence.")
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
+        self._last = SchedulerStats(*([0] * len(fields(SchedulerStats))))  # the totals the counters have seen
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(name, documentation, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def _histogram(self, name: str, documentation: str) -> Histogram:
+        return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
+                         registry=self.registry).labels(self._model_name)
+
+    def update(self, stats: SchedulerStats, now: float | None = None) -> tuple[str, str]:
         """Refresh the gauges and counters from engine stats; returns the health grade and reason."""
         now = time.monotonic() if now is None else now
-        for key, name in (("preemptions", "vllm:num_preemptions"), ("swap_out_blocks", "pagegate:swap_out_blocks"),
-                          ("swap_in_blocks", "pagegate:swap_in_blocks"),
-                          ("prefix_cache_queries", "vllm:prefix_cache_queries"),
-                          ("prefix_cache_hits", "vllm:prefix_cache_hits")):
-            self.count(name, stats[key] - self._last_totals.get(key, 0))
-            self._last_totals[key] = stats[key]
-        new_swaps = stats["swap_outs"] - self._last_totals.get("swap_outs", 0)
-        self._last_totals["swap_outs"] = stats["swap_outs"]
-        self.swap_times.extend([now] * new_swaps)
+        last, self._last = self._last, stats
+        _advance(self.preemptions, stats.preemptions - last.preemptions)
+        _advance(self.swap_out_blocks, stats.swap_out_blocks - last.swap_out_blocks)
+        _advance(self.swap_in_blocks, stats.swap_in_blocks - last.swap_in_blocks)
+        _advance(self.prefix_cache_queries, stats.prefix_cache_queries - last.prefix_cache_queries)
+        _advance(self.prefix_cache_hits, stats.prefix_cache_hits - last.prefix_cache_hits)
+        self.swap_times.extend([now] * (stats.swap_outs - last.swap_outs))
         while self.swap_times and now - self.swap_times[0] > self.thresholds.window_s:
             self.swap_times.popleft()
-        g = self._gauges
-        g["vllm:num_requests_running"].set(stats["running"])
-        g["vllm:num_requests_waiting"].set(stats["waiting"])
-        g["pagegate:num_requests_swapped"].set(stats["swapped"])
-        g["vllm:kv_cache_usage_perc"].set(stats["kv_cache_usage"])
-        g["pagegate:cpu_kv_cache_usage_perc"].set(stats["cpu_used_blocks"] / max(stats["cpu_blocks"], 1))
-        g["pagegate:kv_shared_blocks_perc"].set(stats["shared_blocks"] / stats["num_blocks"])
-        g["pagegate:max_num_seqs"].set(stats["max_num_seqs"])
-        grade, reason = health_grade(stats["kv_cache_usage"], stats["waiting"], len(self.swap_times),
-                                     self.thresholds)
-        g["pagegate:health"].set(HEALTH_GRADES.index(grade))
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.swapped.set(stats.swapped)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.cpu_kv_cache_usage.set(stats.cpu_used_blocks / max(stats.cpu_blocks, 1))
+        self.shared_blocks.set(stats.shared_blocks / stats.num_blocks)
+        self.max_num_seqs.set(stats.max_num_seqs)
+        grade, reason = health_grade(stats.kv_cache_usage, stats.waiting, len(self.swap_times), self.thresholds)
+        self.health.set(HEALTH_GRADES.index(grade))
         return grade, reason
+
+
+def _advance(counter: Counter, amount: int) -> None:
+    if amount:
+        counter.inc(amount)

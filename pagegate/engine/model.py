@@ -84,6 +84,8 @@ class RotaryEmbedding(nn.Module):
     The table holds cos and a signed sin over the whole head: x -> x cos + roll(x, D/2) sin'
     is HF's x cos + rotate_half(x) sin in four ops, with the same roundings."""
 
+    cos_sin: torch.Tensor  # a buffer
+
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -198,7 +200,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size, bias=False)  # or a QuantLinear
         self.tie_weights()
 
     def tie_weights(self) -> None:

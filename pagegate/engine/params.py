@@ -88,6 +88,7 @@ class SamplingParams:
 class InvalidParamError(ValueError):
     """A request parameter is out of range; `param` names it (the OpenAI error's `param`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code

@@ -11,6 +11,8 @@ from pagegate.kernels.quant import dequantize_rows, quantized_matmul
 class QuantLinear(nn.Module):
     """A linear layer over a block-quantized weight [N, K]; packed projections keep their shard names."""
 
+    blocks: torch.Tensor  # a buffer
+
     def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype,
                  shard_names: tuple[str, ...] = (), shard_sizes: tuple[int, ...] = (), bias: bool = False) -> None:
         super().__init__()
@@ -28,6 +30,8 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token embeddings in blocks: a lookup decodes only the rows it needs."""
+
+    blocks: torch.Tensor  # a buffer
 
     def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -169,9 +169,8 @@ def _attach_logprobs(results: list[SampleResult], logprobs: torch.Tensor, wanted
     """Fill in the sampled token's logprob and the top alternatives for the rows in `wanted`."""
     chosen = torch.tensor([results[i].token_id for i in wanted], device=logprobs.device)
     sampled = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-    num_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
-    top_values, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1))
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs
+    wanted_top = [rows[i].params.logprobs or 0 for i in wanted]
+    top_values, top_ids = (t.tolist() for t in logprobs.topk(min(max(wanted_top), logprobs.shape[1]), dim=-1))
+    for j, (i, k) in enumerate(zip(wanted, wanted_top, strict=True)):
         top = dict(zip(top_ids[j][:k], top_values[j][:k], strict=True))
         results[i].logprob = Logprob(results[i].token_id, sampled[j], top)

@@ -18,7 +18,8 @@ import numpy as np
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
-from pagegate.engine.sequence import SeqStatus, Sequence
+from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
+from pagegate.engine.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        if seq.handle is not None:
+        if seq.handle != NO_PAGES:
             self.tables.free_sequence(seq.handle)
-            seq.handle = None
+            seq.handle = NO_PAGES
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of the running `parent` (n > 1 after the prompt)."""
@@ -182,7 +183,7 @@ class Scheduler:
             self.swapped.append(victim)
             return
         self.tables.free_sequence(victim.handle)
-        victim.handle, victim.num_computed, victim.status = None, 0, SeqStatus.WAITING
+        victim.handle, victim.num_computed, victim.status = NO_PAGES, 0, SeqStatus.WAITING
         self.waiting.append(victim)  # keeps its arrival time: first in line again
 
     def _should_swap(self, victim: Sequence, now: float) -> bool:
@@ -193,7 +194,7 @@ class Scheduler:
             log.info("request %s bounced (swapped out %.2fs after coming back): recompute it from now on",
                      victim.request.request_id, now - victim.last_swap_in)
             return False
-        return self.cpu_pool.num_free_blocks >= self.tables.num_blocks(victim.handle)
+        return self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= self.tables.num_blocks(victim.handle)
 
     def _swap_in(self, batch: ScheduledBatch, budget: int, now: float) -> int:
         for seq in sorted(self.swapped, key=lambda s: s.sort_key):
@@ -258,17 +259,15 @@ class Scheduler:
 
     # ---- introspection -----------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         pool = self.pool.stats()
-        return {
-            "running": len(self.running), "waiting": len(self.waiting), "swapped": len(self.swapped),
-            "num_blocks": pool["total"], "free_blocks": pool["free"], "used_blocks": pool["used"],
-            "cached_blocks": pool["cached_evictable"], "shared_blocks": pool["shared"],
-            "kv_cache_usage": pool["utilization"],
-            "cpu_blocks": self.cpu_pool.num_blocks if self.cpu_pool else 0,
-            "cpu_used_blocks": self.cpu_pool.num_used_blocks if self.cpu_pool else 0,
-            "preemptions": self.num_preemptions, "swap_outs": self.num_swap_outs,
-            "swap_out_blocks": self.num_swapped_out_blocks, "swap_in_blocks": self.num_swapped_in_blocks,
-            "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-            "max_num_seqs": self.cap.value,
-        }
+        cpu = self.cpu_pool
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), swapped=len(self.swapped),
+            num_blocks=pool.total, free_blocks=pool.free, used_blocks=pool.used,
+            cached_blocks=pool.cached_evictable, shared_blocks=pool.shared, kv_cache_usage=pool.utilization,
+            cpu_blocks=cpu.num_blocks if cpu else 0, cpu_used_blocks=cpu.num_used_blocks if cpu else 0,
+            preemptions=self.num_preemptions, swap_outs=self.num_swap_outs,
+            swap_out_blocks=self.num_swapped_out_blocks, swap_in_blocks=self.num_swapped_in_blocks,
+            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
+            max_num_seqs=self.cap.value)

@@ -12,6 +12,8 @@ from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.params import SamplingParams
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
+NO_PAGES = -1  # the handle of a sequence that holds no pages
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -29,7 +31,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     generator: torch.Generator | None = None
-    handle: int | None = None  # BlockTables handle while the sequence holds pages
+    handle: int = NO_PAGES  # BlockTables handle while the sequence holds pages
     num_computed: int = 0  # tokens whose KV is (or is being) written
     status: SeqStatus = SeqStatus.WAITING
     detokenizer: IncrementalDetokenizer | None = None

@@ -47,7 +47,8 @@ def _normalizer_shrink(state: dict[str, Any] | None) -> int | None:
     kind = state.get("type")
     if kind == "Sequence":
         factors = [_normalizer_shrink(child) for child in state.get("normalizers", [])]
-        return None if None in factors else functools.reduce(lambda a, b: a * b, factors, 1)
+        known = [f for f in factors if f is not None]
+        return functools.reduce(lambda a, b: a * b, known, 1) if len(known) == len(factors) else None
     if kind in ("NFC", "NFKC"):
         return COMPOSING_SHRINK
     if kind in _SAME_LENGTH_NORMALIZERS:

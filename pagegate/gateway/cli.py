@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import signal
@@ -149,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
-                               access_log=not args.disable_uvicorn_access_log, http=functools.partial(HeadLimitedH11Protocol, read_timeout_s=config.request_read_timeout_s),
+                               access_log=not args.disable_uvicorn_access_log,
+                               http=HeadLimitedH11Protocol.with_read_timeout(config.request_read_timeout_s),
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
     server = GatewayServer(uv_config, app.state.host)

@@ -21,7 +21,7 @@ EVENT_STREAM = "text/event-stream"
 
 
 def is_msgpack(media_type: str | None) -> bool:
-    return bool(media_type) and any(alias in media_type.lower() for alias in MSGPACK_ALIASES)
+    return media_type is not None and any(alias in media_type.lower() for alias in MSGPACK_ALIASES)
 
 
 def wants_msgpack(request: Request) -> bool:

@@ -8,11 +8,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from pagegate.config import EngineConfig
 from pagegate.engine.model_config import ModelLoadError
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.stats import EngineStats
+from pagegate.gateway.engine_client import EngineClient
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.settings import GatewayConfig
@@ -21,7 +24,6 @@ from pagegate.gateway.streaming import OutputMerger
 logger = logging.getLogger("pagegate.gateway")
 
 LOADING, READY, FAILED, STOPPING = "loading", "ready", "failed", "stopping"
-NO_TOKENIZER_VOCAB = 2**31 - 1  # without a tokenizer the engine alone judges token ids
 MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
 
 
@@ -32,7 +34,7 @@ class EngineHost:
         self.config = config
         self.state = LOADING
         self.reason = "loading the model"
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.model: ModelContext | None = None
         self.started_at = int(time.time())
         self._on_fatal = on_fatal
@@ -50,9 +52,9 @@ class EngineHost:
 
     async def _load(self) -> None:
         try:
-            self.engine = await asyncio.to_thread(_construct_engine, self.engine_config)
-            self.model = self._model_context(self.engine)
-            await self._warm_up()
+            self.engine = engine = await asyncio.to_thread(_construct_engine, self.engine_config)
+            self.model = self._model_context(engine)
+            await self._warm_up(engine)
         except Exception as exc:
             if isinstance(exc, ModelLoadError):  # the user's file or flags: the message says it all
                 logger.error("cannot serve this model: %s", exc)
@@ -66,22 +68,21 @@ class EngineHost:
             self.state, self.reason = READY, "serving"
             logger.info(serving_line(self))
 
-    async def _warm_up(self) -> None:
+    async def _warm_up(self, engine: EngineClient) -> None:
         """One short generation through the whole path, so the first client does not pay for lazy set-up."""
         started = time.perf_counter()
-        tokenizer = self.engine.tokenizer
+        tokenizer = engine.tokenizer
         prompt = tokenizer.encode("Hello") if tokenizer is not None else [0]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        async for _ in self.engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
+        async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
             pass
         logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
 
-    def _model_context(self, engine: Any) -> ModelContext:
+    def _model_context(self, engine: EngineClient) -> ModelContext:
         names = tuple(self.config.served_model_names) or (engine.model_name,)
         tokenizer = engine.tokenizer
-        vocab = tokenizer.vocab_size if tokenizer is not None else getattr(engine, "vocab_size", NO_TOKENIZER_VOCAB)
-        return ModelContext(names, tokenizer, int(engine.max_model_len), int(vocab),
-                            dict(getattr(engine, "default_sampling", {})))
+        vocab = tokenizer.vocab_size if tokenizer is not None else engine.vocab_size
+        return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling))
 
     def drain(self) -> None:
         """Stop taking requests and end every running generation (the server is going down)."""
@@ -97,23 +98,24 @@ class EngineHost:
             await asyncio.shield(self._load_task)  # a half-built engine still owns a thread and pages
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
-            level = logging.WARNING if self.stats().get("used_blocks") else logging.INFO
+            stats = self.stats()
+            level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
             logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
 
     # -- state -----------------------------------------------------------------------------------
-    def require_engine(self) -> tuple[Any, ModelContext]:
+    def require_engine(self) -> tuple[EngineClient, ModelContext]:
         """The running engine and its model, or a 503 that says why not."""
-        if self.state != READY or self.model is None:
+        if self.state != READY or self.engine is None or self.model is None:
             raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
         if not self.engine.is_running:
             raise ServiceUnavailable("The engine is not running.", code="engine_dead")
         return self.engine, self.model
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        if self.state != READY:
+        if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
-            report = {**(self.engine.health() or {}), "status": "ok"}
+            report = {**asdict(self.engine.health()), "status": "ok"}
         except Exception as exc:
             return 503, {"status": "dead", "reason": f"engine health failed: {exc}"}
         if not self.engine.is_running:
@@ -129,28 +131,32 @@ class EngineHost:
         return len(self._active)
 
     def pages_summary(self) -> str:
-        stats = {"block_size": self.engine_config.cache.block_size, **self.stats()}
-        return _pages_summary(stats) or "KV pages unknown"
+        stats = self.stats()
+        if stats is None:
+            return "KV pages unknown"
+        block = self.engine_config.cache.block_size
+        return (f"{stats.num_blocks} pages x {block} tokens = {stats.num_blocks * block} tokens of KV, "
+                f"{stats.used_blocks} in use")
 
     def stream_pace(self) -> float:
         """Seconds between two chunks of one stream: the chunk-rate budget shared by all generations."""
         rate = self.config.stream_chunk_rate
         return min(len(self._active) / rate, MAX_STREAM_PACE_S) if rate > 0 else 0.0
 
-    def stats(self) -> dict[str, Any]:
-        try:
-            return dict(self.engine.stats()) if self.engine is not None else {}
-        except Exception:
-            return {}
+    def stats(self) -> EngineStats | None:
+        """The engine's counts, or None while there is no engine (loading, failed)."""
+        return self.engine.stats() if self.engine is not None else None
 
     # -- requests --------------------------------------------------------------------------------
     def admit(self, num_seqs: int) -> None:
         """429 unless the request's sequences (prompts x n) fit in the engine's free running slots plus
-        --max-queue waiting ones; callers then start the generation at once."""
+        --max-queue waiting ones; callers then start the generation at once. A 503 if the server began
+        stopping while the request was being prepared."""
+        engine, _ = self.require_engine()
         limit = self.config.max_queue
         if limit is None:
             return
-        waiting, free = self.engine.queue_load()
+        waiting, free = engine.queue_load()
         waiting += self._unsubmitted
         if waiting + num_seqs > limit + free:
             self.num_rejected += 1
@@ -160,7 +166,7 @@ class EngineHost:
 
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""
-        engine = self.engine
+        engine, _ = self.require_engine()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
@@ -193,30 +199,19 @@ class EngineHost:
         self._unsubmitted -= seqs
 
     def _abort(self, request_id: str) -> None:
+        if self.engine is None:
+            return
         try:
             self.engine.abort(request_id)
         except Exception as exc:  # the request may already be gone; never fail a cleanup over it
             logger.debug("abort %s: %s", request_id, exc)
 
 
-def _construct_engine(config: EngineConfig) -> Any:
+def _construct_engine(config: EngineConfig) -> EngineClient:
     """In a worker thread: importing torch and loading weights must not block /health."""
     from pagegate.engine.async_engine import AsyncEngine
 
     return AsyncEngine(config)
-
-
-def _pages_summary(stats: dict[str, Any]) -> str:
-    """'N pages x B tokens = T tokens of KV, U in use' from the engine's stats()."""
-    total, block, used = stats.get("num_blocks"), stats.get("block_size"), stats.get("used_blocks")
-    if total is None:
-        return ""
-    text = f"{total} pages"
-    if block is not None:
-        text += f" x {block} tokens = {int(total) * int(block)} tokens of KV"
-    if used is not None:
-        text += f", {used} in use"
-    return text
 
 
 def serving_line(host: EngineHost) -> str:

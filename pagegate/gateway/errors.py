@@ -106,7 +106,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidParamError):
-        return BadRequest(str(exc), param=exc.param, code="invalid_value")
+        return BadRequest(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RequestFailedError):  # this request alone cannot run here (e.g. more pages than exist)
         return BadRequest(f"The request failed: {exc}", code="request_failed")
     if isinstance(exc, EngineDeadError):

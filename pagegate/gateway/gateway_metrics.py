@@ -8,16 +8,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagegate.engine.stats import EngineStats
+
 if TYPE_CHECKING:
     from pagegate.gateway.engine_host import EngineHost
 
-# engine stats key -> (metric name, help)
-PAGE_GAUGES = {
-    "used_blocks": ("pagegate:kv_blocks_used", "KV pages held by requests now (read at scrape time)."),
-    "free_blocks": ("pagegate:kv_blocks_free", "KV pages on the free list now, cached ones included."),
-    "cached_blocks": ("pagegate:kv_blocks_cached", "Free KV pages still holding a reusable prefix."),
-    "num_blocks": ("pagegate:kv_blocks_total", "KV pages in the device pool."),
-}
 
 
 class GatewayCollector:
@@ -28,15 +23,24 @@ class GatewayCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.host.stats()
-        for key, (name, documentation) in PAGE_GAUGES.items():
-            if key in stats:
-                yield GaugeMetricFamily(name, documentation, value=float(stats[key]))
+        if stats is not None:
+            yield from _page_gauges(stats)
         yield GaugeMetricFamily("pagegate:http_generations_active", "Generations the gateway is driving.",
                                 value=float(self.host.num_active))
         yield GaugeMetricFamily("pagegate:http_requests_pending", "Admitted requests without a first token yet.",
                                 value=float(self.host.num_pending))
         yield CounterMetricFamily("pagegate:http_requests_rejected", "Requests refused with 429 (--max-queue).",
                                   value=float(self.host.num_rejected))
+
+
+def _page_gauges(stats: EngineStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily("pagegate:kv_blocks_used", "KV pages held by requests now (read at scrape time).",
+                            value=stats.used_blocks)
+    yield GaugeMetricFamily("pagegate:kv_blocks_free", "KV pages on the free list now, cached ones included.",
+                            value=stats.free_blocks)
+    yield GaugeMetricFamily("pagegate:kv_blocks_cached", "Free KV pages still holding a reusable prefix.",
+                            value=stats.cached_blocks)
+    yield GaugeMetricFamily("pagegate:kv_blocks_total", "KV pages in the device pool.", value=stats.num_blocks)
 
 
 def gateway_registry(host: EngineHost) -> CollectorRegistry:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -233,7 +233,7 @@ class GrpcServer:
 def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
     """Register pagegate.v1.Generation with requests decoded by us, not by grpc: a malformed message then
     gets INVALID_ARGUMENT (a failing grpc deserializer answers UNKNOWN)."""
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in pb.DESCRIPTOR.services_by_name["Generation"].methods:
         request_cls, response_cls = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
         factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
@@ -243,7 +243,7 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _decoding(servicer: GenerationServicer, name: str, request_cls: type) -> Callable[..., Any]:
+def _decoding(servicer: GenerationServicer, name: str, request_cls: type[Message]) -> Callable[..., Any]:
     """The servicer's method behind an authorization check and our own decoding of the request."""
     method = getattr(servicer, name)
 

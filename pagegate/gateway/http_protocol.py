@@ -25,12 +25,18 @@ class HeadLimitedH11Protocol(H11Protocol):
     client still sends, for LINGER_S at most, so that the client reads the answer instead of a reset.
     """
 
-    def __init__(self, config: uvicorn.Config, *args: Any,
-                 read_timeout_s: float = GatewayConfig.request_read_timeout_s, **kwargs: Any) -> None:
+    conn: _HeadLimitedConnection
+    read_timeout_s = GatewayConfig.request_read_timeout_s  # see with_read_timeout
+
+    @classmethod
+    def with_read_timeout(cls, read_timeout_s: float) -> type[HeadLimitedH11Protocol]:
+        """The class uvicorn instantiates (it passes no arguments of ours), with this server's timeout."""
+        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s})
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.conn = _HeadLimitedConnection(config.h11_max_incomplete_event_size or GatewayConfig.max_header_bytes)
         self.discarding = False
-        self.read_timeout_s = read_timeout_s
         self.read_deadline: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.protocol import (
@@ -30,9 +31,14 @@ PREPARE_THREADS = 4  # worker threads for request preparation, shared by every d
 
 
 class TokenizerLike(Protocol):
+    """What the gateway uses of a tokenizer (pagegate.engine.tokenizer.Tokenizer fits)."""
+
     eos_token_ids: list[int]
-    vocab_size: int
-    max_chars_per_token: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_chars_per_token(self) -> int | None: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -124,7 +130,7 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
     prompts = []
     for item in _prompt_items(request.prompt):  # fail on the first prompt too long, before tokenizing the rest
         prompt = _completion_prompt(item, model, request.max_tokens)
-        check_length(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
+        check_context(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
         prompts.append(prompt)
     params = sampling_params(request, model, request.max_tokens, request.logprobs)
     return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
@@ -135,7 +141,7 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     name = model.resolve(request.model)
     prompt = chat_prompt(request.messages, model)
     limit = request.completion_limit
-    check_length(len(prompt.token_ids), limit, model.max_model_len, "messages")
+    check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top)
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt)
@@ -160,7 +166,7 @@ def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: i
         if not token_ids:
             raise BadRequest("The prompt is empty after tokenization.", param="prompt")
         return EnginePrompt(token_ids, item)
-    check_length(len(item), max_tokens, model.max_model_len, "prompt")
+    check_context(len(item), max_tokens, model.max_model_len, "prompt")
     check_token_ids(item, model.vocab_size, "prompt")
     return EnginePrompt(list(item), None)
 
@@ -179,27 +185,6 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
 
 def _template_role(role: str) -> str:
     return "system" if role == "developer" else role
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"Token id {bad} is out of range: the vocabulary has {vocab_size} tokens.", param=param)
-
-
-def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
-    """Reject a prompt that, with the tokens asked for, does not fit the context (say both numbers)."""
-    wanted = prompt_len + (max_tokens or 1)
-    if wanted <= max_model_len:
-        return
-    if max_tokens is None or prompt_len >= max_model_len:
-        message = (f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                   f"{prompt_len} tokens, leaving no room for a completion. Please shorten the prompt.")
-    else:
-        message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                   f"{wanted} tokens ({prompt_len} in the {param}, {max_tokens} for the completion). "
-                   "Please reduce the length of the prompt or max_tokens.")
-    raise BadRequest(message, param=param, code="context_length_exceeded")
 
 
 def sampling_params(

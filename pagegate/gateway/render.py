@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
+from pagegate.gateway.protocol import CompletionRequest
 
 TokenText = Callable[[int], str]
 
@@ -85,6 +86,10 @@ class Renderer:
     def opening_chunks(self) -> list[dict]:
         return []
 
+    def response(self, finals: dict[int, RequestOutput]) -> dict:
+        """The whole (non-streamed) response body from each prompt's final output."""
+        raise NotImplementedError
+
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
         """Chunks for one fresh cumulative output of one engine request (possibly none)."""
         self.latest[prompt_index] = output
@@ -99,9 +104,9 @@ class Renderer:
         raise NotImplementedError
 
     def next_text(self, state: ChoiceState, completion: CompletionOutput) -> str:
-        end = visible_end(completion.text, completion.finished, self.prepared.params.stop)
-        text = completion.text[state.text_sent:end]
-        state.text_sent = max(state.text_sent, end)
+        # The engine's text is already safe to send: it holds back a forming stop string or character.
+        text = completion.text[state.text_sent:]
+        state.text_sent = len(completion.text)
         return text
 
     def next_logprobs(self, state: ChoiceState, completion: CompletionOutput) -> list[Logprob]:
@@ -126,22 +131,6 @@ def _one_per_index(deltas: list[dict]) -> list[list[dict]]:
         groups[-1].append(delta)
         seen.add(delta["index"])
     return groups
-
-
-def visible_end(text: str, finished: bool, stops: list[str]) -> int:
-    """How much of a running choice's text is safe to send: not a possible stop-string start."""
-    if finished:
-        return len(text)
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":  # a multi-byte character still being decoded
-        end -= 1
-    hold = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, end), hold, -1):
-            if text.endswith(stop[:size], 0, end):
-                hold = size
-                break
-    return end - hold
 
 
 class CompletionRenderer(Renderer):
@@ -170,7 +159,8 @@ class CompletionRenderer(Renderer):
         return [{"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": c.finish_reason}]
 
     def echo_prefix(self, state: ChoiceState, prompt_index: int) -> tuple[str, list[tuple[int, Logprob | None]]]:
-        if state.started or not self.prepared.request.echo:
+        request = self.prepared.request
+        if state.started or not (isinstance(request, CompletionRequest) and request.echo):
             return "", []
         prompt_ids = self.prepared.prompts[prompt_index].token_ids
         return self.prompt_text(prompt_index), [(token_id, None) for token_id in prompt_ids]

@@ -9,10 +9,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import pagegate
+from pagegate.engine.limits import check_token_ids
 from pagegate.gateway.codec import read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.openapi import openapi_document
-from pagegate.gateway.prepare import ModelContext, chat_prompt, check_token_ids, off_loop
+from pagegate.gateway.prepare import ModelContext, chat_prompt, off_loop
 from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
 
 
@@ -24,16 +25,10 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """The engine's registry, then the gateway's live page counts and admission counters."""
     host: EngineHost = request.app.state.host
-    registry = engine_registry(host.engine)
-    if registry is None:
+    if host.engine is None:
         return Response(f"# engine {host.state}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
-    text = generate_latest(registry) + generate_latest(request.app.state.gateway_registry)
+    text = generate_latest(host.engine.metrics.registry) + generate_latest(request.app.state.gateway_registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-
-def engine_registry(engine: Any) -> Any:
-    """The engine's prometheus CollectorRegistry (docs/CONTRACTS.md: metrics.registry)."""
-    return getattr(getattr(engine, "metrics", None), "registry", None) if engine is not None else None
 
 
 async def version(request: Request) -> Response:

@@ -4,6 +4,8 @@ streaming the weight on every core beats the BLAS's single-threaded matrix-vecto
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -31,9 +33,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def _required_kernel() -> ModuleType:
+    kernel = quant_kernel()
+    if kernel is None:
+        raise RuntimeError("weights kept in GGUF blocks need pagegate.kernels.cpu_quant, which is not built")
+    return kernel
+
+
 def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [M, K] @ W.T, W [N, K] given as its blocks [N, K / 32 * block bytes]; float32 inside."""
-    kernel = quant_kernel()
+    kernel = _required_kernel()
     x32 = x.float()
     if x32.shape[0] <= FUSED_MAX_ROWS:
         out = kernel.matmul(x32, blocks, qtype)
@@ -47,4 +56,4 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:
     """The float32 rows `rows` of W (an embedding lookup)."""
-    return quant_kernel().dequantize(blocks, qtype, k, rows)
+    return _required_kernel().dequantize(blocks, qtype, k, rows)

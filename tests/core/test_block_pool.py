@@ -78,7 +78,7 @@ def test_prefix_hit_revives_free_page_and_counts_tokens():
     assert blocks.tolist() == a and n == 8
     assert pool.refcount(a[0]) == 1 and pool.num_free_blocks == 6
     stats = pool.stats()
-    assert stats["prefix_cache_hits"] == 8 and stats["prefix_cache_queries"] == 9
+    assert stats.prefix_cache_hits == 8 and stats.prefix_cache_queries == 9
 
 
 def test_root_hash_salts_the_chain():
@@ -106,8 +106,8 @@ def test_stats_report_shared_and_evictable_pages():
     pool.cache_block(a[2], 0, [1, 1, 1, 1])
     pool.free([a[2]])
     stats = pool.stats()
-    assert stats["used"] == 2 and stats["free"] == 6 and stats["shared"] == 2
-    assert stats["cached_evictable"] == 1 and stats["utilization"] == 2 / 8
+    assert stats.used == 2 and stats.free == 6 and stats.shared == 2
+    assert stats.cached_evictable == 1 and stats.utilization == 2 / 8
 
 
 tokens_st = st.lists(st.integers(0, 2), min_size=BS, max_size=BS)
@@ -178,10 +178,10 @@ class PoolMachine(RuleBasedStateMachine):
         free = set(pool.free_block_ids().tolist())
         assert not any(model.refs[b] for b in free)  # no page both free and referenced
         stats = pool.stats()
-        assert stats["used"] + stats["free"] == 12
-        assert stats["shared"] == sum(r > 1 for r in model.refs)
-        assert stats["cached_evictable"] == len(model.cached_free)
-        assert (stats["prefix_cache_hits"], stats["prefix_cache_queries"]) == (model.hits, model.queries)
+        assert stats.used + stats.free == 12
+        assert stats.shared == sum(r > 1 for r in model.refs)
+        assert stats.cached_evictable == len(model.cached_free)
+        assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == (model.hits, model.queries)
 
     def teardown(self):
         self.pool.free(self.held())

@@ -35,7 +35,7 @@ def test_concurrent_streams_each_finish(engine):
     for i, outputs in enumerate(streams):
         assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 6 + i))
         assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
 
 
 def test_leaving_a_stream_aborts_and_frees_its_pages(engine):
@@ -43,17 +43,17 @@ def test_leaving_a_stream_aborts_and_frees_its_pages(engine):
         stream = engine.generate([5] * 40, LONG, "leaver")
         async for out in stream:
             if len(out.outputs[0].token_ids) == 3:
-                assert engine.stats()["used_blocks"] > 0
+                assert engine.stats().used_blocks > 0
                 break
         await stream.aclose()
         for _ in range(100):  # within one engine step
-            if engine.stats()["used_blocks"] == 0:
+            if engine.stats().used_blocks == 0:
                 return True
             await asyncio.sleep(0.01)
         return False
 
     assert run(main())
-    assert engine.stats()["requests"] == 0
+    assert engine.stats().requests == 0
 
 
 def test_n_choices_share_the_prompt_pages(engine):
@@ -74,7 +74,7 @@ def test_a_crashed_loop_fails_waiting_requests_and_reports_unhealthy(engine):
                 pass
 
     run(main())
-    assert not engine.is_running and not engine.health()["engine_running"]
+    assert not engine.is_running and not engine.health().engine_running
     with pytest.raises(EngineDeadError):
         run(anext(engine.generate([3], LONG, "after")))
-    assert engine.engine.stats()["used_blocks"] == 0
+    assert engine.engine.stats().used_blocks == 0

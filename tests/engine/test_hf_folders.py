@@ -40,7 +40,7 @@ def test_half_checkpoint_is_served_in_the_dtype_asked_for(half_model: SavedModel
     prompts = make_prompts()[:6]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert attention_calls  # the fused CPU kernel is float32-only: half caches go to the torch reference
-    assert llm.stats()["preemptions"] > 0
+    assert llm.stats().preemptions > 0
     exact = 0
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids

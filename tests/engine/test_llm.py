@@ -27,8 +27,8 @@ def hf_greedy(saved: SavedModel, prompt: list[int], n: int) -> list[int]:
 
 def assert_all_pages_free(llm: LLM) -> None:
     stats = llm.stats()
-    assert stats["used_blocks"] == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0
-    assert stats["cpu_used_blocks"] == 0
+    assert stats.used_blocks == 0 and stats.running == stats.waiting == stats.swapped == 0
+    assert stats.cpu_used_blocks == 0
 
 
 ENGINE_SETUPS = {
@@ -57,9 +57,9 @@ def test_greedy_matches_transformers(arch, setup, request, references):
     assert [o.outputs[0].token_ids for o in outputs] == references[arch]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     if setup in ("recompute", "swap"):
-        assert llm.stats()["preemptions"] > 0
+        assert llm.stats().preemptions > 0
     if setup == "swap":
-        assert llm.stats()["swap_in_blocks"] > 0
+        assert llm.stats().swap_in_blocks > 0
     assert_all_pages_free(llm)
 
 
@@ -113,7 +113,7 @@ def test_stop_token_ids_end_the_output(llama_model):
 def test_too_long_prompt_is_rejected_with_both_numbers(llama_model):
     from pagegate.engine.params import InvalidParamError
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, max_model_len=64)
-    with pytest.raises(InvalidParamError, match="60 tokens and max_tokens is 10"):
+    with pytest.raises(InvalidParamError, match="60 in the prompt, 10 for the completion"):
         llm.generate([3] * 60, SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(InvalidParamError):  # the good first prompt is not left queued either
         llm.generate([[3] * 5, [3] * 60], SamplingParams(max_tokens=10), use_tqdm=False)

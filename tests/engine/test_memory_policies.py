@@ -46,7 +46,7 @@ def test_cached_pages_survive_until_evicted_least_recently_used_first(llama_mode
     a, b = [11] * 64 + [1], [12] * 64 + [2]  # 4 full pages each, cached when they finish
     llm.generate([a], GREEDY, use_tqdm=False)
     llm.generate([b], GREEDY, use_tqdm=False)
-    assert llm.stats()["cached_blocks"] == 8
+    assert llm.stats().cached_blocks == 8
     filler = [13] * 200  # 13 pages: the 12 never-cached ones, then the least recently freed cached page (a's)
     llm.generate([filler], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert llm.generate([b], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
@@ -63,7 +63,7 @@ def test_n4_matches_four_single_requests_on_shared_pages(llama_model):
     peak, outputs = 0, []
     while engine.has_unfinished():
         outputs += engine.step()
-        peak = max(peak, engine.stats()["used_blocks"])
+        peak = max(peak, engine.stats().used_blocks)
     final = outputs[-1]
     assert [c.token_ids for c in final.outputs] == singles
     assert peak <= 5 + 4  # the prompt's pages once, plus one private page per choice (copy-on-write)
@@ -84,9 +84,9 @@ def test_oversubscribed_pool_finishes_everything_with_identical_output(llama_mod
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = small.stats()
-    assert stats["preemptions"] > 0
+    assert stats.preemptions > 0
     if mode == "swap":
-        assert stats["swap_in_blocks"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"]
+        assert stats.swap_in_blocks > 0 and stats.swap_in_blocks == stats.swap_out_blocks
     assert_all_pages_free(small)
 
 
@@ -124,10 +124,10 @@ def test_engine_health_and_metrics_report_pages(llama_model):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64)
     llm.generate(make_prompts(), GREEDY, use_tqdm=False)
     health = llm.engine.health()
-    assert health["grade"] == "OK" and "KV usage" in health["reason"]
+    assert health.grade == "OK" and "KV usage" in health.reason
     value = llm.engine.metrics.registry.get_sample_value
     labels = {"model_name": llm.engine.model_name}
-    assert value("vllm:generation_tokens_total", labels) == 8 * 6 == llm.stats()["generation_tokens"]
+    assert value("vllm:generation_tokens_total", labels) == 8 * 6 == llm.stats().generation_tokens
     assert value("vllm:kv_cache_usage_perc", labels) == 0.0
     assert value("vllm:time_to_first_token_seconds_count", labels) == 8
     assert value("pagegate:health", labels) == 0

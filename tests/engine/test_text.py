@@ -60,4 +60,4 @@ def test_streamed_text_only_grows_and_never_holds_a_broken_character(text_model)
     for before, after in zip(texts, texts[1:], strict=False):
         assert after.startswith(before)
     assert texts[-1] == engine.tokenizer.decode(outputs[-1].token_ids)
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0

@@ -1,4 +1,4 @@
-"""Pure pieces of the gateway, no server: validation messages, stop-string hold-back, key comparison."""
+"""Pure pieces of the gateway, no server: validation messages, key comparison."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 from pagegate.gateway.auth import bearer_token, key_matches
 from pagegate.gateway.errors import APIError
 from pagegate.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagegate.gateway.render import visible_end
 
 
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1], [2, 3]]])
@@ -35,18 +34,6 @@ def test_chat_content_parts_and_roles() -> None:
     with pytest.raises(APIError) as caught:
         parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
     assert "input_audio" in caught.value.message
-
-
-@pytest.mark.parametrize("text, finished, stops, end", [
-    ("hello wor", False, ["world"], 6),
-    ("hello wor", True, ["world"], 9),
-    ("abc\n", False, ["\n\n"], 3),
-    ("ab\ufffd", False, [], 2),
-    ("abc", False, ["xyz"], 3),
-    ("aab", False, ["abc", "b"], 1),
-])
-def test_visible_end_holds_back_possible_stop_starts(text, finished, stops, end) -> None:
-    assert visible_end(text, finished, stops) == end
 
 
 def test_keys_and_bearer() -> None:

@@ -12,8 +12,9 @@ Value are JSON as is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -32,6 +33,11 @@ class UnknownFieldError(ValueError):
 
 
 # -- descriptors -----------------------------------------------------------------------------------
+def _descriptor(message: Message) -> Descriptor:
+    # the C (upb) descriptor behaves as the Python one; the stubs type the two apart
+    return cast(Descriptor, message.DESCRIPTOR)
+
+
 def _real_oneof(field: FieldDescriptor) -> str | None:
     """The oneof's name for a member of a real oneof; None for plain fields and proto3 `optional`."""
     oneof = field.containing_oneof
@@ -44,6 +50,12 @@ def _real_oneof(field: FieldDescriptor) -> str | None:
 def _is_list_wrapper(descriptor: Descriptor) -> bool:
     fields = descriptor.fields
     return len(fields) == 1 and fields[0].name == "items" and fields[0].is_repeated
+
+
+def _message_type(field: FieldDescriptor) -> Descriptor:
+    if field.message_type is None:
+        raise TypeError(f"{field.name} is not a message field")
+    return field.message_type
 
 
 def _is_map(field: FieldDescriptor) -> bool:
@@ -66,7 +78,7 @@ def request_to_body(message: Message) -> dict[str, Any]:
 def message_to_dict(message: Message) -> dict[str, Any]:
     """Every field, as REST renders it: unset optional fields and messages are None, lists are lists."""
     result: dict[str, Any] = {}
-    for field in message.DESCRIPTOR.fields:
+    for field in _descriptor(message).fields:
         oneof = _real_oneof(field)
         if oneof is not None:
             if message.WhichOneof(oneof) == field.name:
@@ -82,7 +94,7 @@ def message_to_dict(message: Message) -> dict[str, Any]:
 
 def _field_value(field: FieldDescriptor, value: Any, convert: Any) -> Any:
     if _is_map(field):
-        value_field = field.message_type.fields_by_name["value"]
+        value_field = _message_type(field).fields_by_name["value"]
         if value_field.message_type is None:
             return dict(value)
         return {key: _single(value_field, item, convert) for key, item in value.items()}
@@ -92,12 +104,13 @@ def _field_value(field: FieldDescriptor, value: Any, convert: Any) -> Any:
 
 
 def _single(field: FieldDescriptor, value: Any, convert: Any) -> Any:
-    if field.message_type is None:
+    kind = field.message_type
+    if kind is None:
         return value
-    if field.message_type.full_name in JSON_TYPES:
+    if kind.full_name in JSON_TYPES:
         return json_format.MessageToDict(value)
-    if _is_list_wrapper(field.message_type):
-        inner = field.message_type.fields[0]
+    if _is_list_wrapper(kind):
+        inner = kind.fields[0]
         return [_single(inner, item, convert) for item in value.items]
     return convert(value)
 
@@ -113,8 +126,8 @@ def body_to_request(body: dict[str, Any], message_cls: type[M]) -> M:
 
 def _fill(message: Message, body: dict[str, Any]) -> None:
     if not isinstance(body, dict):
-        raise TypeError(f"{message.DESCRIPTOR.name} must be given as a dict, got {type(body).__name__}")
-    descriptor = message.DESCRIPTOR
+        raise TypeError(f"{_descriptor(message).name} must be given as a dict, got {type(body).__name__}")
+    descriptor = _descriptor(message)
     for key, value in body.items():
         if value is None:
             continue
@@ -127,7 +140,7 @@ def _fill(message: Message, body: dict[str, Any]) -> None:
             raise UnknownFieldError(key)
 
 
-def _assign_oneof(message: Message, members: list[FieldDescriptor], value: Any) -> None:
+def _assign_oneof(message: Message, members: Sequence[FieldDescriptor], value: Any) -> None:
     """Pick the first member whose type takes `value` (a string, a list of strings, of ids, ...)."""
     errors = []
     for field in members:
@@ -139,7 +152,7 @@ def _assign_oneof(message: Message, members: list[FieldDescriptor], value: Any) 
             continue
         _assign(message, field, value)
         return
-    raise TypeError(f"{members[0].containing_oneof.name}: no accepted shape fits {value!r:.60}") from errors[-1]
+    raise TypeError(f"{_real_oneof(members[0])}: no accepted shape fits {value!r:.60}") from errors[-1]
 
 
 def _assign(message: Message, field: FieldDescriptor, value: Any) -> None:
@@ -165,12 +178,13 @@ def _assign(message: Message, field: FieldDescriptor, value: Any) -> None:
 
 
 def _assign_message(target: Message, field: FieldDescriptor, value: Any) -> None:
-    if field.message_type.full_name in JSON_TYPES:
+    kind = _message_type(field)
+    if kind.full_name in JSON_TYPES:
         json_format.ParseDict(value, target)
-    elif _is_list_wrapper(field.message_type):
+    elif _is_list_wrapper(kind):
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"expected a list, got {type(value).__name__}")
-        _assign(target, field.message_type.fields[0], list(value))
+        _assign(target, kind.fields[0], list(value))
     else:
         _fill(target, value)
 
@@ -203,5 +217,7 @@ def json_value(value: Any) -> struct_pb2.Value:
     if isinstance(value, str):
         return struct_pb2.Value(string_value=value)
     if isinstance(value, dict):
-        return struct_pb2.Value(struct_value=value)
-    return struct_pb2.Value(list_value={"values": [json_value(v) for v in value]})
+        struct = struct_pb2.Struct()
+        struct.update(value)
+        return struct_pb2.Value(struct_value=struct)
+    return struct_pb2.Value(list_value=struct_pb2.ListValue(values=[json_value(v) for v in value]))

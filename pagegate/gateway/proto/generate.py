@@ -12,7 +12,7 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parents[2]
 PROTO = PROTO_DIR.relative_to(REPO_ROOT) / "pagegate.proto"  # pagegate/gateway/proto/pagegate.proto
-STUB_NAMES = ("pagegate_pb2.py", "pagegate_pb2_grpc.py")
+STUB_NAMES = ("pagegate_pb2.py", "pagegate_pb2.pyi", "pagegate_pb2_grpc.py")
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -21,7 +21,7 @@ def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc
 
     include = protoc._get_resource_file_name("grpc_tools", "_proto")  # google/protobuf/*.proto
-    args = ["grpc_tools.protoc", f"-I{REPO_ROOT}", f"-I{include}", f"--python_out={out_root}",
+    args = ["grpc_tools.protoc", f"-I{REPO_ROOT}", f"-I{include}", f"--python_out={out_root}", f"--pyi_out={out_root}",
             f"--grpc_python_out={out_root}", str(PROTO)]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO}")

@@ -1,0 +1,29 @@
+"""The model's two hard limits on a request, checked here and nowhere else: the engine calls these
+on every request and the gateway calls the same functions before it starts any of a request's prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagegate.engine.params import InvalidParamError
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParamError(f"Token id {bad} is out of range: the vocabulary has {vocab_size} tokens.", param)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "prompt") -> None:
+    """Reject a prompt that, with the tokens asked for (at least one), does not fit the context."""
+    wanted = prompt_len + (max_tokens or 1)
+    if wanted <= max_model_len:
+        return
+    if max_tokens is None or prompt_len >= max_model_len:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                   f"{prompt_len} tokens, leaving no room for a completion. Please shorten the prompt.")
+    else:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{wanted} tokens ({prompt_len} in the {param}, {max_tokens} for the completion). "
+                   "Please reduce the length of the prompt or max_tokens.")
+    raise InvalidParamError(message, param, code="context_length_exceeded")

@@ -1,0 +1,46 @@
+"""Typed snapshots of the engine's state: what the metrics, /health and the gateway read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    running: int  # sequences
+    waiting: int
+    swapped: int
+    num_blocks: int  # device pages
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int  # free pages still holding a reusable prefix
+    shared_blocks: int
+    kv_cache_usage: float  # used / num_blocks
+    cpu_blocks: int  # swap pages
+    cpu_used_blocks: int
+    preemptions: int  # totals since start
+    swap_outs: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    prefix_cache_queries: int  # prompt tokens
+    prefix_cache_hits: int
+    max_num_seqs: int  # the running cap after auto-tuning
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats(SchedulerStats):
+    requests: int  # unfinished
+    prompt_tokens: int  # totals since start
+    generation_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    grade: str  # OK, GOOD, WARNING, CRITICAL (metrics.HEALTH_GRADES)
+    reason: str
+    kv_cache_usage: float
+    waiting: int
+    running: int
+    swapped: int
+    swaps_in_window: int
+    engine_running: bool = True

@@ -1,0 +1,44 @@
+"""What the gateway uses of an engine, as a Protocol: `AsyncEngine` is the implementation, and mypy
+checks that it keeps fitting. Nothing here imports torch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.params import SamplingParams
+from pagegate.engine.stats import EngineHealth, EngineStats
+
+if TYPE_CHECKING:
+    from pagegate.engine.metrics import EngineMetrics
+    from pagegate.engine.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    model_name: str
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    vocab_size: int
+    default_sampling: dict[str, float]  # the folder's generation_config.json, as SamplingParams keywords
+    metrics: EngineMetrics
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as they come; leaving the loop early aborts the request."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def queue_load(self) -> tuple[int, int]:
+        """(sequences waiting to run, running slots free now)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
