@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from llguidance import LLMatcher
 
 from pagegate.config import EngineConfig
 from pagegate.core import compute_block_hash
@@ -23,6 +24,7 @@ from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
 from pagegate.engine.stats import EngineHealth, EngineStats
+from pagegate.engine.structured import GrammarCompiler, GrammarMasks, StructuredOutputsParams
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.tables,
                                   config.scheduler.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        vocab = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids) if self.tokenizer else None
+        self.grammar_masks = GrammarMasks(vocab)
         self.metrics = EngineMetrics(self.model_name, config.health)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
@@ -97,7 +102,14 @@ class Engine:
         text, token_ids = self._tokenize(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         root = hash_salt(cache_salt) if cache_salt else 0
-        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root)
+        matcher = self._grammar_matcher(params.structured_outputs) if params.structured_outputs else None
+        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher)
+
+    def _grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
+        if self.grammars is None:
+            raise InvalidParamError("this model has no tokenizer, so it cannot constrain its output",
+                                    "structured_outputs")
+        return self.grammars.matcher(structured)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -131,7 +143,8 @@ class Engine:
         seed = params.seed
         generator = make_generator(seed + index, self.device) if seed is not None else None
         seq = Sequence(request, index, token_ids, len(request.prompt_token_ids), generator,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None,
+                       matcher=request.matcher.deep_copy() if request.matcher is not None else None)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                      params.skip_special_tokens)
@@ -182,7 +195,12 @@ class Engine:
                                         member.output_token_ids, member.generator))
                 seqs.append(member)
                 row_of.append(i)
-        results = self.sampler(logits[row_of], rows) if rows else []
+        matchers = [(j, seq.matcher) for j, seq in enumerate(seqs) if seq.matcher is not None]
+        allowed = None
+        if matchers:
+            bitmask = self.grammar_masks.compute([matcher for _, matcher in matchers])
+            allowed = ([j for j, _ in matchers], self.grammar_masks.allowed(bitmask, logits.shape[1]))
+        results = self.sampler(logits[row_of], rows, allowed) if rows else []
         moved: dict[int, Request] = {}
         for seq, result in zip(seqs, results, strict=True):
             self._append_token(seq, result.token_id, result.logprob, now)
@@ -215,22 +233,25 @@ class Engine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        eos = token in self.eos_token_ids and not params.ignore_eos
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos:
+        elif eos:
             seq.finish_reason = "stop"
+        elif seq.matcher is not None and not _advance(seq.matcher, token):
+            seq.finish_reason = "stop"  # the grammar is complete: only EOS could follow
         elif num_out >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
-        self._detokenize(seq, token)
+        self._detokenize(seq, token, in_text=not eos)
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
             self.scheduler.free(seq)
 
-    def _detokenize(self, seq: Sequence, token: int) -> None:
+    def _detokenize(self, seq: Sequence, token: int, in_text: bool) -> None:
+        """`in_text` False: an EOS, which never shows in the text."""
         if seq.detokenizer is None or seq.stop_checker is None:
             return
-        special_end = seq.finish_reason == "stop" and seq.stop_reason is None  # eos: not in the text
-        delta = "" if special_end else seq.detokenizer.step([token])
+        delta = seq.detokenizer.step([token]) if in_text else ""
         if seq.finish_reason is not None:
             delta += seq.detokenizer.flush()
         text, matched = seq.stop_checker.step(delta)
@@ -268,6 +289,14 @@ class Engine:
         return EngineHealth(grade=self.health_grade, reason=self.health_reason,
                             kv_cache_usage=stats.kv_cache_usage, waiting=stats.waiting, running=stats.running,
                             swapped=stats.swapped, swaps_in_window=len(self.metrics.swap_times))
+
+
+def _advance(matcher: LLMatcher, token: int) -> bool:
+    """Feed the sampled token to the sequence's grammar; False once nothing but EOS may follow."""
+    if not matcher.consume_token(token):  # the mask allowed it, so this is llguidance's own failure
+        log.warning("structured output stopped: %s", matcher.get_error())
+        return False
+    return not matcher.is_stopped()
 
 
 def hash_salt(salt: str) -> int:

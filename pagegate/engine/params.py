@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagegate.engine.structured import StructuredOutputsParams
 
 # Below this temperature a request samples greedily: dividing logits by a vanishing temperature
 # overflows float32, and the limit of softmax(logits / t) as t -> 0 is the argmax (vLLM's _SAMPLING_EPS).
@@ -32,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,7 +1,7 @@
 """Next-token sampling: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 Order per row: repetition penalty (HF, prompt + output tokens), presence/frequency penalties (OpenAI,
-output tokens), logit_bias, min_tokens masking. Logprobs are log_softmax of these processed logits,
+output tokens), logit_bias, min_tokens masking, the grammar's allowed tokens (structured outputs). Logprobs are log_softmax of these processed logits,
 before temperature and min-p/top-k/top-p. Then temperature (below GREEDY_TEMPERATURE: the argmax, its
 limit), the min-p/top-k/top-p filters and an exponential race (argmax of p / q, q ~ Exp(1)); a row with
 its own generator draws its q alone, so a seeded request samples the same tokens whatever else is in
@@ -17,6 +17,7 @@ import torch
 
 from pagegate.engine.outputs import Logprob
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.structured import apply_allowed
 
 
 @dataclass
@@ -49,12 +50,16 @@ class Sampler:
         self.generator = make_generator(seed, device)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-        """Next token (and logprobs when asked) for each row of logits [B, V]."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 allowed: tuple[Sequence[int], torch.Tensor] | None = None) -> list[SampleResult]:
+        """Next token (and logprobs when asked) for each row of logits [B, V]; `allowed` is (rows,
+        bool [R, V]) of the rows whose grammar restricts the next token."""
         logits = logits.float().clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
+        if allowed is not None:
+            apply_allowed(logits, *allowed)
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None  # before temperature
         results = [SampleResult(token_id) for token_id in self._choose(logits, rows).tolist()]

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.params import SamplingParams
@@ -42,6 +43,7 @@ class Sequence:
     stop_reason: str | int | None = None
     recompute_only: bool = False  # set by the adaptive swap threshold after bounces
     last_swap_in: float = -1.0
+    matcher: LLMatcher | None = None  # structured outputs: the grammar state after the tokens so far
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -80,6 +82,7 @@ class Request:
     last_token_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

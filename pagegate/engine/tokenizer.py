@@ -65,6 +65,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer serialized (tokenizer.json), for libraries that build their own."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; add_special_tokens adds what the post-processor adds (usually bos)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
