@@ -43,7 +43,7 @@ def run_pagegate(model: str | None, requests, **llm_kwargs) -> tuple[float, floa
     start = time.perf_counter()
     llm.generate([p for p, _ in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    print(f"pagegate: {llm.stats()['num_blocks']} KV pages, {llm.stats()['preemptions']} preemptions")
+    print(f"pagegate: {llm.stats().num_blocks} KV pages, {llm.stats().preemptions} preemptions")
     return loaded, elapsed
 
 
