@@ -3,18 +3,23 @@
 Every front end (HTTP JSON, msgpack, a later gRPC door) hands a plain dict to `parse_request`;
 the errors come back as `APIError`s that already carry the OpenAI `param`. Text anywhere in a body
 must be encodable as UTF-8 and numbers must be finite, or the request is a 400 naming the field.
+Integer fields take integral floats (5.0), as JSON Schema does; the schema of /openapi.json comes from
+these models, cross-field rules included where JSON Schema can state them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainValidator,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -29,28 +34,67 @@ INT64 = 2**63 - 1
 INT32 = 2**31 - 1
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = REPETITION_PENALTY_RANGE
 
-PromptShape = str | list[str] | list[int] | list[list[int]]
+
+def _integral(value: Any) -> Any:
+    """5.0 is the integer 5: JSON has one number type and JavaScript clients send 5.0 for 5.
+
+    Strict mode still rejects what comes back unchanged: 5.5, NaN, booleans and "5".
+    """
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
 
 
-def _is_token_id(value: Any) -> bool:
-    return type(value) is int and value >= 0
+# Last in an Annotated, after the bounds: placed before them, pydantic writes "ge"/"le" into the JSON schema.
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Field(ge=0), INTEGRAL]
+NonEmpty = Field(min_length=1)
+PromptValue = str | list[str] | list[int] | list[list[int]]
+# The same four shapes as the JSON schema states them: lists not empty, token ids >= 0.
+PromptShape = (str | Annotated[list[str], NonEmpty] | Annotated[list[TokenId], NonEmpty]
+               | Annotated[list[Annotated[list[TokenId], NonEmpty]], NonEmpty])
 
 
-def _check_prompt(value: Any) -> PromptShape:
+def _token_ids(value: Any) -> list[int] | None:
+    """`value` as a non-empty list of token ids (ints >= 0, integral floats allowed), else None."""
+    if not isinstance(value, list) or not value:
+        return None
+    ids = [_integral(item) for item in value]
+    return ids if all(type(item) is int and item >= 0 for item in ids) else None
+
+
+def _check_prompt(value: Any) -> PromptValue:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value:
         if all(isinstance(item, str) for item in value):
             return value
-        if all(_is_token_id(item) for item in value):
-            return value
-        if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in value):
-            return value
+        if (ids := _token_ids(value)) is not None:
+            return ids
+        lists = [ids for item in value if (ids := _token_ids(item)) is not None]
+        if len(lists) == len(value):
+            return lists
     raise ValueError("expected a string, a list of strings, a list of token ids (ints >= 0) "
                      "or a list of token-id lists, and not empty")
 
 
-Prompt = Annotated[PromptShape, PlainValidator(_check_prompt, json_schema_input_type=PromptShape)]
+Prompt = Annotated[PromptValue, PlainValidator(_check_prompt, json_schema_input_type=PromptShape)]
+TOKEN_ID_TEXT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+# JSON keys are strings, msgpack keys may be ints: either way a token id (the vocabulary is checked later).
+LogitBias = Annotated[dict[str | Annotated[int, INTEGRAL], Annotated[float, Field(ge=-100, le=100)]],
+                      Field(json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_TEXT.pattern}$"}})]
+
+# sampling_params() refuses an empty stop string; the schema says so where the type cannot.
+StopText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
+
+
+def _needs_true(field: str, flag: str) -> dict[str, Any]:
+    """JSON Schema for a cross-field rule the validators enforce: `field` given (not null) needs `flag` true."""
+    return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+            "then": {"required": [flag], "properties": {flag: {"const": True}}}}
+
+
+STREAM_OPTIONS_NEED_STREAM = _needs_true("stream_options", "stream")
 
 
 class StrictModel(BaseModel):
@@ -70,26 +114,34 @@ class SamplingFields(StrictModel):
     """The sampling knobs both completions and chat share (OpenAI's, then vLLM-style extras)."""
 
     model: str | None = Field(None, description="A served model name; omitted: the default model.")
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str | int, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    logit_bias: LogitBias | None = None
+    seed: Annotated[int, Field(ge=-INT64 - 1, le=INT64), INTEGRAL] | None = None
     user: str | None = None
     # extras beyond OpenAI (vLLM names)
-    top_k: int | None = Field(None, ge=-1, le=INT32)
+    top_k: Annotated[int, Field(ge=-1, le=INT32), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT32)
-    priority: int = Field(0, ge=-INT32 - 1, le=INT32)
+    min_tokens: Annotated[int, Field(ge=0, le=INT32, description="At most max_tokens."), INTEGRAL] = 0
+    priority: Annotated[int, Field(ge=-INT32 - 1, le=INT32), INTEGRAL] = 0
     cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, bias: dict[str | int, float] | None) -> dict[str | int, float] | None:
+        for key in bias or ():
+            if not (key >= 0 if isinstance(key, int) else TOKEN_ID_TEXT.fullmatch(key)):
+                raise ValueError(f"the keys are token ids (ints >= 0, as decimal strings in JSON), not {key!r}")
+        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -101,13 +153,16 @@ class SamplingFields(StrictModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM]})
     unsupported: ClassVar[frozenset[str]] = frozenset({"suffix"})
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=INT32)
+    max_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    # JSON Schema cannot compare two fields, so only the description carries this rule; the server checks it.
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(
+        None, description="Only equal to `n` (the default 1) is accepted: every sampled choice is returned.")
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
@@ -144,17 +199,20 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra={
+        "allOf": [STREAM_OPTIONS_NEED_STREAM, _needs_true("top_logprobs", "logprobs")]})
     unsupported: ClassVar[frozenset[str]] = frozenset(
         {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
          "prediction", "reasoning_effort", "web_search_options", "store", "metadata", "service_tier"}
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT32)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    response_format: Annotated[dict[str, Any], Field(
+        json_schema_extra={"required": ["type"], "properties": {"type": {"const": "text"}}})] | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
@@ -172,6 +230,10 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(StrictModel):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -189,7 +251,7 @@ class DetokenizeRequest(StrictModel):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 RequestT = TypeVar("RequestT", bound=StrictModel)
