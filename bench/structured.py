@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.structured import GrammarMasks, StructuredOutputsParams, apply_allowed
+from pagegate.engine.grammar_masks import GrammarMasks, apply_allowed
+from pagegate.engine.structured import StructuredOutputsParams
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 # Long enough that no request ends before max_tokens: a list of short records.

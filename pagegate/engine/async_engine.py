@@ -19,6 +19,7 @@ from pagegate.engine.errors import EngineDeadError, RequestFailedError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import SamplingParams
 from pagegate.engine.stats import EngineHealth, EngineStats
+from pagegate.engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,11 @@ class AsyncEngine:
         with self._lock:
             inbox = self._inbox_seqs
         return inbox + self.engine.scheduler.num_waiting_seqs, self.engine.scheduler.free_slots
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Compile and cache a structured-output grammar off the engine thread (InvalidParamError when bad),
+        so that the request's own matcher is a cache hit."""
+        self.engine.grammar_matcher(structured)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

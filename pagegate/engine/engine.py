@@ -13,6 +13,7 @@ from llguidance import LLMatcher
 
 from pagegate.config import EngineConfig
 from pagegate.core import compute_block_hash
+from pagegate.engine.grammar_masks import GrammarMasks
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.loader import load_checkpoint
@@ -24,7 +25,7 @@ from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
 from pagegate.engine.stats import EngineHealth, EngineStats
-from pagegate.engine.structured import GrammarCompiler, GrammarMasks, StructuredOutputsParams
+from pagegate.engine.structured import GrammarCompiler, StructuredOutputsParams
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,11 @@ class Engine:
         text, token_ids = self._tokenize(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         root = hash_salt(cache_salt) if cache_salt else 0
-        matcher = self._grammar_matcher(params.structured_outputs) if params.structured_outputs else None
+        matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher)
 
-    def _grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
+    def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
+        """A fresh matcher of the constraint (compiled once, then cached); safe from any thread."""
         if self.grammars is None:
             raise InvalidParamError("this model has no tokenizer, so it cannot constrain its output",
                                     "structured_outputs")

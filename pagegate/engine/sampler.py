@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagegate.engine.grammar_masks import apply_allowed
 from pagegate.engine.outputs import Logprob
 from pagegate.engine.params import SamplingParams
-from pagegate.engine.structured import apply_allowed
 
 
 @dataclass

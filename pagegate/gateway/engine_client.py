@@ -12,6 +12,7 @@ from pagegate.engine.stats import EngineHealth, EngineStats
 
 if TYPE_CHECKING:
     from pagegate.engine.metrics import EngineMetrics
+    from pagegate.engine.structured import StructuredOutputsParams
     from pagegate.engine.tokenizer import Tokenizer
 
 
@@ -32,6 +33,10 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Compile and cache a structured-output constraint; InvalidParamError when it is invalid."""
+        ...
 
     def queue_load(self) -> tuple[int, int]:
         """(sequences waiting to run, running slots free now)."""

@@ -82,7 +82,8 @@ class EngineHost:
         names = tuple(self.config.served_model_names) or (engine.model_name,)
         tokenizer = engine.tokenizer
         vocab = tokenizer.vocab_size if tokenizer is not None else engine.vocab_size
-        return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling))
+        return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
+                            engine.compile_grammar if tokenizer is not None else None)
 
     def drain(self) -> None:
         """Stop taking requests and end every running generation (the server is going down)."""

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.params import InvalidParamError, SamplingParams
+from pagegate.engine.structured import StructuredOutputsParams
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
@@ -56,6 +57,7 @@ class ModelContext:
     max_model_len: int
     vocab_size: int
     default_sampling: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json
+    compile_grammar: Callable[[StructuredOutputsParams], None] | None = None  # None: no tokenizer, no grammars
 
     @property
     def name(self) -> str:
@@ -133,6 +135,7 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
         check_context(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
         prompts.append(prompt)
     params = sampling_params(request, model, request.max_tokens, request.logprobs)
+    params.structured_outputs = structured_outputs(request, model)
     return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
 
 
@@ -144,6 +147,7 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top)
+    params.structured_outputs = structured_outputs(request, model)
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt)
 
 
@@ -216,6 +220,47 @@ def sampling_params(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
     )
+
+
+def structured_outputs(request: SamplingFields, model: ModelContext) -> StructuredOutputsParams | None:
+    """The request's output constraint, compiled here (the engine then copies it from the cache); an
+    invalid one, or two ways of asking at once, is a 400 naming the field."""
+    asked = [(param, value) for param, value in _constraints(request) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise BadRequest(f"Give only one output constraint, not {' and '.join(p for p, _ in asked)}.",
+                         param=asked[1][0])
+    param, make = asked[0]
+    if model.compile_grammar is None:
+        raise BadRequest("This model has no tokenizer, so it cannot constrain its output.", param=param)
+    try:
+        structured = make()
+        model.compile_grammar(structured)
+    except InvalidParamError as error:
+        raise BadRequest(str(error), param=param, code="invalid_value") from None
+    return structured
+
+
+def _constraints(request: SamplingFields) -> list[tuple[str, Callable[[], StructuredOutputsParams] | None]]:
+    """Each way a request may ask for structured output, with a maker of its params when it does."""
+    fmt, vllm = request.response_format, request.structured_outputs
+    from_format = None
+    if fmt is not None and fmt.type == "json_object":
+        from_format = functools.partial(StructuredOutputsParams, json_object=True)
+    elif fmt is not None and fmt.json_schema is not None:  # type json_schema; no schema: any JSON value
+        from_format = functools.partial(StructuredOutputsParams, json=fmt.json_schema.schema_ or {})
+    from_vllm = None
+    if vllm is not None:
+        from_vllm = functools.partial(StructuredOutputsParams, json=vllm.json_, regex=vllm.regex, choice=vllm.choice,
+                                      grammar=vllm.grammar, json_object=bool(vllm.json_object))
+    r, make = request, functools.partial
+    return [("response_format", from_format), ("structured_outputs", from_vllm),
+            ("guided_json", None if r.guided_json is None else make(StructuredOutputsParams, json=r.guided_json)),
+            ("guided_regex", None if r.guided_regex is None else make(StructuredOutputsParams, regex=r.guided_regex)),
+            ("guided_choice", None if r.guided_choice is None else make(StructuredOutputsParams, choice=r.guided_choice)),
+            ("guided_grammar",
+             None if r.guided_grammar is None else make(StructuredOutputsParams, grammar=r.guided_grammar))]
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -110,6 +110,38 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(json_schema_extra={"if": {"properties": {"type": {"const": "json_schema"}}},
+                                                 "then": {"required": ["json_schema"]}})
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: Annotated[list[StopText], NonEmpty] | None = None
+    grammar: str | None = Field(None, description="A Lark grammar (llguidance's dialect) or GBNF.")
+    json_object: bool | None = None
+
+
 class SamplingFields(StrictModel):
     """The sampling knobs both completions and chat share (OpenAI's, then vLLM-style extras)."""
 
@@ -134,6 +166,13 @@ class SamplingFields(StrictModel):
     min_tokens: Annotated[int, Field(ge=0, le=INT32, description="At most max_tokens."), INTEGRAL] = 0
     priority: Annotated[int, Field(ge=-INT32 - 1, le=INT32), INTEGRAL] = 0
     cache_salt: str | None = Field(None, min_length=1)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[StopText], NonEmpty] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -211,15 +250,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    response_format: Annotated[dict[str, Any], Field(
-        json_schema_extra={"required": ["type"], "properties": {"type": {"const": "text"}}})] | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return self
 
     @property

@@ -7,6 +7,7 @@ One server for the module; the last test stops it with SIGTERM (keep it last).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -318,6 +319,20 @@ def test_chat_matches_rest_and_streams(client: GrpcClient, rest: httpx.Client) -
     assert parts["choices"][0]["message"] == got["choices"][0]["message"]
 
 
+def test_structured_outputs_match_rest(client: GrpcClient, rest: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = {"messages": MESSAGES, "max_tokens": 20, "temperature": 1.0, "seed": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}}
+    got = client.chat(**chat)
+    same_answer(rest.post("/v1/chat/completions", json=chat).json(), got)
+    assert isinstance(json.loads(got["choices"][0]["message"]["content"])["ok"], bool)
+    for extra in ({"guided_choice": ["up", "down"]}, {"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                  {"structured_outputs": {"regex": "[ud]"}}, {"guided_regex": "[ud]"}):
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 4, **extra}
+        same_answer(rest.post("/v1/completions", json=body).json(), client.completions(**body))
+
+
 def test_api_key_required(served: Served) -> None:
     for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", KEY),)):
         error = rpc_error(served.stub.Complete, pb.CompletionRequest(text="hi"), metadata=metadata)
@@ -352,7 +367,8 @@ BAD_CHATS = [
     {"messages": [{"role": "robot", "content": "x"}]},
     {"messages": [{"role": "user"}]},
     {"messages": MESSAGES, "top_logprobs": 2},
-    {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+    {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+    {"messages": MESSAGES, "response_format": {"type": "json_object"}, "guided_regex": "a"},
     {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
 ]
 

@@ -124,7 +124,11 @@ AGREEMENT = [
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2.5}, False),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "text"}}, True),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
-                              "response_format": {"type": "json_object"}}, False),
+                              "response_format": {"type": "json_object"}}, True),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                              "response_format": {"type": "json_schema"}}, False),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}}, True),
     # single fields the validators (or sampling) refuse, now stated in the document too
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ""}, False),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["a", ""]}, False),

@@ -34,7 +34,7 @@ class StreamOptions(_message.Message):
     def __init__(self, include_usage: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class CompletionRequest(_message.Message):
-    __slots__ = ("model", "text", "texts", "token_ids", "token_id_lists", "max_tokens", "echo", "logprobs", "best_of", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt")
+    __slots__ = ("model", "text", "texts", "token_ids", "token_id_lists", "max_tokens", "echo", "logprobs", "best_of", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class CompletionRequest(_message.Message):
     ECHO_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +70,11 @@ class CompletionRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_JSON_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     texts: StringList
@@ -78,6 +84,7 @@ class CompletionRequest(_message.Message):
     echo: bool
     logprobs: int
     best_of: int
+    response_format: _struct_pb2.Struct
     n: int
     temperature: float
     top_p: float
@@ -96,7 +103,12 @@ class CompletionRequest(_message.Message):
     min_tokens: int
     priority: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., texts: _Optional[_Union[StringList, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., token_id_lists: _Optional[_Union[TokenIdLists, _Mapping]] = ..., max_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    structured_outputs: _struct_pb2.Struct
+    guided_json: _struct_pb2.Value
+    guided_regex: str
+    guided_choice: StringList
+    guided_grammar: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., texts: _Optional[_Union[StringList, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., token_id_lists: _Optional[_Union[TokenIdLists, _Mapping]] = ..., max_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("type", "text")
@@ -125,7 +137,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., parts: _Optional[_Union[ContentParts, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt")
+    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +170,11 @@ class ChatRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_JSON_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -183,7 +200,12 @@ class ChatRequest(_message.Message):
     min_tokens: int
     priority: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    structured_outputs: _struct_pb2.Struct
+    guided_json: _struct_pb2.Value
+    guided_regex: str
+    guided_choice: StringList
+    guided_grammar: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
