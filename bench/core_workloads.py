@@ -39,8 +39,9 @@ def w2_pagegate(n: int = 10_000) -> int:
     return n * 64
 
 
-def w2_seed(n: int = 10_000) -> int:
-    alloc = SeedAllocator(1024)
+def w2_seed(n: int = 10_000, allocator: type = SeedAllocator) -> int:
+    """Also W2 through the seed's API for any allocator class with it (`allocator`)."""
+    alloc = allocator(1024)
     for _ in range(n):
         alloc.allocate(0, 64)
         alloc.free(0)
@@ -121,6 +122,63 @@ def w3_seed(trace: ServingTrace) -> int:
                 del live[seq]
                 admit()
     return pages
+
+
+class SeedApiTrace:
+    """W3 through the seed's API: ServingTrace's requests as the calls a scheduler makes each step.
+
+    Worked out once, so that a replay spends its time in the allocator: sequences whose last page
+    is full get one page, finished ones are freed, and as many new ones are admitted (try_allocate,
+    share the full pages of their system prompt from one of 8 holder sequences, allocate the rest).
+    Sequence ids are request numbers; the holders are -1..-8. `pages` counts the pages allocated.
+    """
+
+    NUM_BLOCKS = 16_384
+
+    def __init__(self, trace: ServingTrace) -> None:
+        Admit = tuple[int, int, int, int]  # seq, holder, shared pages, fresh pages
+        self.steps: list[tuple[list[int], list[int], list[Admit]]] = []
+        self.pages = 8 * 8
+        live: dict[int, int] = {}  # seq -> tokens
+        requests = iter(range(len(trace.prompt_len)))
+
+        def admit() -> Admit:
+            r = next(requests)
+            prompt = int(trace.prompt_len[r])
+            shared = min(prompt, 128) // BLOCK_SIZE
+            fresh = -(-prompt // BLOCK_SIZE) - shared
+            live[r] = prompt
+            self.pages += fresh
+            return r, -1 - int(trace.system_of[r]), shared, fresh
+
+        self.steps.append(([], [], [admit() for _ in range(trace.live)]))
+        for _ in range(trace.steps):
+            grow = [seq for seq, tokens in live.items() if tokens % BLOCK_SIZE == 0]
+            for seq in live:
+                live[seq] += 1
+            done = [seq for seq, tokens in live.items() if tokens >= trace.final_len[seq]]
+            for seq in done:
+                del live[seq]
+            self.steps.append((grow, done, [admit() for _ in done]))
+            self.pages += len(grow)
+
+
+def w3_seed_api(trace: SeedApiTrace, allocator: type = SeedAllocator) -> int:
+    alloc = allocator(SeedApiTrace.NUM_BLOCKS)
+    allocate, free, share, fits = alloc.allocate, alloc.free, alloc.share_blocks, alloc.try_allocate
+    for system in range(8):
+        allocate(-1 - system, 8)  # the system prompts' pages, held for the whole trace
+    for grow, done, admits in trace.steps:
+        for seq in grow:
+            allocate(seq, 1)
+        for seq in done:
+            free(seq)
+        for seq, holder, shared, fresh in admits:
+            if not fits(fresh):
+                raise RuntimeError("the trace does not fit the pool")
+            share(holder, seq, shared)
+            allocate(seq, fresh)
+    return trace.pages
 
 
 def w4_pagegate(rounds: int = 200) -> int:

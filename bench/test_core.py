@@ -2,9 +2,13 @@
 
 import pytest
 
+from pagegate.core.allocator import BlockAllocator
+
 from . import core_workloads as w
+from .seed_allocator import BlockAllocator as SeedAllocator
 
 IMPLS = ["pagegate", "seed"]
+ALLOCATORS = {"pagegate": BlockAllocator, "seed": SeedAllocator}  # both behind the seed's API
 
 
 @pytest.mark.benchmark(group="W1 allocate(1)+free x100k")
@@ -30,6 +34,19 @@ def test_w3(benchmark, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_w4(benchmark, impl):
     benchmark.pedantic(getattr(w, f"w4_{impl}"), rounds=5)
+
+
+@pytest.mark.benchmark(group="W2 seed API: allocate(seq, 64)+free(seq) x10k")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_w2_seed_api(benchmark, impl):
+    benchmark.pedantic(w.w2_seed, kwargs={"allocator": ALLOCATORS[impl]}, rounds=5)
+
+
+@pytest.mark.benchmark(group="W3 seed API: serving trace, 2000 steps")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_w3_seed_api(benchmark, impl):
+    trace = w.SeedApiTrace(w.ServingTrace())
+    benchmark.pedantic(w.w3_seed_api, args=(trace, ALLOCATORS[impl]), rounds=5)
 
 
 @pytest.mark.benchmark(group="batch builder 256 seqs x 128 pages")
