@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -58,6 +59,13 @@ class HealthThresholds:
     window_s: float = 60.0
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or SLURM/Kubernetes through it) started it, else None."""
+    if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"])
+    return None
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
@@ -69,6 +77,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # "gguf": keep GGUF blocks; "none": dequantize; None: gguf on CPU
     tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a collective (all-reduce, step broadcast) that waits longer fails
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from pagegate.config import EngineConfig
@@ -30,6 +30,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Blocking: loads the model, sizes the KV cache and starts the loop thread."""
         self.engine = Engine(config)
+        self.on_dead: Callable[[], None] | None = None  # called once if the loop or a worker dies
         self.model_name = self.engine.model_name
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -42,6 +43,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
+        if self.engine.workers is not None:
+            self.engine.workers.on_death = lambda message: self._die(EngineDeadError(message))
         self._thread = threading.Thread(target=self._loop, name="pagegate-engine", daemon=True)
         self._thread.start()
 
@@ -56,7 +59,7 @@ class AsyncEngine:
                         self._deliver(output.request_id, output)
         except BaseException as error:  # the engine is broken: fail everyone, report unhealthy
             log.exception("engine loop crashed")
-            self.dead_error = error
+            self._die(error)
         finally:
             for request_id in list(self.engine.requests):  # free every page before anyone hears back
                 self.engine.abort(request_id)
@@ -65,6 +68,12 @@ class AsyncEngine:
                 streams = list(self._streams)
             for request_id in streams:
                 self._deliver(request_id, EngineDeadError(f"the engine loop crashed: {self.dead_error!r}"))
+
+    def _die(self, error: BaseException) -> None:
+        first = self.dead_error is None
+        self.dead_error = self.dead_error or error
+        if first and self.on_dead is not None and not self._stopping.is_set():
+            self.on_dead()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -159,3 +168,5 @@ class AsyncEngine:
         """Stop the loop; every request is aborted and every page freed."""
         self._stopping.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()

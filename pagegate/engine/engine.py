@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 from llguidance import LLMatcher
@@ -16,9 +15,10 @@ from pagegate.core import compute_block_hash
 from pagegate.engine.grammar_masks import GrammarMasks
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.limits import check_context, check_token_ids
-from pagegate.engine.loader import load_checkpoint
+from pagegate.engine.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.metrics import EngineMetrics
 from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.parallel import SINGLE
 from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
@@ -27,36 +27,42 @@ from pagegate.engine.sequence import Request, SeqStatus, Sequence
 from pagegate.engine.stats import EngineHealth, EngineStats
 from pagegate.engine.structured import GrammarCompiler, StructuredOutputsParams
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
+from pagegate.engine.tp_workers import WorkerGroup, rank_device
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = Path(__file__).parent / "default_model"
 GIB = 1024**3
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor parallelism is not implemented yet: use --tensor-parallel-size 1")
         self.config = config
         self.device = resolve_device(config.device)
-        path = Path(config.model) if config.model else DEFAULT_MODEL
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:  # the workers load their slices while this rank loads its own
+            self.device = rank_device(self.device, 0)
+            self.workers = WorkerGroup(config, self.device)
+        try:
+            self._load(config)
+        except BaseException:
+            if self.workers is not None:  # they may wait for sizes that never come
+                self.workers.close(graceful=False)
+            raise
+
+    def _load(self, config: EngineConfig) -> None:
+        tp = self.workers.tp if self.workers is not None else SINGLE
+        path = model_path(config)
         log.info("loading weights from %s", path)
         (self.model, self.model_config, self.generation), self.tokenizer = load_checkpoint(
-            path, config.dtype, self.device, config.quantization)
+            path, config.dtype, self.device, config.quantization, tp)
         self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
         self._build_cache()
         self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.tables,
-                                  config.scheduler.max_num_batched_tokens)
+                                  config.scheduler.max_num_batched_tokens,
+                                  self.workers.channel if self.workers is not None else None)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         vocab = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids) if self.tokenizer else None
@@ -68,18 +74,24 @@ class Engine:
         self.health_grade, self.health_reason = "OK", "starting"
 
     def _build_cache(self) -> None:
-        cache = self.config.cache
-        m = self.model
+        """Size the pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which holds
+        its KV heads of every page; a GPU's own memory budget is per GPU."""
+        cache, m, ranks = self.config.cache, self.model, self.model.tp.size
         block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, m.dtype)
-        num_blocks = cache.num_kv_blocks or self._profiled_budget() // block_bytes
+        shared = ranks if self.device.type == "cpu" or cache.kv_cache_memory is not None else 1
+        num_blocks = cache.num_kv_blocks or self._profiled_budget() // shared // block_bytes
         check_fits(num_blocks, cache.block_size, self.max_model_len, block_bytes)
-        num_cpu_blocks = int(cache.swap_space * GIB) // block_bytes
+        num_cpu_blocks = int(cache.swap_space * GIB) // ranks // block_bytes
+        if self.workers is not None:
+            self.workers.share_sizes(num_blocks, num_cpu_blocks)
         self.kv_cache = PagedKVCache(m.num_layers, num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
                                      m.dtype, self.device, num_cpu_blocks)
         self.scheduler = Scheduler(self.config.scheduler, cache, num_blocks, num_cpu_blocks, self.max_model_len)
-        log.info("KV cache: %d pages of %d tokens (%d tokens, %.3f GiB), %d CPU swap pages",
-                 num_blocks, cache.block_size, num_blocks * cache.block_size, num_blocks * block_bytes / GIB,
-                 num_cpu_blocks)
+        log.info("KV cache: %d pages of %d tokens (%d tokens), %d bytes per page per rank (%.3f GiB), "
+                 "%d CPU swap pages; %d rank(s) of %d KV heads each (%d in the model)",
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, block_bytes,
+                 num_blocks * block_bytes / GIB, num_cpu_blocks, ranks, m.num_kv_heads,
+                 self.model_config.num_key_value_heads)
 
     def _profiled_budget(self) -> int:
         """Device bytes for pages; on CUDA after a forward at the largest batch (its peak is not KV)."""
@@ -89,7 +101,7 @@ class Engine:
             tokens = self.config.scheduler.max_num_batched_tokens
             with torch.inference_mode():
                 hidden = self.model.model.embed_tokens(torch.zeros(tokens, dtype=torch.long, device=self.device))
-                for layer in self.model.model.layers:
+                for layer in self.model.model.layers if self.model.tp.size == 1 else ():  # no lone all-reduce
                     hidden = hidden + layer.get_submodule("mlp")(hidden)
                 self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -153,6 +165,12 @@ class Engine:
             seq.stop_checker = StopChecker(params.stop)
         request.seqs.append(seq)
         return seq
+
+    def close(self) -> None:
+        """End the tensor-parallel workers (nothing to do on one rank)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages now; False when it is unknown or already done."""

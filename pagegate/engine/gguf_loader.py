@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from tqdm import tqdm
 from pagegate.engine.model import CausalLM
 from pagegate.engine.model_config import ModelConfig, ModelLoadError
 from pagegate.engine.quantized import QuantEmbedding, QuantLinear
+
+if TYPE_CHECKING:
+    from pagegate.engine.loader import Target
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -143,7 +146,7 @@ class GGUFFile:
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
             model.lm_head = embedding.as_linear()
 
-    def load_weights(self, layout: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+    def load_weights(self, layout: dict[str, Target]) -> None:
         """Dequantize every tensor not kept in blocks into the parameter `layout` maps its name to."""
         expected = set(layout)
         for tensor in tqdm(self.reader.tensors, desc="dequantizing", unit="tensor", disable=None):
@@ -152,8 +155,8 @@ class GGUFFile:
             name = hf_name(tensor.name)
             if name not in layout:
                 raise ModelLoadError(f"unexpected tensor {tensor.name} in {self.path.name}")
-            param, start, rows = layout[name]
-            values = self._unpermuted(name, self._array(tensor.name))
+            param, start, rows, source = layout[name]
+            values = self._unpermuted(name, self._array(tensor.name))[source]  # whole heads first, then a rank's
             if tuple(values.shape) != (rows, *param.shape[1:]):
                 raise ModelLoadError(f"tensor {tensor.name} has shape {tuple(values.shape)}, the model expects "
                                      f"{(rows, *param.shape[1:])}")

@@ -49,12 +49,14 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, swap_space: float = 0.0, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption_mode: str | None = None, watermark: float = 0.01, seed: int = 0,
-                 served_model_name: str | None = None, quantization: str | None = None) -> None:
+                 served_model_name: str | None = None, quantization: str | None = None,
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0) -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode)
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
-                                          cache=cache, scheduler=scheduler))
+                                          tensor_parallel_size, distributed_timeout_s, cache=cache,
+                                          scheduler=scheduler))
         self._ids = itertools.count()
 
     @classmethod
@@ -131,6 +133,10 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (their exit is also automatic when this process ends)."""
+        self.engine.close()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -13,10 +13,12 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from pagegate.config import EngineConfig
 from pagegate.engine.gguf_loader import GGUFFile, is_gguf
 from pagegate.engine.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.model import CausalLM, build_empty_model
 from pagegate.engine.model_config import ModelConfig, ModelLoadError, token_id_list
+from pagegate.engine.parallel import SINGLE, TensorParallel
 from pagegate.engine.tokenizer import Tokenizer
 from pagegate.kernels.quant import block_types
 
@@ -50,6 +52,20 @@ class LoadedModel(NamedTuple):
     generation: GenerationDefaults
 
 
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+def model_path(config: EngineConfig) -> Path:
+    """The checkpoint the config names, or the embedded default model."""
+    return Path(config.model) if config.model else DEFAULT_MODEL
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                quantization: str | None = None) -> LoadedModel:
     """Build the model for a folder or a GGUF file and fill its weights."""
@@ -57,10 +73,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
 
 
 def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                    quantization: str | None = None) -> tuple[LoadedModel, Tokenizer | None]:
-    """The model and its tokenizer (None: a folder without tokenizer.json); logs time and peak memory.
+                    quantization: str | None = None, tp: TensorParallel = SINGLE) -> tuple[LoadedModel, Tokenizer | None]:
+    """The model (this rank's slice of it) and its tokenizer (None: a folder without tokenizer.json); logs
+    time and peak memory. A rank reads only its slices of a safetensors checkpoint.
 
-    A GGUF's Q4_0 / Q4_1 / Q8_0 / F16 weights stay in their blocks on CPU unless quantization is "none".
+    A GGUF's Q4_0 / Q4_1 / Q8_0 / F16 weights stay in their blocks on CPU unless quantization is "none"
+    (or the model is split across ranks: each rank then dequantizes its slices).
     """
     path, device, start = Path(path), torch.device(device), time.perf_counter()
     if quantization not in (None, "gguf", "none"):
@@ -68,8 +86,8 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
     tokenizer: Tokenizer | None
     if is_gguf(path):
         gguf = GGUFFile(path)
-        model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device)
-        if quantization != "none" and device.type == "cpu":
+        model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device, tp)
+        if quantization != "none" and device.type == "cpu" and tp.size == 1:
             gguf.keep_blocks(model, block_types())
         gguf.load_weights(checkpoint_layout(model))
         generation = GenerationDefaults(eos_token_ids=list(gguf.config.eos_token_ids))
@@ -80,7 +98,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
         loaded = LoadedModel(model, gguf.config, generation)
     else:
         config = ModelConfig.from_folder(path)
-        model = build_empty_model(config, resolve_dtype(dtype, config, device), device)
+        model = build_empty_model(config, resolve_dtype(dtype, config, device), device, tp)
         load_weights(model, weight_files(path))
         loaded = LoadedModel(model, config, read_generation_defaults(path, config))
         tokenizer = Tokenizer.from_folder(path)
@@ -133,19 +151,32 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (model parameter, first row, row count) for every expected tensor."""
-    layout: dict[str, tuple[torch.Tensor, int, int]] = {}
+class Target(NamedTuple):
+    """Where a checkpoint tensor goes: rows [start, start + rows) of `param`, from the part `source` of the
+    checkpoint tensor (everything, or this rank's rows or columns under tensor parallelism)."""
+
+    param: torch.Tensor
+    start: int
+    rows: int
+    source: tuple[slice, ...] = ()
+
+
+def checkpoint_layout(model: CausalLM) -> dict[str, Target]:
+    """Checkpoint tensor name -> its Target, for every expected tensor."""
+    layout: dict[str, Target] = {}
     for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens and is listed once
         module_path, leaf = name.rsplit(".", 1)
         module = model.get_submodule(module_path)
         shard_names = getattr(module, "shard_names", ())  # PackedLinear and its QuantLinear stack several tensors
         if not shard_names:
-            layout[name] = (param, 0, param.shape[0])
+            columns = getattr(module, "in_columns", None)  # a row-parallel layer's slice of the input features
+            source = (slice(None), columns) if columns is not None and leaf == "weight" else ()
+            layout[name] = Target(param, 0, param.shape[0], source)
             continue
         parent, start = module_path.rsplit(".", 1)[0], 0
-        for shard_name, size in zip(shard_names, getattr(module, "shard_sizes", ()), strict=True):
-            layout[f"{parent}.{shard_name}.{leaf}"] = (param, start, size)
+        rows = getattr(module, "shard_rows", None) or [slice(None)] * len(shard_names)
+        for shard_name, size, part in zip(shard_names, getattr(module, "shard_sizes", ()), rows, strict=True):
+            layout[f"{parent}.{shard_name}.{leaf}"] = Target(param, start, size, (part,))
             start += size
     return layout
 
@@ -162,7 +193,9 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                 if name not in layout:
                     raise ModelLoadError(f"unexpected tensor {name} in {file.name}: the model has no such "
                                          "weight")
-                _copy_into(name, reader.get_tensor(name), *layout[name])
+                target = layout[name]
+                tensor = reader.get_slice(name)[target.source] if target.source else reader.get_tensor(name)
+                _copy_into(name, tensor, target)
                 loaded.add(name)
     missing = sorted(set(layout) - loaded)
     if missing:
@@ -176,7 +209,8 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def _copy_into(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, rows: int) -> None:
+def _copy_into(name: str, tensor: torch.Tensor, target: Target) -> None:
+    param, start, rows = target.param, target.start, target.rows
     expected = (rows, *param.shape[1:])
     if tuple(tensor.shape) != expected:
         raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {expected}")

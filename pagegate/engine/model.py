@@ -11,6 +11,7 @@ from torch import nn
 
 from pagegate import kernels
 from pagegate.engine.model_config import ModelConfig, RopeConfig
+from pagegate.engine.parallel import SINGLE, TensorParallel
 from pagegate.kernels.quant import linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -34,13 +35,33 @@ class Linear(nn.Linear):
 
 
 class PackedLinear(Linear):
-    """Several checkpoint projections stacked along the output dim (q/k/v, gate/up) for one matmul."""
+    """Several checkpoint projections stacked along the output dim (q/k/v, gate/up) for one matmul.
+
+    Column-parallel under tensor parallelism: each shard holds `shard_rows[i]` of its checkpoint tensor."""
 
     def __init__(self, in_features: int, shard_names: tuple[str, ...], shard_sizes: tuple[int, ...],
-                 bias: bool) -> None:
+                 bias: bool, shard_rows: tuple[slice, ...] | None = None) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_names = shard_names  # the checkpoint's module names, e.g. ("q_proj", "k_proj", "v_proj")
         self.shard_sizes = shard_sizes
+        self.shard_rows = shard_rows or tuple(slice(None) for _ in shard_names)
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split across ranks (o_proj, down_proj): each rank holds
+    checkpoint columns `in_columns`, and one all-reduce sums the partial outputs (the bias added once after)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        local, first = tp.split(in_features, "the input features of a row-parallel layer")
+        super().__init__(local, out_features, bias=bias)
+        self.tp = tp
+        self.in_columns = slice(first, first + local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -118,17 +139,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        d = self.head_dim = config.head_dim
+        self.num_heads, first_head = tp.split(config.num_attention_heads, "the number of attention heads")
+        self.num_kv_heads, first_kv = tp.kv_heads(config.num_key_value_heads)
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, ("q_proj", "k_proj", "v_proj"),
-                                     (q_size, kv_size, kv_size), bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q_rows, kv_rows = slice(first_head * d, first_head * d + q_size), slice(first_kv * d, first_kv * d + kv_size)
+        self.qkv_proj = PackedLinear(config.hidden_size, ("q_proj", "k_proj", "v_proj"), (q_size, kv_size, kv_size),
+                                     bias=config.qkv_bias, shard_rows=(q_rows, kv_rows, kv_rows))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, config.o_bias, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -148,12 +170,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size, first = tp.split(config.intermediate_size, "the intermediate size")
+        rows = slice(first, first + size)
         self.gate_up_proj = PackedLinear(config.hidden_size, ("gate_proj", "up_proj"), (size, size),
-                                         bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+                                         bias=config.mlp_bias, shard_rows=(rows, rows))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -161,12 +184,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, config.sliding_window_for(layer))
+        self.self_attn = Attention(config, config.sliding_window_for(layer), tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -177,10 +200,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (the checkpoint's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
 
@@ -194,12 +217,17 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model: `forward` gives hidden states, `compute_logits` the next-token logits."""
+    """The whole model: `forward` gives hidden states, `compute_logits` the next-token logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism (`tp`) each rank holds its slice of the attention heads, KV heads and MLP;
+    the embedding and LM head stay whole on every rank: sampling on rank 0 needs every logit, and a
+    vocab-parallel head would add an all-gather of [batch, vocab] logits to every step."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp = tp
+        self.model = DecoderModel(config, tp)
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size, bias=False)  # or a QuantLinear
         self.tie_weights()
 
@@ -223,7 +251,8 @@ class CausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this rank holds in every page."""
+        return self.tp.kv_heads(self.config.num_key_value_heads)[0]
 
     @property
     def head_dim(self) -> int:
@@ -238,10 +267,11 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device
 
 
-def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """A model with uninitialised weights (no random init cost), ready for the loader to fill."""
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                      tp: TensorParallel = SINGLE) -> CausalLM:
+    """A model (this rank's slice of it) with uninitialised weights, ready for the loader to fill."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
     model.model.rotary.build_cache()  # a non-persistent buffer: to_empty left it uninitialised

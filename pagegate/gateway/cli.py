@@ -11,7 +11,7 @@ from types import FrameType
 
 import uvicorn
 
-from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, torchrun_rank
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
@@ -42,7 +42,11 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--quantization", "-q", choices=["gguf", "none"], default=None,
                        help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks (default on CPU); "
                             "none: dequantize every weight to --dtype")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over N processes (torch.distributed: gloo on CPU, nccl on CUDA); "
+                            "under torchrun, every rank runs `pagegate serve` and rank 0 serves")
+    group.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s,
+                       help="seconds a tensor-parallel collective may wait before the engine is declared dead")
 
 
 def _cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -99,7 +103,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode)
     engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-                          tensor_parallel_size=args.tensor_parallel_size, cache=cache, scheduler=scheduler)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          distributed_timeout_s=args.distributed_timeout, cache=cache, scheduler=scheduler)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
@@ -143,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdLogFilter())
+    rank = torchrun_rank()
+    if rank:  # torchrun started this process as a tensor-parallel worker: rank 0 serves
+        from pagegate.engine.tp_workers import worker_main
+
+        worker_main(rank, "env://", engine_config)
+        return 0
     holder: list[GatewayServer] = []
     app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol

@@ -3,7 +3,7 @@ checks that it keeps fitting. Nothing here imports torch."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from pagegate.engine.outputs import RequestOutput
@@ -23,6 +23,7 @@ class EngineClient(Protocol):
     vocab_size: int
     default_sampling: dict[str, float]  # the folder's generation_config.json, as SamplingParams keywords
     metrics: EngineMetrics
+    on_dead: Callable[[], None] | None  # called once, from an engine thread, if the engine dies
 
     @property
     def is_running(self) -> bool: ...

@@ -53,6 +53,7 @@ class EngineHost:
     async def _load(self) -> None:
         try:
             self.engine = engine = await asyncio.to_thread(_construct_engine, self.engine_config)
+            engine.on_dead = self._engine_died
             self.model = self._model_context(engine)
             await self._warm_up(engine)
         except Exception as exc:
@@ -84,6 +85,13 @@ class EngineHost:
         vocab = tokenizer.vocab_size if tokenizer is not None else engine.vocab_size
         return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
                             engine.compile_grammar if tokenizer is not None else None)
+
+    def _engine_died(self) -> None:
+        """From the engine's threads: its loop or a tensor-parallel worker died. /health already says so; the
+        server exits non-zero (a supervisor restarts it) rather than serve 503s for ever."""
+        logger.error("the engine died: the server stops")
+        if self._on_fatal is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._on_fatal)
 
     def drain(self) -> None:
         """Stop taking requests and end every running generation (the server is going down)."""

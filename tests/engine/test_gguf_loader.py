@@ -105,7 +105,7 @@ def _checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face checkpoint names (packed q/k/v and gate/up split apart)."""
     from pagegate.engine.loader import checkpoint_layout
 
-    return {name: param[start:start + rows] for name, (param, start, rows) in checkpoint_layout(model).items()}
+    return {name: t.param[t.start:t.start + t.rows] for name, t in checkpoint_layout(model).items()}
 
 
 # ---- bad files -----------------------------------------------------------------------------------------

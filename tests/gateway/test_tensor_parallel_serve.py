@@ -1,0 +1,83 @@
+"""`pagegate serve -tp 2` as a user runs it: the OpenAI SDK, SIGTERM, and a worker that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from pagegate.gateway.launcher import ServerProcess
+
+ARGS = ["--tensor-parallel-size", "2", "--device", "cpu", "--grpc-port", "0", "--kv-cache-memory", "64MiB",
+        "--distributed-timeout", "20", "--disable-uvicorn-access-log"]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (the spawned workers and multiprocessing's helper)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sdk_through_two_ranks_and_sigterm_leaves_nothing() -> None:
+    server = ServerProcess(ARGS).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        text = client.completions.create(model="pagegate-default", prompt="In the beginning", max_tokens=8,
+                                         temperature=0).choices[0].text
+        stream = client.chat.completions.create(model="pagegate-default", max_tokens=8, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": "Hello"}])
+        assert text and "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert "2 rank(s)" in server.log()
+        workers = children(server.process.pid)
+        assert workers
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)
+
+
+def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
+    server = ServerProcess(ARGS).start()
+    try:
+        worker = next(pid for pid in children(server.process.pid)
+                      if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        status = 200
+        while time.monotonic() < deadline and server.process.poll() is None:
+            try:
+                status = httpx.get(server.base_url + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                status = 0  # the server is gone already
+            if status != 200:
+                break
+            time.sleep(0.2)
+        assert status != 200
+        server.process.wait(30)
+        assert server.process.returncode not in (0, None), server.log()
+        assert "exited with code" in server.log()
+    finally:
+        server.stop()
