@@ -40,8 +40,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size > 1:  # the workers load their slices while this rank loads its own
-            self.device = rank_device(self.device, 0)
             self.workers = WorkerGroup(config, self.device)
+            self.device = rank_device(self.device, 0, config.tensor_parallel_size)
         try:
             self._load(config)
         except BaseException:

@@ -33,9 +33,12 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Each rank's own GPU on CUDA (its local rank under torchrun); the CPU stays the CPU."""
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """Each rank's own GPU on CUDA (its local rank under torchrun); on CPU, this rank's share of the cores
+    (ranks that each spin up every core's worth of threads stall one another at every all-reduce)."""
     if device.type != "cuda":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
         return device
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
@@ -48,6 +51,7 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         size = config.tensor_parallel_size
+        self._threads = torch.get_num_threads()  # rank_device may share out the cores; close() restores
         self.processes: list[BaseProcess] = []
         self.on_death: Callable[[str], None] | None = None
         self._closing = False
@@ -90,6 +94,7 @@ class WorkerGroup:
                 process.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
 
     def _watch(self) -> None:
         wait([process.sentinel for process in self.processes])  # until the first one exits
@@ -108,7 +113,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive rank 0
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    device = rank_device(resolve_device(config.device), rank)
+    device = rank_device(resolve_device(config.device), rank, config.tensor_parallel_size)
     _init_group(config, device, rank, init)
     channel = StepChannel(device)
     tp = TensorParallel(rank, config.tensor_parallel_size)
