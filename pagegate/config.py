@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagegate.engine.kv_events import KVEventsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -78,6 +82,7 @@ class EngineConfig:
     quantization: str | None = None  # "gguf": keep GGUF blocks; "none": dequantize; None: gguf on CPU
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a collective (all-reduce, step broadcast) that waits longer fails
+    kv_events: KVEventsConfig | None = None  # --kv-events-config: publish prefix-cache changes for routers
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)

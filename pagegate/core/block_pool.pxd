@@ -26,6 +26,7 @@ cdef class BlockPool:
     cdef int num_shared
     cdef int64_t prefix_hits
     cdef int64_t prefix_queries
+    cdef list events                # None, or the prefix-cache changes since take_events()
 
     cdef void push_back(self, int32_t sentinel, int32_t b) noexcept
     cdef void unlink(self, int32_t b) noexcept
@@ -41,4 +42,4 @@ cdef class BlockPool:
     cdef void unref(self, int32_t block) noexcept
     cdef int allocate_into(self, int32_t* out, int n) except -1
     cdef int free_ptr(self, const int32_t* ids, Py_ssize_t n) except -1
-    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t) noexcept
+    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t, bint first) noexcept

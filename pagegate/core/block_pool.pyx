@@ -117,6 +117,8 @@ cdef class BlockPool:
 
     def reset(self) -> None:
         """Return every page to the free list and forget the prefix cache."""
+        if self.events is not None:
+            self.events.append(("AllBlocksCleared",))
         cdef int i, s, n = self.num_blocks
         memset(self.refcounts, 0, n * sizeof(int32_t))
         memset(self.cached, 0, n * sizeof(uint8_t))
@@ -203,6 +205,8 @@ cdef class BlockPool:
 
     cdef void evict(self, int32_t block) noexcept:
         """Forget a page's cached content."""
+        if self.events is not None:
+            self.events.append(("BlockRemoved", self.hashes[block]))
         cdef uint64_t i = self.home(self.hashes[block]), j, k
         while self.table_blocks[i] != block:
             i = (i + 1) & self.table_mask
@@ -274,16 +278,17 @@ cdef class BlockPool:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def cache_block(self, int block_id, parent_hash: int, token_ids) -> int:
-        """Register a full, allocated page's content; returns its hash (the next page's parent)."""
+    def cache_block(self, int block_id, parent_hash: int, token_ids, bint first=False) -> int:
+        """Register a full, allocated page's content; returns its hash (the next page's parent).
+        `first`: the page starts its sequence (`parent_hash` is the chain's root, not a page)."""
         cdef cnp.ndarray tokens = as_int32_array(token_ids)
         if tokens.shape[0] != self.block_size:
             raise ValueError(f"a cached page holds exactly {self.block_size} tokens, got {tokens.shape[0]}")
         cdef int32_t b = block_id
         self.check_ids(&b, 1, True)
-        return self.cache_block_c(b, <uint64_t>parent_hash, <int32_t*>cnp.PyArray_DATA(tokens))
+        return self.cache_block_c(b, <uint64_t>parent_hash, <int32_t*>cnp.PyArray_DATA(tokens), first)
 
-    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t) noexcept:
+    cdef uint64_t cache_block_c(self, int32_t block_id, uint64_t parent, const int32_t* t, bint first) noexcept:
         cdef uint64_t h = hash_tokens(parent, t, self.block_size) & self.hash_mask
         if not self.enable_prefix_caching:
             return h
@@ -297,6 +302,9 @@ cdef class BlockPool:
             memcpy(&self.tokens[<size_t>block_id * self.block_size], t, self.block_size * sizeof(int32_t))
             self.insert(block_id)
             self.cached[block_id] = 1
+            if self.events is not None:
+                self.events.append(("BlockStored", h, None if first else parent,
+                                    [t[i] for i in range(self.block_size)]))
         return h
 
     cdef bint same_content(self, int32_t b, uint64_t h, uint64_t parent, const int32_t* t) noexcept:
@@ -330,6 +338,21 @@ cdef class BlockPool:
         self.prefix_queries += tokens.shape[0]
         self.prefix_hits += i * bs
         return out[:i], i * bs
+
+    # ---- events (KV-cache events for routers) -----------------------------------------------------
+
+    def record_events(self) -> None:
+        """From now on, log every page entering or leaving the prefix cache (see take_events)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list:
+        """The prefix-cache changes since the last call, in order: ("BlockStored", hash, parent hash or None
+        for a sequence's first page, its token ids), ("BlockRemoved", hash), ("AllBlocksCleared",)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # ---- introspection -------------------------------------------------------------------------
 

@@ -248,7 +248,7 @@ cdef class BlockTables:
             c += 1
             if c % bs == 0:
                 self.parent_hash[seq] = self.pool.cache_block_c(self.row(seq)[c // bs - 1],
-                                                                self.parent_hash[seq], partial)
+                                                                self.parent_hash[seq], partial, c == bs)
         self.ncommitted[seq] = c
         return 0
 
@@ -309,7 +309,7 @@ cdef class BlockTables:
         self.ncommitted[seq] = n + 1
         if (n + 1) % bs == 0:
             self.parent_hash[seq] = self.pool.cache_block_c(r[n // bs], self.parent_hash[seq],
-                                                            &self.partial[<size_t>seq * bs])
+                                                            &self.partial[<size_t>seq * bs], n < bs)
         return True
 
     def num_committed(self, int seq) -> int:

@@ -14,6 +14,7 @@ from pagegate.config import EngineConfig
 from pagegate.core import compute_block_hash
 from pagegate.engine.grammar_masks import GrammarMasks
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.kv_events import EventPublisher, KVEventsConfig
 from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.metrics import EngineMetrics
@@ -68,6 +69,8 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids) if self.tokenizer else None
         self.grammar_masks = GrammarMasks(vocab)
         self.metrics = EngineMetrics(self.model_name, config.health)
+        self.metrics.cache_config(config.cache.block_size, self.scheduler.pool.num_blocks)
+        self.kv_events = self._start_kv_events(config.kv_events)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
@@ -166,11 +169,25 @@ class Engine:
         request.seqs.append(seq)
         return seq
 
+    def _start_kv_events(self, config: KVEventsConfig | None) -> EventPublisher | None:
+        if config is None or not config.enable_kv_cache_events:
+            return None
+        pool = self.scheduler.pool
+        pool.record_events()
+        publisher = EventPublisher(config, pool.block_size)
+        publisher.publish([("AllBlocksCleared",)])  # a router may hold pages from this server's last life
+        log.info("KV-cache events: %s publisher on %s (topic %r, replay %s)", config.publisher, config.endpoint,
+                 config.topic, config.replay_endpoint)
+        return publisher
+
     def close(self) -> None:
-        """End the tensor-parallel workers (nothing to do on one rank)."""
+        """End the tensor-parallel workers and the KV-event publisher."""
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages now; False when it is unknown or already done."""
@@ -297,6 +314,9 @@ class Engine:
     def refresh_stats(self, now: float | None = None) -> None:
         """Recompute the gauges and the health grade from the scheduler's counts."""
         self.health_grade, self.health_reason = self.metrics.update(self.scheduler.stats(), now)
+        if self.kv_events is not None and (events := self.scheduler.pool.take_events()):
+            if not self.kv_events.publish(events):
+                self.metrics.kv_events_dropped.inc()
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler.stats()

@@ -54,12 +54,20 @@ class EngineMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.swap_out_blocks = counter("pagegate:swap_out_blocks", "Pages swapped out to CPU memory.")
         self.swap_in_blocks = counter("pagegate:swap_in_blocks", "Pages swapped back in.")
+        self.kv_events_dropped = counter("pagegate:kv_events_dropped",
+                                         "KV-cache event batches dropped because the publisher queue was full.")
+        self._cache_config_info = Gauge("vllm:cache_config_info", "The KV cache's configuration (value 1).",
+                                        ["model_name", "block_size", "num_gpu_blocks"], registry=self.registry)
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between tokens of a sequence.")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.request_queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
         self._last = SchedulerStats(*([0] * len(fields(SchedulerStats))))  # the totals the counters have seen
+
+    def cache_config(self, block_size: int, num_blocks: int) -> None:
+        """vllm:cache_config_info, which llm-d's scorers read for the page size and count."""
+        self._cache_config_info.labels(self._model_name, str(block_size), str(num_blocks)).set(1)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         return Gauge(name, documentation, ["model_name"], registry=self.registry).labels(self._model_name)

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, torchrun_rank
+from pagegate.engine.kv_events import KVEventsConfig
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
@@ -54,6 +55,10 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV pages (wins over budgets)")
     group.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes or like '2GiB'")
+    group.add_argument("--kv-events-config", type=_kv_events_config, default=None,
+                       help="JSON, as vLLM's: publish prefix-cache changes over ZMQ for prefix-aware routers, e.g. "
+                            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                            '"replay_endpoint": "tcp://*:5558", "topic": "kv@pod@model"}\'')
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -94,6 +99,13 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     names = args.served_model_name or []
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -104,7 +116,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          distributed_timeout_s=args.distributed_timeout, cache=cache, scheduler=scheduler)
+                          distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
+                          cache=cache, scheduler=scheduler)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])

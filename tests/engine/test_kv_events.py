@@ -1,0 +1,150 @@
+"""KV-cache events: the pool's log, vLLM's wire format over real ZMQ sockets, replay, and the invariant a router
+relies on: an index built only from the events predicts exactly the cached tokens of the next request."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+import zmq
+from prometheus_client import generate_latest
+
+from pagegate import LLM, SamplingParams
+from pagegate.core import BlockPool, compute_block_hash
+from pagegate.engine.kv_events import END_OF_REPLAY, KVEventsConfig, encode_batch
+from pagegate.gateway.launcher import free_port
+
+BLOCK = 16
+
+
+def test_pool_logs_stores_removals_and_clears() -> None:
+    pool = BlockPool(2, BLOCK)
+    pool.record_events()
+    first, second = list(range(BLOCK)), list(range(BLOCK, 2 * BLOCK))
+    [a, b] = pool.allocate(2).tolist()
+    h1 = pool.cache_block(a, 0, first, first=True)
+    h2 = pool.cache_block(b, h1, second)
+    pool.free([a, b])
+    [c] = pool.allocate(1).tolist()  # takes the least recently freed cached page: evicts it
+    pool.reset()
+    assert h1 == compute_block_hash(0, first) and h2 == compute_block_hash(h1, second)
+    assert pool.take_events() == [("BlockStored", h1, None, first), ("BlockStored", h2, h1, second),
+                                  ("BlockRemoved", h1 if c == a else h2), ("AllBlocksCleared",)]
+    assert pool.take_events() == []
+
+
+def test_batches_are_vllm_arrays_and_merge_chains() -> None:
+    events = [("BlockStored", 1, None, [1] * BLOCK), ("BlockStored", 2, 1, [2] * BLOCK),
+              ("BlockStored", 9, 5, [3] * BLOCK), ("BlockRemoved", 4), ("BlockRemoved", 5), ("AllBlocksCleared",)]
+    ts, decoded, rank = msgpack.unpackb(encode_batch(events, BLOCK, ts=12.5))
+    assert (ts, rank) == (12.5, 0)
+    assert decoded == [
+        ["BlockStored", [1, 2], None, [1] * BLOCK + [2] * BLOCK, BLOCK, None, "GPU", None],
+        ["BlockStored", [9], 5, [3] * BLOCK, BLOCK, None, "GPU", None],
+        ["BlockRemoved", [4, 5], "GPU"],
+        ["AllBlocksCleared"],
+    ]
+
+
+def test_serve_flag_rejects_a_bad_config() -> None:
+    from pagegate.gateway.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-events-config", '{"enable_kv_cache_events": true}'])
+    assert args.kv_events_config.enable_kv_cache_events
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-events-config", '{"publisher": "kafka"}'])
+
+
+def test_config_takes_vllms_keys_only() -> None:
+    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv@p@m"}')
+    assert config.enable_kv_cache_events and config.endpoint == "tcp://*:5557" and config.buffer_steps == 10_000
+    with pytest.raises(ValueError, match="unknown"):
+        KVEventsConfig.from_json('{"enable_kv_cache_events": true, "bogus": 1}')
+
+
+class EventIndex:
+    """What a router keeps: pages by (parent hash, tokens), from the events alone (its own hashing is free)."""
+
+    def __init__(self) -> None:
+        self.pages: dict[tuple[int | None, tuple[int, ...]], int] = {}
+        self.seqs: list[int] = []
+        self.removed = 0
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        self.seqs.append(seq)
+        _, events, _ = msgpack.unpackb(payload)
+        for event in events:
+            if event[0] == "BlockStored":
+                _, hashes, parent, tokens, block_size, *_ = event
+                for i, block_hash in enumerate(hashes):
+                    self.pages[(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))] = block_hash
+                    parent = block_hash
+            elif event[0] == "BlockRemoved":
+                gone = set(event[1])
+                self.removed += len(gone)
+                self.pages = {key: h for key, h in self.pages.items() if h not in gone}
+            else:
+                self.pages.clear()
+
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """The server reuses full pages of all but the prompt's last token."""
+        parent, hit = None, 0
+        usable = prompt[:-1]
+        for start in range(0, len(usable) - BLOCK + 1, BLOCK):
+            parent = self.pages.get((parent, tuple(usable[start:start + BLOCK])))
+            if parent is None:
+                break
+            hit += BLOCK
+        return hit
+
+
+def drain(socket: zmq.Socket, index: EventIndex) -> None:
+    while socket.poll(200):
+        topic, seq, payload = socket.recv_multipart()
+        assert topic == b"kv@pod@model"
+        index.apply(int.from_bytes(seq, "big"), payload)
+
+
+def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
+    port, replay_port = free_port(), free_port()
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.bind(f"tcp://127.0.0.1:{port}")  # the server connects: its endpoint has no wildcard
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@pod@model")
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv@pod@model")
+    llm = LLM(None, device="cpu", num_kv_blocks=24, max_model_len=256)
+    llm.engine.kv_events = llm.engine._start_kv_events(config)
+    try:
+        index, rng = EventIndex(), random.Random(0)
+        systems = [[rng.randrange(3, 2000) for _ in range(3 * BLOCK + 5)] for _ in range(3)]
+        drain(subscriber, index)
+        for turn in range(24):  # 24 pages hold about two prompts: older prefixes get evicted
+            prompt = rng.choice(systems) + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 40))]
+            predicted = index.cached_tokens(prompt)
+            output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+            assert output.num_cached_tokens == predicted, turn
+            drain(subscriber, index)
+        # consecutive from 0, except that PUB/SUB may drop what is sent before the connection is up (replay below)
+        first = index.seqs[0]
+        assert first <= 1 and index.seqs == list(range(first, first + len(index.seqs))) and len(index.seqs) > 10
+        assert any(k[0] is not None for k in index.pages) and index.removed > 0  # chains, and evictions
+        metrics = generate_latest(llm.engine.metrics.registry).decode()
+        assert 'block_size="16"' in metrics and 'num_gpu_blocks="24"' in metrics  # vllm:cache_config_info
+        assert "pagegate:kv_events_dropped_total 0.0" in metrics.replace('{model_name="pagegate-default"}', "")
+
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            replayed.append(int.from_bytes(seq, "big"))
+        assert replayed == list(range(index.seqs[-1] + 1))
+    finally:
+        llm.shutdown()
+        context.destroy(linger=0)
