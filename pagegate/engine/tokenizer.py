@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -94,6 +95,11 @@ class Tokenizer:
         return _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (a caller describes tools itself otherwise)."""
+        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat: its own special tokens, plus the BOS the model expects only if the
         template did not write it (templates that do must not get a second one)."""
@@ -157,15 +163,29 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    """A sandboxed template with the helpers transformers gives chat templates."""
+@functools.cache
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates run in, with the helpers transformers gives them."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+@lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller; a template that fails to parse reads none."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
 
 
 class IncrementalDetokenizer:

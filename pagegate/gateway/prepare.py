@@ -24,7 +24,15 @@ from pagegate.gateway.protocol import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+    Tool,
     parse_request,
+)
+from pagegate.gateway.tools import (
+    CallParsing,
+    call_grammar,
+    offered_tools,
+    parameters_schema,
+    template_messages,
 )
 
 T = TypeVar("T")
@@ -43,7 +51,9 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    @property
+    def chat_template_takes_tools(self) -> bool: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def encode_chat(self, text: str) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
 
@@ -101,6 +111,7 @@ class PreparedRequest:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
 
     @property
     def stream(self) -> bool:
@@ -142,13 +153,35 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
 def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelContext) -> PreparedRequest:
     request = body if isinstance(body, ChatCompletionRequest) else parse_request(ChatCompletionRequest, body)
     name = model.resolve(request.model)
-    prompt = chat_prompt(request.messages, model)
+    check_tool_schemas(request.tools or [], model)
+    offered = offered_tools(request)
+    prompt = chat_prompt(request.messages, model, tools=offered)
     limit = request.completion_limit
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top)
-    params.structured_outputs = structured_outputs(request, model)
-    return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt)
+    params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
+    return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
+                           CallParsing.of(request, offered))
+
+
+def check_tool_schemas(tools: list[Tool], model: ModelContext) -> None:
+    """Each function's parameter schema compiles, or the request is a 400 naming it (and quoting why)."""
+    for index, tool in enumerate(tools):
+        param = f"tools.{index}.function.parameters"
+        if model.compile_grammar is None:
+            raise BadRequest("This model has no tokenizer, so it cannot take tools.", param=param)
+        try:
+            model.compile_grammar(StructuredOutputsParams(json=parameters_schema(tool)))
+        except InvalidParamError as error:
+            raise BadRequest(str(error), param=param, code="invalid_value") from None
+
+
+def _tool_constraint(request: ChatCompletionRequest, offered: list[Tool]) -> Constraint:
+    """tool_choice required or a named function: the output is calls (one with parallel_tool_calls false)."""
+    if request.tool_choice_mode not in ("required", "named"):
+        return "tool_choice", None
+    return "tool_choice", functools.partial(call_grammar, offered, request.parallel_tool_calls is not False)
 
 
 def _prompt_items(prompt: Any) -> list[str | list[int]]:
@@ -175,20 +208,20 @@ def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: i
     return EnginePrompt(list(item), None)
 
 
-def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation_prompt: bool = True) -> EnginePrompt:
-    """Render messages with the model's chat template and tokenize without doubling the BOS token."""
+def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation_prompt: bool = True, *,
+                tools: list[Tool] | None = None) -> EnginePrompt:
+    """Render messages (and the tools offered) with the model's chat template and tokenize without doubling
+    the BOS token."""
     tokenizer = model.require_tokenizer("messages")
-    dicts = [{"role": _template_role(m.role), "content": m.text()} for m in messages]
+    native = tokenizer.chat_template_takes_tools
+    dicts = template_messages(messages, tools or [], native)
+    extra = {"tools": [tool.model_dump(exclude_none=True) for tool in tools]} if native and tools else {}
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise BadRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
     model.check_text_fits(text, "messages")  # the rendered text: a template may trim what it was given
     return EnginePrompt(tokenizer.encode_chat(text), text)
-
-
-def _template_role(role: str) -> str:
-    return "system" if role == "developer" else role
 
 
 def sampling_params(
@@ -222,10 +255,15 @@ def sampling_params(
     )
 
 
-def structured_outputs(request: SamplingFields, model: ModelContext) -> StructuredOutputsParams | None:
+Constraint = tuple[str, Callable[[], StructuredOutputsParams] | None]  # (param, maker of the params when asked)
+
+
+def structured_outputs(request: SamplingFields, model: ModelContext,
+                       *more: Constraint) -> StructuredOutputsParams | None:
     """The request's output constraint, compiled here (the engine then copies it from the cache); an
-    invalid one, or two ways of asking at once, is a 400 naming the field."""
-    asked = [(param, value) for param, value in _constraints(request) if value is not None]
+    invalid one, or two ways of asking at once, is a 400 naming the field. `more`: constraints of other
+    fields (tool_choice)."""
+    asked = [(param, value) for param, value in [*_constraints(request), *more] if value is not None]
     if not asked:
         return None
     if len(asked) > 1:
@@ -242,7 +280,7 @@ def structured_outputs(request: SamplingFields, model: ModelContext) -> Structur
     return structured
 
 
-def _constraints(request: SamplingFields) -> list[tuple[str, Callable[[], StructuredOutputsParams] | None]]:
+def _constraints(request: SamplingFields) -> list[Constraint]:
     """Each way a request may ask for structured output, with a maker of its params when it does."""
     fmt, vllm = request.response_format, request.structured_outputs
     from_format = None

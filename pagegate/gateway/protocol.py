@@ -19,10 +19,12 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from pagegate.engine.params import REPETITION_PENALTY_RANGE
 from pagegate.gateway.errors import BadRequest
@@ -95,6 +97,9 @@ def _needs_true(field: str, flag: str) -> dict[str, Any]:
 
 
 STREAM_OPTIONS_NEED_STREAM = _needs_true("stream_options", "stream")
+TOOL_CHOICE_NEEDS_TOOLS: dict[str, Any] = {
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array"}}}}
 
 
 class StrictModel(BaseModel):
@@ -215,10 +220,97 @@ class TextPart(StrictModel):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments object; omitted: the function takes none.")
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _describes_an_object(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ValueError("the arguments are a JSON object, so the schema's type must be 'object'")
+        return schema
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(StrictModel):
+    """A call an earlier assistant turn made, as the API returned it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+# JSON Schema forms of ChatMessage's cross-field rules (the validator below enforces them).
+_GIVEN: dict[str, Any] = {"not": {"type": "null"}}
+MESSAGE_RULES: list[Any] = [
+    {"if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+     "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": _GIVEN}}},
+    {"if": {"required": ["tool_call_id"], "properties": {"tool_call_id": _GIVEN}},
+     "then": {"properties": {"role": {"const": "tool"}}}},
+    {"if": {"required": ["tool_calls"], "properties": {"tool_calls": _GIVEN}},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"not": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}},
+     "then": {"required": ["content"], "properties": {"content": _GIVEN}}},
+]
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One turn. Content may be left out only by an assistant turn that made tool calls.
+
+    The role-dependent fields come before content, so each check sees the fields it depends on and a
+    400 names the field at fault."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": MESSAGE_RULES})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = Field(None, validate_default=True)  # tool turns: the call this is the result of
     name: str | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_of_the_assistant(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if calls is not None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError("tool_calls are only for assistant messages")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_of_a_tool_result(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and call_id is None:
+            raise PydanticCustomError("missing", "a tool message needs the tool_call_id of the call it answers")
+        if call_id is not None and role not in ("tool", None):
+            raise ValueError("tool_call_id is only for tool messages")
+        return call_id
 
     @field_validator("content", mode="before")
     @classmethod
@@ -229,7 +321,17 @@ class ChatMessage(StrictModel):
                 raise ValueError(f"content parts of type {kind!r} are not supported; only 'text'")
         return value
 
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calls(cls, content: str | list[TextPart] | None,
+                              info: ValidationInfo) -> str | list[TextPart] | None:
+        if content is None and not info.data.get("tool_calls") and "tool_calls" in info.data:
+            raise PydanticCustomError("missing", "content is required, except in an assistant message with tool_calls")
+        return content
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -239,10 +341,10 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={
-        "allOf": [STREAM_OPTIONS_NEED_STREAM, _needs_true("top_logprobs", "logprobs")]})
+        "allOf": [STREAM_OPTIONS_NEED_STREAM, _needs_true("top_logprobs", "logprobs"), TOOL_CHOICE_NEEDS_TOOLS]})
     unsupported: ClassVar[frozenset[str]] = frozenset(
-        {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
-         "prediction", "reasoning_effort", "web_search_options", "store", "metadata", "service_tier"}
+        {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+         "web_search_options", "store", "metadata", "service_tier"}
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -250,6 +352,37 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    tools: Annotated[list[Tool], NonEmpty] | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="Needs tools; a named function must be one of them. Unset: auto with tools, else none.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("each function name may appear only once")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        tools: list[Tool] | None = info.data.get("tools")
+        if choice is None or "tools" not in info.data:  # absent, or tools themselves were invalid
+            return choice
+        if not tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"the function {choice.function.name!r} is not among the tools")
+        return choice
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """One of none, auto, required, named; unset is OpenAI's default: auto with tools, else none."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 from pagegate.gateway.protocol import CompletionRequest
+from pagegate.gateway.tools import ParsedCall, ToolCallParser, parse_tool_calls
 
 TokenText = Callable[[int], str]
 
@@ -33,6 +34,7 @@ class ChoiceState:
     text_offset: int = 0  # completions logprobs: offset of the next token in the returned text
     started: bool = False
     finished: bool = False
+    tool_parser: ToolCallParser | None = None  # chat with tools: splits the text into content and calls
 
 
 @dataclass
@@ -207,16 +209,33 @@ class ChatRenderer(Renderer):
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        text = self.next_text(state, c)
+        text, calls = self.split_calls(state, self.next_text(state, c), c.finished)
         fresh = self.next_logprobs(state, c)
         deltas = []
         if text or fresh:
             logprobs = {"content": self.logprob_entries(fresh)} if self.prepared.params.logprobs is not None else None
             deltas.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        first = len(state.tool_parser.calls) - len(calls) if state.tool_parser is not None else 0
+        for number, call in enumerate(calls, first):
+            deltas.extend({"index": index, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}
+                          for piece in call_pieces(number, call))
         if c.finished:
             state.finished = True
-            deltas.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason})
+            called = state.tool_parser is not None and bool(state.tool_parser.calls)
+            deltas.append({"index": index, "delta": {}, "logprobs": None,
+                           "finish_reason": finish_reason(c.finish_reason, called)})
         return deltas
+
+    def split_calls(self, state: ChoiceState, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
+        """The content part of fresh text and the calls it completed; text that may be a call is held back."""
+        parsing = self.prepared.tool_calls
+        if parsing is None:
+            return text, []
+        if state.tool_parser is None:
+            state.tool_parser = parsing.parser()
+        events = state.tool_parser.feed(text) + (state.tool_parser.finish() if finished else [])
+        content = "".join(event for event in events if isinstance(event, str))
+        return content, [event for event in events if isinstance(event, ParsedCall)]
 
     def logprob_entries(self, logprobs: list[Logprob]) -> list[dict]:
         limit = self.prepared.params.logprobs or 0
@@ -238,9 +257,26 @@ class ChatRenderer(Renderer):
             logprobs = None
             if self.prepared.params.logprobs is not None:
                 logprobs = {"content": self.logprob_entries(completion.logprobs or [])}
-            message = {"role": "assistant", "content": completion.text}
+            message = self.message(completion)
             choices.append({"index": index, "message": message, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason})
+                            "finish_reason": finish_reason(completion.finish_reason, bool(message["tool_calls"]))})
         body = self.envelope(self.object_name, choices)
         body["usage"] = self.usage()
         return body
+
+    def message(self, completion: CompletionOutput) -> dict:
+        if self.prepared.tool_calls is None:
+            return {"role": "assistant", "content": completion.text, "tool_calls": []}
+        content, calls = parse_tool_calls(completion.text, self.prepared.tool_calls)
+        return {"role": "assistant", "content": content, "tool_calls": [call.as_tool_call() for call in calls]}
+
+
+def finish_reason(engine_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" when an answer that ended by itself made calls (one cut short keeps "length")."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+
+
+def call_pieces(number: int, call: ParsedCall) -> list[dict]:
+    """A call as OpenAI streams it: id, type and name with empty arguments first, then the arguments."""
+    return [{"index": number, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
+            {"index": number, "function": {"arguments": call.arguments}}]

@@ -58,9 +58,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | None
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCall]  # empty when the answer made none
 
 
 class ChatChoice(BaseModel):
@@ -79,9 +91,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: the first has id, type and name; arguments add up over the pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

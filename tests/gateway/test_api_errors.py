@@ -58,7 +58,7 @@ def test_unsupported_and_unknown_fields(http: httpx.Client) -> None:
     error = assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "suffix": "x"}), 400, "suffix")
     assert "not supported" in error["message"]
     assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                          "tools": [{"type": "function"}]}), 400, "tools")
+                                                          "functions": [{"name": "f"}]}), 400, "functions")
     error = assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "temprature": 1}), 400, "temprature")
     assert "Unrecognized" in error["message"]
 
@@ -95,7 +95,8 @@ def test_bad_completion_bodies(http: httpx.Client, body: dict, param: str | None
 @pytest.mark.parametrize("messages, param", [
     ("hi", "messages"),
     ([{"role": "user"}], "messages.0.content"),
-    ([{"role": "tool", "content": "x"}], "messages.0.role"),
+    ([{"role": "function", "content": "x"}], "messages.0.role"),
+    ([{"role": "tool", "content": "x"}], "messages.0.tool_call_id"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content"),
     ([{"role": "user", "content": 3}], "messages.0.content"),
 ])

@@ -207,6 +207,12 @@ def _json_keys(descriptor: Any) -> set[str]:
     (pb.ChatCompletion, schemas.ChatCompletionResponse, set()),
     (pb.ChatCompletionChunk, schemas.ChatCompletionChunk, set()),
     (pb.ChatChunkChoice, schemas.ChatChunkChoice, set()),
+    (pb.AssistantMessage, schemas.AssistantMessage, set()),
+    (pb.ChatDelta, schemas.ChatDelta, set()),
+    (pb.ToolCall, schemas.ToolCall, set()),
+    (pb.ToolCall, protocol.ToolCall, set()),
+    (pb.FunctionCall, schemas.FunctionCall, set()),
+    (pb.ToolCallDelta, schemas.ToolCallDelta, set()),
     (pb.TokenLogprob, schemas.TokenLogprob, set()),
     (pb.Usage, schemas.Usage, set()),
     (pb.ModelCard, schemas.ModelCard, set()),
@@ -223,12 +229,25 @@ def test_request_conversion_round_trips() -> None:
         ({"prompt": [[1, 2], [3]]}, pb.CompletionRequest),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "y"}]}],
           "response_format": {"type": "text"}, "logprobs": True, "top_logprobs": 0}, pb.ChatRequest),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                              "function": {"name": "f", "arguments": ""}}]},
+                       {"role": "tool", "tool_call_id": "c", "content": "1"}],
+          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "maxProperties": 2}}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False}, pb.ChatRequest),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, pb.ChatRequest),
     ]
     for body, cls in bodies:
         assert request_to_body(body_to_request(body, cls)) == body
     # unset is not zero: a zero or false that was sent reaches validation as such
     assert request_to_body(pb.CompletionRequest(text="x", n=0, ignore_eos=False)) == {
         "prompt": "x", "n": 0, "ignore_eos": False}
+
+
+def test_struct_numbers_arrive_as_json_wrote_them() -> None:
+    """Struct holds every number as a double; a schema's whole numbers reach validation as ints again."""
+    body = request_to_body(body_to_request({"messages": MESSAGES, "guided_json": {"maxLength": 8, "x": 0.5}},
+                                           pb.ChatRequest))
+    assert body["guided_json"] == {"maxLength": 8, "x": 0.5} and isinstance(body["guided_json"]["maxLength"], int)
 
 
 def test_status_mapping() -> None:
@@ -309,7 +328,7 @@ def test_chat_matches_rest_and_streams(client: GrpcClient, rest: httpx.Client) -
     same_answer(expected, got)
     assert got["object"] == "chat.completion" and got["choices"][0]["message"]["role"] == "assistant"
     chunks = list(client.stream_chat(**body))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "tool_calls": []}
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[1:])
     assert text == got["choices"][0]["message"]["content"]
     streamed_logprobs = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
@@ -317,6 +336,29 @@ def test_chat_matches_rest_and_streams(client: GrpcClient, rest: httpx.Client) -
     parts = client.chat([{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}],
                         max_tokens=8, temperature=0.8, seed=11)
     assert parts["choices"][0]["message"] == got["choices"][0]["message"]
+
+
+def test_tool_calls_match_rest_and_stream(client: GrpcClient, rest: httpx.Client) -> None:
+    # One property: a Struct keeps no key order, and the grammar writes properties in the schema's order
+    params = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
+    body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "max_tokens": 200, "temperature": 1.0,
+            "seed": 3}
+    expected = rest.post("/v1/chat/completions", json=body).json()["choices"][0]
+    got = client.chat(**body)["choices"][0]
+    assert got["finish_reason"] == expected["finish_reason"] == "tool_calls" and got["message"]["content"] is None
+    calls = got["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [c["function"] for c in expected["message"]["tool_calls"]]
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert 1 <= json.loads(call["function"]["arguments"])["days"] <= 5
+    pieces = [call for chunk in client.stream_chat(**body) for choice in chunk["choices"]
+              for call in choice["delta"]["tool_calls"]]
+    assert pieces[0]["function"] == {"name": "forecast", "arguments": ""} and pieces[0]["id"].startswith("call_")
+    assert "".join(p["function"]["arguments"] for p in pieces if p["index"] == 0) == calls[0]["function"]["arguments"]
+    history = [*MESSAGES, got["message"], {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]
+    assert client.chat(history, tools=tools, max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
 def test_structured_outputs_match_rest(client: GrpcClient, rest: httpx.Client) -> None:

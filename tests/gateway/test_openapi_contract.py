@@ -21,6 +21,9 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 from pagegate.gateway.launcher import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+CALLED = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+RESULT = {"role": "tool", "tool_call_id": "c", "content": "done"}
 REQUEST_MODELS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
                   "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
 STREAMS = {"/v1/completions": ("CompletionResponse", {"prompt": "Hi"}),
@@ -129,6 +132,16 @@ AGREEMENT = [
                               "response_format": {"type": "json_schema"}}, False),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "response_format": {
         "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}}, True),
+    # tools: tool_choice needs tools; content may be left out only by an assistant turn with tool calls
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tool_choice": "auto"}, False),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tool_choice": None}, True),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": TOOLS, "tool_choice": "none"}, True),
+    ("/v1/chat/completions", {"messages": [*MESSAGES, CALLED, RESULT], "max_tokens": 2}, True),
+    ("/v1/chat/completions", {"messages": [*MESSAGES, {**CALLED, "tool_calls": []}], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [*MESSAGES, {**CALLED, "role": "user"}], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [*MESSAGES, {**RESULT, "tool_call_id": None}], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "tool_call_id": "c"}], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 2}, False),
     # single fields the validators (or sampling) refuse, now stated in the document too
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ""}, False),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["a", ""]}, False),

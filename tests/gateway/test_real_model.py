@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -38,3 +39,22 @@ def test_streamed_chat_gives_the_same_answer(smollm2: openai.OpenAI, smollm2_ggu
                                              stream=True)
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert len(pieces) > 3 and "".join(pieces) == whole.choices[0].message.content
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "The city, e.g. Paris"}},
+                   "required": ["location"]}}}
+
+
+def test_required_tool_call_answers_a_weather_question(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    """SmolLM2-135M writes no call by itself (tool_choice auto: it answers in prose, README); required makes it
+    call, and it fills in the city from the question."""
+    for city in ("Paris", "London"):
+        reply = smollm2.chat.completions.create(
+            model=smollm2_gguf.name, messages=[{"role": "user", "content": f"What is the weather like in {city}?"}],
+            tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and city in json.loads(call.function.arguments)["location"]

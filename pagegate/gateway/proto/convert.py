@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 M = TypeVar("M", bound=Message)
 JSON_TYPES = frozenset({"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"})
+MAX_EXACT_INT = 2**53  # doubles hold every integer up to here
 
 
 class UnknownFieldError(ValueError):
@@ -71,8 +72,21 @@ def request_to_body(message: Message) -> dict[str, Any]:
     """Only the fields that are set, named as in JSON: what a REST client would have sent."""
     body: dict[str, Any] = {}
     for field, value in message.ListFields():
-        body[_real_oneof(field) or field.name] = _field_value(field, value, request_to_body)
+        item = _field_value(field, value, request_to_body)
+        body[_real_oneof(field) or field.name] = _whole_numbers(item) if _is_json(field) else item
     return body
+
+
+def _whole_numbers(value: Any) -> Any:
+    """JSON as a client wrote it: Struct keeps every number as a double, so 8 arrives as 8.0, which a JSON
+    schema's maxLength (say) refuses; whole numbers within a double's exact range become ints again."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_EXACT_INT:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _whole_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(item) for item in value]
+    return value
 
 
 def message_to_dict(message: Message) -> dict[str, Any]:

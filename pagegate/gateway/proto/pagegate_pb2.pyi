@@ -124,20 +124,42 @@ class ContentParts(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[ContentPart]
     def __init__(self, items: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
+class FunctionCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "type", "function")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: str
+    function: FunctionCall
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "text", "parts", "name")
+    __slots__ = ("role", "text", "parts", "name", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     text: str
     parts: ContentParts
     name: str
-    def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., parts: _Optional[_Union[ContentParts, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., parts: _Optional[_Union[ContentParts, _Mapping]] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +174,9 @@ class ChatRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +207,9 @@ class ChatRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     response_format: _struct_pb2.Struct
+    tools: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    tool_choice: _struct_pb2.Value
+    parallel_tool_calls: bool
     n: int
     temperature: float
     top_p: float
@@ -205,7 +233,7 @@ class ChatRequest(_message.Message):
     guided_regex: str
     guided_choice: StringList
     guided_grammar: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -298,12 +326,14 @@ class ChatLogprobs(_message.Message):
     def __init__(self, content: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AssistantMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class ChatChoice(_message.Message):
     __slots__ = ("index", "message", "logprobs", "finish_reason")
@@ -333,13 +363,27 @@ class ChatCompletion(_message.Message):
     usage: Usage
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "type", "function")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    type: str
+    function: FunctionCall
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
 class ChatDelta(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class ChatChunkChoice(_message.Message):
     __slots__ = ("index", "delta", "logprobs", "finish_reason")
