@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import cast
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
@@ -97,10 +98,12 @@ class WorkerGroup:
         torch.set_num_threads(self._threads)
 
     def _watch(self) -> None:
-        wait([process.sentinel for process in self.processes])  # until the first one exits
+        by_sentinel = {process.sentinel: process for process in self.processes}
+        ready = wait(list(by_sentinel))  # until the first one exits
         if self._closing:
             return
-        process = next(p for p in self.processes if not p.is_alive())
+        process = by_sentinel[cast(int, ready[0])]
+        process.join(1)  # its sentinel closes a moment before it can be reaped
         message = f"tensor-parallel worker {process.name} exited with code {process.exitcode}"
         log.error(message)
         if self.on_death is not None:

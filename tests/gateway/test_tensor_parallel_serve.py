@@ -67,11 +67,11 @@ def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 30
         status = 200
-        while time.monotonic() < deadline and server.process.poll() is None:
+        while time.monotonic() < deadline:
             try:
                 status = httpx.get(server.base_url + "/health", timeout=2).status_code
             except httpx.HTTPError:
-                status = 0  # the server is gone already
+                status = 0  # the server is gone already (it may exit before /health is ever asked)
             if status != 200:
                 break
             time.sleep(0.2)
