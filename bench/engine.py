@@ -18,9 +18,8 @@ import torch
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BatchBuilder
-from pagegate.engine.engine import DEFAULT_MODEL
 from pagegate.engine.gguf_loader import is_gguf
-from pagegate.engine.loader import peak_rss_mib
+from pagegate.engine.loader import DEFAULT_MODEL, peak_rss_mib
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, Sequence
 

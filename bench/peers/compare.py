@@ -21,7 +21,7 @@ import torch
 
 from bench.peers import llamacpp
 from pagegate import LLM, SamplingParams
-from pagegate.engine.engine import DEFAULT_MODEL
+from pagegate.engine.loader import DEFAULT_MODEL
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 DOCS = Path("docs")

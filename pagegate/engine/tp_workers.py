@@ -15,9 +15,9 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import cast
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from typing import cast
 
 import torch
 import torch.distributed as dist

@@ -7,7 +7,7 @@ from tokenizers import AddedToken, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE, WordPiece
 
-from pagegate.engine.engine import DEFAULT_MODEL
+from pagegate.engine.loader import DEFAULT_MODEL
 from pagegate.engine.token_bounds import chars_per_token_bound
 from pagegate.engine.tokenizer import Tokenizer
 
