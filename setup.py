@@ -12,7 +12,7 @@ extensions = [
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
-    for name in ("block_pool", "block_tables", "allocator")
+    for name in ("block_pool", "block_tables", "allocator", "page_map")
 ] + [
     # the CPU kernels: fused paged attention and the quantized matmul; OpenMP threads, no numpy
     Extension(

@@ -11,17 +11,21 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import replace
+from typing import TypeVar
 
 from pagegate.config import EngineConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import EngineDeadError, RequestFailedError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
 from pagegate.engine.stats import EngineHealth, EngineStats
 from pagegate.engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.5
 
@@ -91,6 +95,9 @@ class AsyncEngine:
                     self._deliver(payload.request_id, error)
             elif kind == "abort":
                 self.engine.abort(payload)
+            elif kind == "call":
+                fn, future = payload
+                _run(fn, future, self.engine)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -158,6 +165,17 @@ class AsyncEngine:
         so that the request's own matcher is a cache hit."""
         self.engine.grammar_matcher(structured)
 
+    def call_between_steps(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) on the loop thread before its next step (waking an idle loop); any thread."""
+        future: Future[T] = Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    async def pool_snapshot(self) -> PoolSnapshot:
+        """The pools' page states, queues and counts at one instant between two steps."""
+        self._check_alive()
+        return await asyncio.wrap_future(self.call_between_steps(take_snapshot))
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -170,3 +188,12 @@ class AsyncEngine:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.close()
+
+
+def _run(fn: Callable[[Engine], T], future: Future[T], engine: Engine) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(engine))
+    except Exception as error:  # the caller's failure, not the loop's
+        future.set_exception(error)

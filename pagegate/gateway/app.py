@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,7 @@ from pagegate.engine.params import InvalidParamError
 from pagegate.gateway import routes_api, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware
 from pagegate.gateway.codec import render_error, wants_msgpack
+from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, from_status, to_api_error
 from pagegate.gateway.gateway_metrics import gateway_registry
@@ -45,11 +47,13 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
               on_fatal: Callable[[], None] | None = None) -> Starlette:
     """The ASGI app. The engine loads in a thread once the server runs, so /health says 503 meanwhile."""
     host = EngineHost(engine_config, config, on_fatal)
+    dashboard = DashboardFeed(host) if config.enable_dashboard else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         host.start()
         grpc_server = None
+        history = asyncio.get_running_loop().create_task(dashboard.sample_history()) if dashboard else None
         try:
             if config.grpc_port:  # same process, event loop and engine as the HTTP server
                 from pagegate.gateway.grpc_server import start_grpc_server
@@ -57,6 +61,8 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
                 grpc_server = await start_grpc_server(config.host, config.grpc_port, host)
             yield
         finally:
+            if history is not None:
+                history.cancel()
             if grpc_server is not None:
                 await grpc_server.stop()
             await host.stop()
@@ -68,8 +74,10 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
         middleware.insert(0, cors)
     handlers = {HTTPException: _http_error, APIError: _any_error, InvalidParamError: _any_error,
                 EngineDeadError: _any_error, RequestFailedError: _any_error, Exception: _any_error}
-    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    routes = ROUTES + (dashboard_routes() if dashboard is not None else [])
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.host = host
+    app.state.dashboard = dashboard
     app.state.gateway_registry = gateway_registry(host)
     return app
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hmac
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagegate.gateway.codec import is_msgpack, render_error
 from pagegate.gateway.errors import Unauthorized
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # /health, /metrics, /version stay open
+# /health, /metrics, /version and the dashboard's page and files stay open; its data does not
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/api/")
+QUERY_KEY_PREFIXES = ("/dashboard/api/",)  # also take ?api_key=: an EventSource cannot send a header
 
 
 def key_matches(presented: str, keys: list[str]) -> bool:
@@ -51,4 +54,11 @@ class APIKeyMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
         token = bearer_token(header)
+        if token is None and scope["path"].startswith(QUERY_KEY_PREFIXES):
+            token = query_key(scope.get("query_string", b""))
         return token is not None and key_matches(token, self.api_keys)
+
+
+def query_key(query_string: bytes) -> str | None:
+    keys = parse_qs(query_string.decode("latin-1")).get("api_key")
+    return keys[0] if keys else None

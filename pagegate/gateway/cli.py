@@ -97,6 +97,8 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--log-level", default=defaults.log_level,
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument("--disable-dashboard", action="store_true",
+                       help="no live KV-page dashboard at /dashboard (and no feed under /dashboard/api/)")
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -127,7 +129,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
                             max_header_bytes=parse_bytes(args.max_header_size),
                             request_read_timeout_s=args.request_timeout,
-                            stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level)
+                            stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level,
+                            enable_dashboard=not args.disable_dashboard)
     return engine, gateway
 
 

@@ -12,6 +12,7 @@ from pagegate.engine.stats import EngineHealth, EngineStats
 
 if TYPE_CHECKING:
     from pagegate.engine.metrics import EngineMetrics
+    from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.structured import StructuredOutputsParams
     from pagegate.engine.tokenizer import Tokenizer
 
@@ -44,6 +45,10 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    async def pool_snapshot(self) -> PoolSnapshot:
+        """Page states, queues and counts at one instant between two engine steps (the dashboard)."""
+        ...
 
     def health(self) -> EngineHealth: ...
 

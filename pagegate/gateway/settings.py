@@ -23,3 +23,4 @@ class GatewayConfig:
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
     stream_chunk_rate: float = 500.0
     drain_timeout_s: float = 10.0  # after SIGTERM, how long in-flight responses get to end
+    enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/

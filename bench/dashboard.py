@@ -1,0 +1,287 @@
+"""What the dashboard costs the engine (issue 16), in one process.
+
+    python -m bench.dashboard                                   # embedded model on CPU
+    python -m bench.dashboard --rounds 3 --requests 32 --max-tokens 192 --device cuda
+
+1. The C copy: fill_page_states over 262,144 pages (free, cached, used and shared ones mixed), and the
+   run-length encoding of a key frame and of a delta frame: median microseconds.
+2. The engine loop with a dashboard feed open against without: the real DashboardFeed asks for 10
+   snapshots a second (run on the engine thread between two steps) and a FrameEncoder turns each into the
+   SSE frame /dashboard/api/feed sends. Reported: the median step, the wall time per step from the first step
+   to the last (snapshots run between steps, so this is the figure that counts) and its ratio with and
+   without (the goal: at most 1.02), and the time the snapshots and the encoding took (engine thread plus event
+   loop) as a share of the run: on a noisy machine the ratio swings by more than 2% from round to round, the
+   accounted share does not. Rounds alternate, off then on. Run at two pool sizes: 16,384 pages of 16 tokens
+   (1 GiB of KV, the CPU default) and 262,144 pages of one token. Writes docs/bench-dashboard.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagegate.core import BlockPool
+from pagegate.core.page_map import fill_page_states, max_encoded_size, rle_encode
+from pagegate.engine import async_engine
+from pagegate.engine.async_engine import AsyncEngine
+from pagegate.engine.engine import Engine
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.params import SamplingParams
+from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
+from pagegate.gateway.dashboard.feed import DashboardFeed
+from pagegate.gateway.dashboard.frames import FrameEncoder
+from pagegate.gateway.engine_host import READY
+
+PAGES = 262_144
+PROMPT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
+
+
+def median_us(fn: Callable[[], object], repeat: int = 300) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def copy_costs() -> dict[str, float]:
+    """Microseconds to copy and encode a 262,144-page pool, a quarter of it in use."""
+    pool = BlockPool(PAGES, 16)
+    used = pool.allocate(PAGES // 4)
+    pool.incref(used[:PAGES // 32])  # shared by two
+    for i, page in enumerate(pool.allocate(PAGES // 16)):  # prefix pages, then freed: cached and evictable
+        pool.cache_block(int(page), i, np.full(16, i, dtype=np.int32))
+    pool.free(np.arange(PAGES // 4, PAGES // 4 + PAGES // 16, dtype=np.int32))
+    states, previous = np.empty(PAGES, dtype=np.uint8), np.empty(PAGES, dtype=np.uint8)
+    out = np.empty(max_encoded_size(PAGES), dtype=np.uint8)
+    fill_page_states(pool, previous)
+    pool.free(used[:1000])  # the next frame: a thousand pages came back
+    fill_page_states(pool, states)
+    return {"fill_page_states": median_us(lambda: fill_page_states(pool, states)),
+            "rle key frame": median_us(lambda: rle_encode(states, None, out)),
+            "rle delta frame": median_us(lambda: rle_encode(states, previous, out)),
+            "key frame bytes": float(rle_encode(states, None, out)),
+            "delta frame bytes": float(rle_encode(states, previous, out))}
+
+
+class _Host:
+    """What DashboardFeed reads of an EngineHost."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine, self.state, self.model = engine, READY, None
+
+    def require_engine(self) -> tuple[AsyncEngine, None]:
+        return self.engine, None
+
+    def stats(self) -> object:
+        return self.engine.stats()
+
+
+@dataclass
+class Round:
+    steps: list[float] = field(default_factory=list)  # seconds of each Engine.step
+    first: float = 0.0
+    last: float = 0.0
+    frames: int = 0
+    frame_bytes: int = 0
+    viewer_s: float = 0.0  # how long the feed was open
+    snapshot_s: float = 0.0  # engine-thread seconds in take_snapshot
+    encode_s: float = 0.0  # event-loop seconds turning snapshots into SSE frames
+
+    @property
+    def wall_per_step(self) -> float:
+        return (self.last - self.first) / len(self.steps)
+
+
+def instrument(engine: AsyncEngine) -> Callable[[Round], None]:
+    """Time every Engine.step and every snapshot into the round set by the returned function."""
+    current: list[Round] = [Round()]
+    step = engine.engine.step
+
+    def timed_snapshot(engine: Engine) -> PoolSnapshot:
+        started = time.perf_counter()
+        snapshot = take_snapshot(engine)
+        current[0].snapshot_s += time.perf_counter() - started
+        return snapshot
+
+    def timed_step() -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = step()
+        ended = time.perf_counter()
+        r = current[0]
+        r.first = r.first or started
+        r.last = ended
+        r.steps.append(ended - started)
+        return outputs
+
+    engine.engine.step = timed_step  # type: ignore[method-assign]
+    async_engine.take_snapshot = timed_snapshot  # what AsyncEngine.pool_snapshot runs on the engine thread
+    return lambda r: current.__setitem__(0, r)
+
+
+async def workload(engine: AsyncEngine, requests: int, max_tokens: int, tag: str) -> None:
+    async def one(i: int) -> None:
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, n=2 if i % 4 == 0 else 1)
+        async for _ in engine.generate(PROMPT, params, f"{tag}-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+async def viewer(feed: DashboardFeed, result: Round, stop: asyncio.Event) -> None:
+    encoder, seen, started = FrameEncoder(), 0, time.perf_counter()
+    async with feed.watching():
+        while not stop.is_set():
+            snapshot = await feed.next_snapshot(seen, 0.5)
+            if snapshot is not None:
+                seen = feed.version
+                started_encoding = time.perf_counter()
+                result.frame_bytes += len(encoder.event(snapshot, feed.history, "bench"))
+                result.encode_s += time.perf_counter() - started_encoding
+                result.frames += 1
+    result.viewer_s = time.perf_counter() - started
+
+
+async def measure(engine: AsyncEngine, set_round: Callable[[Round], None], dashboard: bool, requests: int,
+                  max_tokens: int, tag: str) -> Round:
+    result = Round()
+    set_round(result)
+    stop = asyncio.Event()
+    watcher = None
+    if dashboard:
+        feed = DashboardFeed(_Host(engine))  # type: ignore[arg-type]  # duck-typed EngineHost
+        watcher = asyncio.create_task(viewer(feed, result, stop))
+    await workload(engine, requests, max_tokens, tag)
+    stop.set()
+    if watcher is not None:
+        await watcher
+    return result
+
+
+@dataclass
+class Comparison:
+    label: str
+    closed: list[Round]
+    open: list[Round]
+
+    def wall(self, dashboard: bool) -> float:
+        return statistics.median(r.wall_per_step for r in (self.open if dashboard else self.closed))
+
+    def step(self, dashboard: bool) -> float:
+        return statistics.median(s for r in (self.open if dashboard else self.closed) for s in r.steps)
+
+    @property
+    def frames(self) -> int:
+        return sum(r.frames for r in self.open)
+
+    def per_frame_us(self, name: str) -> float:
+        return sum(getattr(r, name) for r in self.open) / max(self.frames, 1) * 1e6
+
+    @property
+    def accounted(self) -> float:
+        """Engine-thread snapshot time plus event-loop encoding time, as a share of the open runs' wall time."""
+        busy = sum(r.snapshot_s + r.encode_s for r in self.open)
+        return busy / sum(r.viewer_s for r in self.open)
+
+
+def engine_rounds(label: str, cache: CacheConfig, args: argparse.Namespace) -> Comparison:
+    config = EngineConfig(dtype="float32", device=args.device, cache=cache,
+                          scheduler=SchedulerConfig(max_num_seqs=args.requests * 2))
+    engine = AsyncEngine(config)
+    set_round = instrument(engine)
+    loop = asyncio.new_event_loop()
+    rounds: dict[bool, list[Round]] = {False: [], True: []}
+    try:
+        loop.run_until_complete(workload(engine, 4, 8, "warm"))
+        for i in range(args.rounds):
+            for dashboard in (False, True):
+                rounds[dashboard].append(loop.run_until_complete(
+                    measure(engine, set_round, dashboard, args.requests, args.max_tokens, f"r{i}{dashboard}")))
+    finally:
+        loop.close()
+        engine.shutdown()
+    return Comparison(label, rounds[False], rounds[True])
+
+
+def report(comparisons: list[Comparison], args: argparse.Namespace) -> None:
+    print(f"\nengine loop, {args.requests} requests x {args.max_tokens} tokens (a quarter with n=2), "
+          f"{args.rounds} alternating rounds each; medians")
+    print("| pool | median step ms closed / open | wall per step ms closed / open | open / closed | "
+          "frames/s | bytes/frame | snapshot us (engine thread) | encode us (event loop) | accounted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in comparisons:
+        seconds = sum(r.viewer_s for r in c.open)
+        print(f"| {c.label} | {c.step(False) * 1e3:.2f} / {c.step(True) * 1e3:.2f} | "
+              f"{c.wall(False) * 1e3:.2f} / {c.wall(True) * 1e3:.2f} | {c.wall(True) / c.wall(False):.3f} | "
+              f"{c.frames / seconds:.1f} | {sum(r.frame_bytes for r in c.open) / max(c.frames, 1):.0f} | "
+              f"{c.per_frame_us('snapshot_s'):.0f} | {c.per_frame_us('encode_s'):.0f} | {c.accounted:.2%} |")
+
+
+def plot(copy: dict[str, float], comparisons: list[Comparison], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    top = 0.0
+    for i, c in enumerate(comparisons):
+        for dashboard, colour in ((False, "#8d99ae"), (True, "#2a9d8f")):
+            walls = [r.wall_per_step * 1e3 for r in (c.open if dashboard else c.closed)]
+            x = i * 3 + (1 if dashboard else 0)
+            left.scatter([x] * len(walls), walls, color=colour, s=18, zorder=3,
+                         label=("dashboard open" if dashboard else "closed") if i == 0 else None)
+            left.hlines(statistics.median(walls), x - 0.3, x + 0.3, color=colour, lw=2)
+            top = max(top, *walls)
+    left.set_xticks([i * 3 + 0.5 for i in range(len(comparisons))],
+                    [f"{c.label}\nopen / closed {c.wall(True) / c.wall(False):.3f}\naccounted {c.accounted:.2%}"
+                     for c in comparisons], fontsize=8)
+    left.set_xlim(-1, len(comparisons) * 3 - 1)
+    left.set_ylim(0, top * 1.1)
+    left.set_ylabel("wall ms per engine step", fontsize=9)
+    left.set_title("engine loop, one dot a round (rounds alternate)", fontsize=9)
+    left.legend(fontsize=8, loc="lower center")
+    names = ["fill_page_states, 262,144 pages", "RLE delta, 262,144 pages (event loop)"] + [
+        f"whole snapshot, {c.label.split(' x')[0]}" for c in comparisons]
+    values = [copy["fill_page_states"], copy["rle delta frame"]] + [c.per_frame_us("snapshot_s") for c in comparisons]
+    right.barh(names, values, color="#2a9d8f")
+    right.set_xlabel("microseconds per frame", fontsize=9)
+    right.tick_params(labelsize=8)
+    right.set_title("per frame, on the engine thread unless noted", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--png", type=Path, default=Path("docs/bench-dashboard.png"))
+    parser.add_argument("--skip-engine", action="store_true", help="only the copy and encoding costs")
+    args = parser.parse_args()
+    copy = copy_costs()
+    print(f"page-state copy and encoding, {PAGES:,} pages (median us; sizes in bytes):")
+    for name, value in copy.items():
+        print(f"  {name:<18} {value:10.1f}")
+    if args.skip_engine:
+        return
+    comparisons = [engine_rounds("16,384 pages x 16 tokens", CacheConfig(num_kv_blocks=16_384, block_size=16), args),
+                   engine_rounds(f"{PAGES:,} pages x 1 token", CacheConfig(num_kv_blocks=PAGES, block_size=1), args)]
+    report(comparisons, args)
+    plot(copy, comparisons, args.png)
+
+
+if __name__ == "__main__":
+    main()

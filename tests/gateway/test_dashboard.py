@@ -1,0 +1,115 @@
+"""The dashboard without a browser: frames (key, then XOR deltas), the history, its routes, auth and flag."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from pagegate.config import EngineConfig
+from pagegate.core.page_map import rle_decode
+from pagegate.engine.pool_snapshot import PoolSnapshot
+from pagegate.engine.stats import EngineStats
+from pagegate.gateway.app import build_app
+from pagegate.gateway.cli import build_parser, configs_from_args
+from pagegate.gateway.dashboard.frames import MAX_LISTED, FrameEncoder
+from pagegate.gateway.dashboard.history import History
+from pagegate.gateway.settings import GatewayConfig
+
+STATS = EngineStats(running=2, waiting=1, swapped=0, num_blocks=6, free_blocks=3, used_blocks=3, cached_blocks=1,
+                    shared_blocks=1, kv_cache_usage=0.5, cpu_blocks=2, cpu_used_blocks=0, preemptions=0,
+                    swap_outs=0, swap_out_blocks=0, swap_in_blocks=0, prefix_cache_queries=10,
+                    prefix_cache_hits=4, max_num_seqs=8, requests=2, prompt_tokens=10, generation_tokens=0)
+
+
+def snapshot(device: list[int], seq_pages: dict | None = None, stats: EngineStats = STATS) -> PoolSnapshot:
+    queues = seq_pages or {"running": [("a", np.array([0, 1], np.int32)), ("a", np.array([0, 2], np.int32))],
+                           "waiting": [("b", np.zeros(0, np.int32))], "swapped": []}
+    return PoolSnapshot(1.0, np.array(device, np.uint8), np.zeros(2, np.uint8), stats, "OK", "fine", queues)
+
+
+def decode(text: str, states: np.ndarray, delta: bool) -> np.ndarray:
+    rle_decode(base64.b64decode(text), states, delta)
+    return states
+
+
+def test_first_frame_is_whole_and_later_ones_are_xor_deltas() -> None:
+    encoder, history = FrameEncoder(), History()
+    first = encoder.frame(snapshot([2, 1, 1, 0x80, 0, 0]), history, "m")
+    assert first["key"] and first["total_pages"] == 6 and first["used_pages"] == 3 and first["prefix_hit_rate"] == 0.4
+    states = decode(first["pages"], np.zeros(6, np.uint8), delta=False)
+    assert states.tolist() == [2, 1, 1, 0x80, 0, 0]
+    assert first["queues"]["running"] == {"count": 1, "requests": [["a", 2, 3]]}  # page 0 counted once
+    assert first["queues"]["waiting"] == {"count": 1, "requests": [["b", 1, 0]]}
+    second = encoder.frame(snapshot([0, 0, 0, 0x80, 0, 0]), history, "m")
+    assert not second["key"] and "queues" not in second  # the same queues are not sent again
+    assert decode(second["pages"], states, delta=True).tolist() == [0, 0, 0, 0x80, 0, 0]
+    assert len(base64.b64decode(second["pages"])) < len(base64.b64decode(first["pages"]))
+    event = encoder.event(snapshot([0] * 6), history, "m")
+    assert event.startswith(b"event: frame\ndata: {") and event.endswith(b"}\n\n") and b"\n" not in event[19:-2]
+
+
+def test_long_queues_are_cut_and_counted() -> None:
+    many = {"running": [(f"r{i}", np.array([i], np.int32)) for i in range(MAX_LISTED + 5)], "waiting": [],
+            "swapped": []}
+    frame = FrameEncoder().frame(snapshot([1] * 6, many), History(), "m")
+    assert frame["queues"]["running"]["count"] == MAX_LISTED + 5
+    assert len(frame["queues"]["running"]["requests"]) == MAX_LISTED
+
+
+def test_history_points_are_per_interval_and_sent_once() -> None:
+    history, encoder = History(max_points=3), FrameEncoder()
+    history.sample(STATS, 0.0)
+    assert history.count == 0  # the first sample is the baseline
+    def at(t: int) -> EngineStats:
+        return replace(STATS, prefix_cache_queries=10 + 10 * t, prefix_cache_hits=4 + 5 * t, preemptions=t,
+                       swap_outs=2 * t)
+
+    for t in range(1, 6):
+        history.sample(at(t), float(t))
+    assert [p.as_list() for p in history.points] == [[t, 0.5, 0.5, 1, 2] for t in (3.0, 4.0, 5.0)]
+    assert history.since(4) == [history.points[-1]] and history.since(5) == []
+    assert len(encoder.frame(snapshot([0] * 6), history, "m")["history"]) == 3  # a key frame: all of it
+    assert "history" not in encoder.frame(snapshot([0] * 6), history, "m")
+    history.sample(at(5), 6.0)
+    assert encoder.frame(snapshot([0] * 6), history, "m")["history"][0][2] is None  # no prompts: no hit rate
+
+
+@pytest.fixture
+def app() -> TestClient:
+    return TestClient(build_app(EngineConfig(), GatewayConfig(api_keys=["secret"])))  # no lifespan: no engine
+
+
+def test_page_and_files_are_served_from_the_package(app: TestClient) -> None:
+    page = app.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'data-auth-required="true"' in page.text
+    for name, kind in (("dashboard.js", "javascript"), ("dashboard.css", "text/css")):
+        response = app.get(f"/dashboard/static/{name}")
+        assert response.status_code == 200 and kind in response.headers["content-type"]
+    for name in ("dashboard.js", "dashboard.css"):  # nothing to fetch from elsewhere
+        assert "http" not in app.get(f"/dashboard/static/{name}").text
+    assert "http" not in page.text
+    assert app.get("/dashboard/static/nothing.js").status_code == 404
+
+
+def test_data_needs_the_key_as_header_or_query(app: TestClient) -> None:
+    for path in ("/dashboard/api/feed", "/dashboard/api/page?id=0", "/dashboard/api/pages?request=x"):
+        assert app.get(path).status_code == 401
+        assert app.get(path + "&api_key=nope" if "?" in path else path + "?api_key=nope").status_code == 401
+    # past auth, the engine is not loaded (no lifespan here): 503, not 401
+    assert app.get("/dashboard/api/page?id=0", headers={"Authorization": "Bearer secret"}).status_code == 503
+    assert app.get("/dashboard/api/page?id=0&api_key=secret").status_code == 503
+    assert app.get("/v1/models?api_key=secret").status_code == 401  # the query key is for the dashboard only
+
+
+def test_disable_dashboard() -> None:
+    assert configs_from_args(build_parser().parse_args([]))[1].enable_dashboard
+    config = configs_from_args(build_parser().parse_args(["--disable-dashboard"]))[1]
+    assert not config.enable_dashboard
+    app = TestClient(build_app(EngineConfig(), config))
+    assert [app.get(p).status_code for p in ("/dashboard", "/dashboard/api/feed", "/dashboard/static/dashboard.js")] \
+        == [404, 404, 404]
