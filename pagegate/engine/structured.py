@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from pagegate.engine.params import InvalidParamError
 from pagegate.engine.tokenizer import Tokenizer
@@ -78,7 +78,7 @@ class GrammarCompiler:
         """A fresh matcher at the grammar's start; an invalid grammar is an InvalidParamError."""
         try:
             key = params.grammar_text()
-        except (ValueError, TypeError) as error:  # a malformed schema, or GBNF that does not convert
+        except (ValueError, TypeError, GbnfToLarkError) as error:  # a malformed schema, or GBNF that does not convert
             raise InvalidParamError(f"Invalid structured output: {error}", PARAM) from error
         with self._lock:
             prototype = self._cache.get(key)

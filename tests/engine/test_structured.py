@@ -145,6 +145,8 @@ def test_stop_strings_and_max_tokens_still_apply(llm: LLM) -> None:
     (dict(json="{not json"), "Invalid structured output"),
     (dict(regex="a(b"), "unclosed group"),
     (dict(grammar="start: ??"), "Invalid structured output"),
+    (dict(grammar='root ::= "a'), "Invalid structured output"),  # GBNF that does not convert (was a 500)
+    (dict(grammar="\U000630b8"), "Invalid structured output"),
     (dict(choice=[]), "non-empty strings"),
 ])
 def test_bad_grammars_are_invalid_params(llm: LLM, structured: dict, words: str) -> None:
