@@ -3,6 +3,8 @@
     python -m bench.engine throughput [--requests 256]   # LLM.generate vs transformers static batches of 32
     python -m bench.engine throughput --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --requests 128
     python -m bench.engine step                          # scheduler + batch builder CPU time, 256 decoding seqs
+
+Each writes docs/bench-engine-<command>.png (`--png PATH`, `--png ''` for none).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, SchedulerConfig
@@ -22,6 +25,8 @@ from pagegate.engine.gguf_loader import is_gguf
 from pagegate.engine.loader import DEFAULT_MODEL, peak_rss_mib
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, Sequence
+
+from .plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
 
 
 def workload(num: int, vocab: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
@@ -40,7 +45,7 @@ def run_pagegate(model: str | None, requests, **llm_kwargs) -> tuple[float, floa
     llm.generate([p for p, _ in requests[:4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
-    llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
     print(f"pagegate: {llm.stats().num_blocks} KV pages, {llm.stats().preemptions} preemptions")
     return loaded, elapsed
@@ -63,7 +68,7 @@ def run_transformers(model: str | None, requests, batch_size: int = 32) -> tuple
     hf_model = load_transformers(model)
     loaded = time.perf_counter() - start
     start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
+    for i in tqdm(range(0, len(requests), batch_size), desc="transformers batches", leave=False):
         batch = requests[i:i + batch_size]
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])  # left padding
@@ -92,6 +97,13 @@ def throughput(args) -> None:
     print(f"transformers, static batches 32: {theirs:7.1f} s  {tokens / theirs:8.1f} output tokens/s  "
           f"(load {their_load:.1f} s, peak RSS of both {peak_rss_mib():.0f} MiB)")
     print(f"speed-up: {theirs / ours:.2f}x (goal >= 5x)")
+    if wanted(args.png):
+        fig, ax = figure(width=4.5, height=3)
+        labelled_bars(ax, ["pagegate\nLLM.generate", "transformers\nstatic batches of 32"],
+                      [tokens / ours, tokens / theirs], color=[COLOURS["pagegate"], COLOURS["seed"]])
+        ax.set(title=f"{Path(args.model).name if args.model else 'default model'}: {len(requests)} requests, "
+                     f"speed-up {theirs / ours:.1f}x", ylabel="output tokens / s")
+        save_figure(fig, args.png)
 
 
 def step(args) -> None:
@@ -117,6 +129,19 @@ def step(args) -> None:
     assert len(batch.seqs) == 256 and set(batch.num_tokens) == {1}
     print(f"scheduler + batch builder, 256 decoding sequences: median {statistics.median(samples) / 1e3:.0f} us "
           f"per step over {args.steps} steps (goal <= 1000 us)")
+    if wanted(args.png):
+        fig, ax = figure(width=5, height=2.8)
+        us = np.asarray(samples) / 1e3
+        ax.hist(us, bins=np.geomspace(us.min(), max(us.max(), 1000) * 1.05, 50), color=COLOURS["pagegate"])
+        ax.axvline(statistics.median(samples) / 1e3, color="black", lw=1, label="median")
+        ax.axvline(1000, color="#e76f51", lw=1.5, label="goal (1 ms)")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter("")
+        ticks = [t for t in (50, 100, 200, 500, 1000, 2000, 5000) if us.min() / 2 < t < us.max() * 2 or t == 1000]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set(title="scheduler + batch builder, 256 decoding sequences", xlabel="us per step (log)", ylabel="steps")
+        ax.legend()
+        save_figure(fig, args.png)
 
 
 def main() -> None:
@@ -127,8 +152,10 @@ def main() -> None:
     t.add_argument("--model", default=None, help="a HF folder or GGUF file (default: the embedded model)")
     t.add_argument("--kv-cache-memory", default="1GiB", help="pagegate's KV pool (transformers has no limit)")
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_png_argument(t, "engine-throughput")
     s = sub.add_parser("step")
     s.add_argument("--steps", type=int, default=200)
+    add_png_argument(s, "engine-step")
     args = parser.parse_args()
     {"throughput": throughput, "step": step}[args.command](args)
 

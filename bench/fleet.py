@@ -5,7 +5,8 @@ over the reusable system-prompt tokens), TTFT p50/p99 and output throughput.
     python -m bench.fleet                      # 160 requests per routing, 8 at a time
 
 Each server's pool holds about 5 of the 8 system prompts: round-robin makes both servers cycle through all 8
-(evicting), routing by prefix gives each server its own 4 to keep.
+(evicting), routing by prefix gives each server its own 4 to keep. Writes docs/bench-fleet.png (`--png PATH`,
+`--png ''` for none).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
 from bench.kv_router import KVRouter
+from bench.plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
 from pagegate.gateway.launcher import ServerProcess, free_port
 
 BLOCK = 16
@@ -51,9 +55,10 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
 
 
 async def run(urls: list[str], prompts: list[list[int]], route: Callable[[list[int]], int], release: Callable[[int], None],
-              concurrency: int, max_tokens: int) -> dict[str, float]:
+              concurrency: int, max_tokens: int, label: str = "requests") -> dict[str, float]:
     semaphore = asyncio.Semaphore(concurrency)
     results: list[tuple[float, int, int]] = []
+    progress = tqdm(total=len(prompts), desc=label, leave=False)
 
     async def send(client: httpx.AsyncClient, prompt: list[int]) -> None:
         async with semaphore:
@@ -62,11 +67,13 @@ async def run(urls: list[str], prompts: list[list[int]], route: Callable[[list[i
                 results.append(await one_request(client, urls[server], prompt, max_tokens))
             finally:
                 release(server)
+                progress.update()
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*(send(client, p) for p in prompts))
     elapsed = time.perf_counter() - start
+    progress.close()
     ttfts = sorted(r[0] for r in results)
     reusable = (len(prompts) - len({tuple(p[:SYSTEM_TOKENS]) for p in prompts})) * (SYSTEM_TOKENS // BLOCK) * BLOCK
     return {"hit_rate": sum(r[1] for r in results) / reusable, "ttft_p50": statistics.median(ttfts),
@@ -97,7 +104,7 @@ def measure(routing: str, args: argparse.Namespace) -> dict[str, float]:
 
     try:
         return asyncio.run(run([s.base_url for s in servers], workload(args.requests), route, release,
-                               args.concurrency, args.max_tokens))
+                               args.concurrency, args.max_tokens, routing))
     finally:
         for server in servers:
             server.stop()
@@ -110,6 +117,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--pages", type=int, default=176, help="KV pages per server (~5 system prompts)")
+    add_png_argument(parser, "fleet")
     args = parser.parse_args()
     rows = {routing: measure(routing, args) for routing in ("round-robin", "kv-events")}
     print(f"2 servers x {args.pages} pages, {args.requests} requests ({args.concurrency} at a time), "
@@ -119,6 +127,26 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:>12} {row['hit_rate']:11.0%} {row['ttft_p50'] * 1e3:7.0f}ms {row['ttft_p99'] * 1e3:7.0f}ms "
               f"{row['tok_s']:12.1f}")
+    if wanted(args.png):
+        plot(rows, args, args.png)
+
+
+def plot(rows: dict[str, dict[str, float]], args: argparse.Namespace, path: Path) -> None:
+    fig, (hits, ttft, rate) = figure(3, width=8, height=2.6)
+    names, colours = list(rows), [COLOURS["seed"], COLOURS["pagegate"]]
+    labelled_bars(hits, names, [rows[n]["hit_rate"] * 100 for n in names], "{:.0f}%", color=colours)
+    hits.set(title="prefix-cache hits (% of reusable)")
+    for offset, key, alpha in ((-0.2, "ttft_p50", 1.0), (0.2, "ttft_p99", 0.5)):
+        bars = ttft.bar([i + offset for i in range(len(names))], [rows[n][key] * 1e3 for n in names], 0.4,
+                        color=colours, alpha=alpha)
+        ttft.bar_label(bars, labels=[key[-3:]] * len(names), fontsize=7)
+    ttft.set_xticks(range(len(names)), names)
+    ttft.set_ylim(0, max(rows[n]["ttft_p99"] for n in names) * 1e3 * 1.15)
+    ttft.set(title="TTFT, ms (p50, p99)")
+    labelled_bars(rate, names, [rows[n]["tok_s"] for n in names], "{:.1f}", color=colours)
+    rate.set(title="output tokens / s")
+    fig.suptitle(f"2 servers x {args.pages} pages, {args.requests} requests, 8 shared system prompts", fontsize=9)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgpack
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -181,6 +182,7 @@ async def run_load(args: argparse.Namespace, base_url: str, requests: list[Bench
     msgpack_frames = args.protocol == "msgpack"
     gate = asyncio.Semaphore(args.concurrency)
     rng = random.Random(args.seed + 1)
+    progress = tqdm(total=len(requests), desc=args.protocol, leave=False)
 
     async def one(request: BenchRequest) -> RequestResult:
         async with gate:
@@ -188,6 +190,8 @@ async def run_load(args: argparse.Namespace, base_url: str, requests: list[Bench
                 return await send_request(url, request_body(args, request), msgpack_frames, args.api_key)
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 return RequestResult(error=f"{type(exc).__name__}: {exc}")
+            finally:
+                progress.update()
 
     started = time.perf_counter()
     tasks = []
@@ -196,7 +200,9 @@ async def run_load(args: argparse.Namespace, base_url: str, requests: list[Bench
         if args.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.request_rate))
     results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - started
+    duration = time.perf_counter() - started
+    progress.close()
+    return results, duration
 
 
 # -- the gRPC transport (pagegate.v1.Generation, --protocol grpc) ----------------------------------
@@ -247,9 +253,13 @@ async def run_grpc_load(args: argparse.Namespace, target: str, requests: list[Be
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = pb_grpc.GenerationStub(channel)
 
+        progress = tqdm(total=len(messages), desc="grpc", leave=False)
+
         async def one(message: Any) -> RequestResult:
             async with gate:
-                return await send_grpc_request(stub, message, args.endpoint == "chat", metadata)
+                result = await send_grpc_request(stub, message, args.endpoint == "chat", metadata)
+                progress.update()
+                return result
 
         started = time.perf_counter()
         tasks = []
@@ -258,7 +268,9 @@ async def run_grpc_load(args: argparse.Namespace, target: str, requests: list[Be
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - started
+        duration = time.perf_counter() - started
+        progress.close()
+        return results, duration
 
 
 # -- CPU accounting: on a shared, noisy machine CPU seconds per token compare better than wall time --
@@ -290,11 +302,16 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     return {"mean": statistics.fmean(values) * scale, "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
+def tpot_s(result: RequestResult) -> float:
+    """Seconds per output token after the first."""
+    return (result.latency - result.ttft) / (result.output_tokens - 1)
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     good = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in good)
     prompt_tokens = sum(r.prompt_tokens for r in good)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    tpot = [tpot_s(r) for r in good if r.output_tokens > 1]
     itl = [b - a for r in good for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     chunks = sum(len(r.chunk_times) for r in good)
     return {
@@ -362,32 +379,27 @@ def print_report(summary: dict[str, Any], offline: dict[str, Any] | None) -> Non
 
 def plot(path: Path, results: list[RequestResult], summary: dict[str, Any], offline: dict[str, Any] | None,
          title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """TTFT, TPOT and ITL as CDFs, and the throughput (against the offline run's when there is one)."""
+    from bench.plots import cdf, figure, labelled_bars, save_figure
 
     good = [r for r in results if r.ok]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    axes[0][0].hist([r.ttft * 1000 for r in good], bins=30)
-    axes[0][0].set(title="TTFT", xlabel="ms", ylabel="requests")
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in good if r.output_tokens > 1]
-    axes[0][1].hist(tpot, bins=30)
-    axes[0][1].set(title="TPOT", xlabel="ms / token")
-    itl = sorted((b - a) * 1000 for r in good for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False))
-    axes[1][0].plot(itl, [i / max(len(itl), 1) for i in range(len(itl))])
+    fig, axes = figure(2, 2, width=8, height=5)
+    cdf(axes[0][0], [r.ttft * 1000 for r in good], "TTFT")
+    axes[0][0].set(title="TTFT, CDF over requests", xlabel="ms", ylabel="fraction")
+    cdf(axes[0][1], [tpot_s(r) * 1000 for r in good if r.output_tokens > 1], "TPOT")
+    axes[0][1].set(title="TPOT, CDF over requests", xlabel="ms / token")
+    itl = [(b - a) * 1000 for r in good for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    cdf(axes[1][0], itl, "ITL")
     axes[1][0].set(title=f"ITL, CDF over chunks ({summary['tokens_per_chunk']:.1f} tokens a chunk)", xlabel="ms",
                    ylabel="fraction")
     names, values = ["HTTP stream"], [summary["output_token_throughput"]]
     if offline:
         names.append("offline LLM.generate")
         values.append(offline["output_token_throughput"])
-    axes[1][1].bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
+    labelled_bars(axes[1][1], names, values, color=["#2a9d8f", "#8d99ae"][: len(values)])
     axes[1][1].set(title="output tokens / s")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -417,6 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "and LLM); default: the embedded model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/serve-<time>.json; PNG beside it)")
+    p.add_argument("--png", type=Path, default=None, help="the PNG's path (default: beside the JSON; '' for none)")
     return p.parse_args(argv)
 
 
@@ -493,11 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     config["request_rate"] = str(config["request_rate"])
     report = {"config": config, "summary": summary, "rounds": [r["summary"] for r in rounds],
               "requests": [asdict(r) | {"chunk_times": None} for r in results]}
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(json.dumps(report, indent=1, default=str))
     title = (f"{args.protocol} {args.endpoint}, {args.num_prompts} requests, concurrency {args.concurrency}, "
              f"{args.input_len} in / {args.output_len} out")
-    plot(out.with_suffix(".png"), results, summary, summary.get("offline"), title)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}")
+    png = out.with_suffix(".png") if args.png is None else args.png
+    if str(png) not in ("", "."):
+        plot(png, results, summary, summary.get("offline"), title)
     return 0 if summary["failed"] == 0 else 1
 
 

@@ -5,7 +5,8 @@
 
 The transports, requests, statistics, CPU accounting and flags are bench/serve.py's (`--protocol grpc`
 there runs one transport); this runs `--protocols` (default all three) against one launched server,
-alternating them within each round so they share the machine's noise, and prints the README's table.
+alternating them within each round so they share the machine's noise, and prints the README's table;
+writes docs/bench-transports.png (throughput, TTFT and TPOT CDFs per transport; `--png PATH`, `--png ''` for none).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 
 from bench import serve  # noqa: E402
+from bench.plots import add_png_argument, cdf, figure, labelled_bars, save_figure, wanted  # noqa: E402
 
 PROTOCOLS = ("openai", "msgpack", "grpc")
 LABELS = {"openai": "REST-SSE", "msgpack": "msgpack", "grpc": "gRPC"}
@@ -59,8 +61,11 @@ def run_protocol(args: argparse.Namespace, protocol: str, base_url: str, target:
     return asyncio.run(serve.run_load(run_args, base_url, requests))
 
 
-def run_rounds(args: argparse.Namespace, requests: list[serve.BenchRequest]) -> dict[str, list[dict[str, Any]]]:
+def run_rounds(args: argparse.Namespace, requests: list[serve.BenchRequest]
+               ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[list[serve.RequestResult]]]]:
+    """Per transport, each round's summary and its requests' results."""
     rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in args.protocols}
+    results_of: dict[str, list[list[serve.RequestResult]]] = {p: [] for p in args.protocols}
     with serving(args) as (base_url, target, pid):
         for protocol in args.protocols:
             if args.warmup:
@@ -74,9 +79,10 @@ def run_rounds(args: argparse.Namespace, requests: list[serve.BenchRequest]) -> 
                 summary["server_cpu_s"] = serve.cpu_delta(server_cpu, serve.process_cpu_s(pid) if pid else None)
                 summary["client_cpu_s"] = serve.cpu_delta(client_cpu, serve.process_cpu_s())
                 rounds[protocol].append(summary)
+                results_of[protocol].append(results)
                 print(f"round {index + 1} {LABELS[protocol]:9s} {summary['output_token_throughput']:8.1f} tok/s  "
                       f"TTFT p50 {summary['ttft_ms']['p50']:7.1f} ms  failed {summary['failed']}", flush=True)
-    return rounds
+    return rounds, results_of
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -102,16 +108,36 @@ def _fmt(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
+def plot(medians: dict[str, dict[str, Any]], results: dict[str, list[serve.RequestResult]], title: str,
+         path: Path) -> None:
+    """Each transport's median round: output tokens/s, and TTFT and TPOT as CDFs over its requests."""
+    fig, (rate, ttft, tpot) = figure(3, width=9, height=2.8)
+    colours = {"openai": "#2a9d8f", "msgpack": "#e9c46a", "grpc": "#264653"}
+    labelled_bars(rate, [LABELS[p] for p in medians], [s["output_token_throughput"] for s in medians.values()],
+                  color=[colours[p] for p in medians])
+    rate.set(title="output tokens / s")
+    for protocol, good in ((p, [r for r in rs if r.ok]) for p, rs in results.items()):
+        cdf(ttft, [r.ttft * 1000 for r in good], LABELS[protocol], color=colours[protocol])
+        cdf(tpot, [serve.tpot_s(r) * 1000 for r in good if r.output_tokens > 1], LABELS[protocol],
+            color=colours[protocol])
+    ttft.set(title="TTFT, CDF over requests", xlabel="ms", ylabel="fraction")
+    tpot.set(title="TPOT, CDF over requests", xlabel="ms / token")
+    ttft.legend(loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
     own.add_argument("--grpc-target", default="127.0.0.1:50051", help="a running server's gRPC port (no --launch)")
+    add_png_argument(own, "transports")
     mine, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         own.print_help()
         print("\nand bench/serve.py's flags (--protocol is replaced by --protocols):")
     args = serve.parse_args(rest)
-    args.protocols, args.grpc_target = mine.protocols, mine.grpc_target
+    args.protocols, args.grpc_target, args.png = mine.protocols, mine.grpc_target, mine.png
     if args.offline:
         raise SystemExit("--offline is bench/serve.py's; this benchmark compares transports")
     return args
@@ -122,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup is None:
         args.warmup = min(args.concurrency, args.num_prompts)
     requests = serve.make_requests(args, serve.vocab_size_of(args.model))
-    rounds = run_rounds(args, requests)
+    rounds, results = run_rounds(args, requests)
     medians = {protocol: median_round(summaries) for protocol, summaries in rounds.items()}
-    print(f"\n{args.num_prompts} streams of {args.input_len} in / {args.output_len} out, concurrency "
-          f"{args.concurrency}, {args.endpoint}, median of {args.rounds} round(s):\n")
+    title = (f"{args.num_prompts} streams of {args.input_len} in / {args.output_len} out, concurrency "
+             f"{args.concurrency}, {args.endpoint}, median of {args.rounds} round(s)")
+    print(f"\n{title}:\n")
     print(table(medians))
     spread = {LABELS[p]: [round(s["output_token_throughput"]) for s in rounds[p]] for p in rounds}
     print(f"\nper-round tok/s: {spread}")
@@ -135,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     config["request_rate"] = str(config["request_rate"])
     out.write_text(json.dumps({"config": config, "median": medians, "rounds": rounds,
                                "mean_tok_s": {p: statistics.fmean(s["output_token_throughput"] for s in rounds[p])
-                                              for p in rounds}}, indent=1))
+                                              for p in rounds}}, indent=1, default=str))
     print(f"wrote {out}")
+    if wanted(args.png):
+        plot(medians, {p: results[p][rounds[p].index(medians[p])] for p in medians}, title, args.png)
     return 0 if all(m["failed"] == 0 for m in medians.values()) else 1
 
 

@@ -5,6 +5,7 @@
 
 Reports output tokens/s with and without the schema (and their ratio; goal >= 0.9), the first and the
 cached compile time of the schema, and the per-step cost of the masks (compute + apply) for 64 rows.
+Writes docs/bench-structured.png (`--png PATH`, `--png ''` for none).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.grammar_masks import GrammarMasks, apply_allowed
 from pagegate.engine.structured import StructuredOutputsParams
+
+from .plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 # Long enough that no request ends before max_tokens: a list of short records.
@@ -78,12 +82,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    add_png_argument(parser, "structured")
     args = parser.parse_args()
     llm = LLM(None if args.model == "default" else args.model, max_num_seqs=max(args.requests, 64))
     first, cached = compile_times(llm)
     throughput(llm, 4, 8, StructuredOutputsParams(json=SCHEMA))  # warm-up
     free, constrained = [], []
-    for _ in range(args.rounds):  # interleaved, so a slow minute of the machine hits both
+    for _ in tqdm(range(args.rounds), desc="rounds", leave=False):  # interleaved: a slow minute hits both
         free.append(throughput(llm, args.requests, args.max_tokens, None))
         constrained.append(throughput(llm, args.requests, args.max_tokens, StructuredOutputsParams(json=SCHEMA)))
     free_tps, constrained_tps = statistics.median(free), statistics.median(constrained)
@@ -92,7 +97,22 @@ def main() -> None:
     print(f"unconstrained: {free_tps:8.1f} output tok/s")
     print(f"JSON schema:   {constrained_tps:8.1f} output tok/s   ratio {constrained_tps / free_tps:.2f} (goal >= 0.9)")
     print(f"schema compile: first {first * 1e3:.2f} ms, cached {cached * 1e3:.3f} ms (goal < 1 ms)")
-    print(f"masks for {args.requests} rows per step: {mask_step(llm, args.requests) * 1e3:.2f} ms")
+    masks = mask_step(llm, args.requests)
+    print(f"masks for {args.requests} rows per step: {masks * 1e3:.2f} ms")
+    if wanted(args.png):
+        fig, (left, right) = figure(2, width=7, height=2.8)
+        labelled_bars(left, ["unconstrained", "JSON schema"], [free_tps, constrained_tps], "{:.1f}",
+                      color=[COLOURS["seed"], COLOURS["pagegate"]])
+        left.set(title=f"output tokens / s (ratio {constrained_tps / free_tps:.2f}, goal >= 0.9)")
+        bars = right.barh(["compile, first", "compile, cached", f"masks, {args.requests} rows a step"],
+                          [first * 1e3, cached * 1e3, masks * 1e3], color=COLOURS["pagegate"])
+        right.bar_label(bars, fmt="{:.3g} ms", fontsize=7)
+        right.set_xscale("log")
+        right.set_xlim(right=max(first, cached, masks) * 1e3 * 20)
+        right.set(title="milliseconds (log)")
+        fig.suptitle(f"structured outputs, {Path(args.model).name}: {args.requests} requests x {args.max_tokens} "
+                     "tokens", fontsize=9)
+        save_figure(fig, args.png)
 
 
 if __name__ == "__main__":

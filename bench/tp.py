@@ -1,24 +1,32 @@
 """Tensor parallelism's cost per step: bytes and time of the step broadcast and the all-reduces, against
 the whole step, for TP=2 on this machine (gloo over loopback), next to TP=1.
 
-    python -m bench.tp                       # the default model, then SmolLM2 (dequantized: TP splits floats)
+    python -m bench.tp                       # the default model (4 heads, 2 KV heads)
     python -m bench.tp --models default --batch 16 64
 
+SmolLM2-135M has 9 attention heads and 3 KV heads: it splits over 3 ranks, not 2 (`--models smollm2` fails at
+start saying so).
+
 On a 2-core machine two ranks share the cores, so TP is no speed-up here: the figures show the overhead.
-Rank 0's collective time includes waiting for the other rank to arrive.
+Rank 0's collective time includes waiting for the other rank to arrive. Writes docs/bench-tp.png (`--png PATH`,
+`--png ''` for none).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from pagegate import LLM, SamplingParams
+
+from .plots import COLOURS, add_png_argument, figure, save_figure, wanted
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -52,8 +60,8 @@ class CommMeter:
         return call
 
 
-def decode_steps(llm: LLM, batch: int, steps: int) -> list[float]:
-    """Seconds of each engine step once `batch` sequences decode together."""
+def decode_steps(llm: LLM, batch: int, steps: int, meter: CommMeter | None = None) -> list[float]:
+    """Seconds of each of `steps` engine steps once `batch` sequences decode together (metered, if given)."""
     engine = llm.engine
     prompt = list(range(10, 42))
     for i in range(batch):
@@ -61,11 +69,14 @@ def decode_steps(llm: LLM, batch: int, steps: int) -> list[float]:
                            SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0))
     engine.step()  # the prefill
     times = []
+    with meter or contextlib.nullcontext():
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
     while engine.has_unfinished():
-        start = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
-    return times[:steps]
+    return times
 
 
 def measure(model: str | None, tp: int, batch: int, steps: int) -> dict[str, float]:
@@ -73,8 +84,8 @@ def measure(model: str | None, tp: int, batch: int, steps: int) -> dict[str, flo
     llm = LLM(model, device="cpu", tensor_parallel_size=tp, num_kv_blocks=1024, quantization=quantization)
     try:
         decode_steps(llm, 4, 4)  # warm-up
-        with CommMeter() as meter:
-            times = decode_steps(llm, batch, steps)
+        meter = CommMeter()
+        times = decode_steps(llm, batch, steps, meter)
         n = len(times)
         row = {"step_ms": statistics.median(times) * 1e3}
         if tp > 1:
@@ -88,21 +99,51 @@ def measure(model: str | None, tp: int, batch: int, steps: int) -> dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="default,smollm2")
+    parser.add_argument("--models", default="default")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=20)
+    add_png_argument(parser, "tp")
     args = parser.parse_args()
     paths = {"default": None, "smollm2": str(SMOLLM2)}
+    cases = [(name, batch) for name in args.models.split(",") for batch in args.batch]
+    rows = {}
     print(f"{'model':>8} {'batch':>5} {'TP1 step':>9} {'TP2 step':>9} {'bcast':>14} {'all-reduce':>22} {'comm share':>10}")
-    for name in args.models.split(","):
-        for batch in args.batch:
-            one = measure(paths[name], 1, batch, args.steps)
-            two = measure(paths[name], 2, batch, args.steps)
-            comm = two["bcast_ms"] + two["allreduce_ms"]
-            print(f"{name:>8} {batch:>5} {one['step_ms']:7.2f}ms {two['step_ms']:7.2f}ms "
-                  f"{two['bcast_ms']:5.2f}ms {two['bcast_kb']:5.1f}KiB "
-                  f"{two['allreduce_ms']:6.2f}ms {two['allreduce_kb']:6.1f}KiB x{two['allreduces']:.0f} "
-                  f"{comm / two['step_ms']:9.0%}")
+    for name, batch in tqdm(cases, desc="model x batch", leave=False):
+        one = measure(paths[name], 1, batch, args.steps)
+        two = measure(paths[name], 2, batch, args.steps)
+        rows[name, batch] = one, two
+        comm = two["bcast_ms"] + two["allreduce_ms"]
+        tqdm.write(f"{name:>8} {batch:>5} {one['step_ms']:7.2f}ms {two['step_ms']:7.2f}ms "
+                   f"{two['bcast_ms']:5.2f}ms {two['bcast_kb']:5.1f}KiB "
+                   f"{two['allreduce_ms']:6.2f}ms {two['allreduce_kb']:6.1f}KiB x{two['allreduces']:.0f} "
+                   f"{comm / two['step_ms']:9.0%}")
+    if wanted(args.png):
+        plot(rows, args.png)
+
+
+def plot(rows: dict[tuple[str, int], tuple[dict, dict]], path: Path) -> None:
+    """Per model and batch: the TP=1 step beside the TP=2 step split into broadcast, all-reduce and the rest."""
+    fig, ax = figure(width=7, height=3)
+    labels = [f"{name}\nbatch {batch}" for name, batch in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [one["step_ms"] for one, _ in rows.values()], 0.4, label="TP=1 step",
+           color=COLOURS["seed"])
+    bottom = [0.0] * len(rows)
+    for key, label, colour in (("bcast_ms", "TP=2: step broadcast", "#e76f51"),
+                               ("allreduce_ms", "TP=2: all-reduces", "#e9c46a"),
+                               (None, "TP=2: the rest of the step", COLOURS["pagegate"])):
+        part = [two[key] if key else max(0.0, two["step_ms"] - two["bcast_ms"] - two["allreduce_ms"])
+                for _, two in rows.values()]
+        ax.bar([i + 0.2 for i in x], part, 0.4, bottom=bottom, label=label, color=colour)
+        bottom = [b + p for b, p in zip(bottom, part, strict=True)]
+    for i, (_, two) in enumerate(rows.values()):
+        share = (two["bcast_ms"] + two["allreduce_ms"]) / two["step_ms"]
+        ax.annotate(f"{share:.0%}", (i + 0.2, two["step_ms"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), labels)
+    ax.set(title="decode step, median ms (the % is TP=2's share in collectives)", ylabel="ms per step")
+    ax.set_ylim(0, max(bottom) * 1.2)
+    ax.legend()
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
