@@ -16,6 +16,7 @@ class PageIndex:
     def __init__(self) -> None:
         self.pages: dict[tuple[int | None, tuple[int, ...]], int] = {}
         self.block_size = 16
+        self.removed = 0  # pages evicted so far
 
     def apply(self, payload: bytes) -> None:
         _, events, _ = msgpack.unpackb(payload)
@@ -27,6 +28,7 @@ class PageIndex:
                     parent = block_hash
             elif event[0] == "BlockRemoved":
                 gone = set(event[1])
+                self.removed += len(gone)
                 self.pages = {key: h for key, h in self.pages.items() if h not in gone}
             else:
                 self.pages.clear()

@@ -10,6 +10,7 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
+from bench.kv_router import PageIndex
 from pagegate import LLM, SamplingParams
 from pagegate.core import BlockPool, compute_block_hash
 from pagegate.engine.kv_events import END_OF_REPLAY, KVEventsConfig, encode_batch
@@ -64,47 +65,13 @@ def test_config_takes_vllms_keys_only() -> None:
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "bogus": 1}')
 
 
-class EventIndex:
-    """What a router keeps: pages by (parent hash, tokens), from the events alone (its own hashing is free)."""
-
-    def __init__(self) -> None:
-        self.pages: dict[tuple[int | None, tuple[int, ...]], int] = {}
-        self.seqs: list[int] = []
-        self.removed = 0
-
-    def apply(self, seq: int, payload: bytes) -> None:
-        self.seqs.append(seq)
-        _, events, _ = msgpack.unpackb(payload)
-        for event in events:
-            if event[0] == "BlockStored":
-                _, hashes, parent, tokens, block_size, *_ = event
-                for i, block_hash in enumerate(hashes):
-                    self.pages[(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))] = block_hash
-                    parent = block_hash
-            elif event[0] == "BlockRemoved":
-                gone = set(event[1])
-                self.removed += len(gone)
-                self.pages = {key: h for key, h in self.pages.items() if h not in gone}
-            else:
-                self.pages.clear()
-
-    def cached_tokens(self, prompt: list[int]) -> int:
-        """The server reuses full pages of all but the prompt's last token."""
-        parent, hit = None, 0
-        usable = prompt[:-1]
-        for start in range(0, len(usable) - BLOCK + 1, BLOCK):
-            parent = self.pages.get((parent, tuple(usable[start:start + BLOCK])))
-            if parent is None:
-                break
-            hit += BLOCK
-        return hit
-
-
-def drain(socket: zmq.Socket, index: EventIndex) -> None:
+def drain(socket: zmq.Socket, index: PageIndex, seqs: list[int]) -> None:
+    """Apply what the server published; a router keeps only this index (bench/kv_router.py's)."""
     while socket.poll(200):
         topic, seq, payload = socket.recv_multipart()
         assert topic == b"kv@pod@model"
-        index.apply(int.from_bytes(seq, "big"), payload)
+        seqs.append(int.from_bytes(seq, "big"))
+        index.apply(payload)
 
 
 def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
@@ -118,18 +85,18 @@ def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
     llm = LLM(None, device="cpu", num_kv_blocks=24, max_model_len=256)
     llm.engine.kv_events = llm.engine._start_kv_events(config)
     try:
-        index, rng = EventIndex(), random.Random(0)
+        index, seqs, rng = PageIndex(), [], random.Random(0)
         systems = [[rng.randrange(3, 2000) for _ in range(3 * BLOCK + 5)] for _ in range(3)]
-        drain(subscriber, index)
+        drain(subscriber, index, seqs)
         for turn in range(24):  # 24 pages hold about two prompts: older prefixes get evicted
             prompt = rng.choice(systems) + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 40))]
             predicted = index.cached_tokens(prompt)
             output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
             assert output.num_cached_tokens == predicted, turn
-            drain(subscriber, index)
+            drain(subscriber, index, seqs)
         # consecutive from 0, except that PUB/SUB may drop what is sent before the connection is up (replay below)
-        first = index.seqs[0]
-        assert first <= 1 and index.seqs == list(range(first, first + len(index.seqs))) and len(index.seqs) > 10
+        first = seqs[0]
+        assert first <= 1 and seqs == list(range(first, first + len(seqs))) and len(seqs) > 10
         assert any(k[0] is not None for k in index.pages) and index.removed > 0  # chains, and evictions
         metrics = generate_latest(llm.engine.metrics.registry).decode()
         assert 'block_size="16"' in metrics and 'num_gpu_blocks="24"' in metrics  # vllm:cache_config_info
@@ -144,7 +111,7 @@ def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
             if seq == END_OF_REPLAY:
                 break
             replayed.append(int.from_bytes(seq, "big"))
-        assert replayed == list(range(index.seqs[-1] + 1))
+        assert replayed == list(range(seqs[-1] + 1))
     finally:
         llm.shutdown()
         context.destroy(linger=0)
