@@ -3,4 +3,6 @@
 from pagegate.core.block_pool import BlockPool, NoFreeBlocksError, compute_block_hash
 from pagegate.core.block_tables import BatchBuilder, BlockTables
 
-__all__ = ["BlockPool", "BlockTables", "BatchBuilder", "NoFreeBlocksError", "compute_block_hash"]
+NO_PAGES = -1  # the handle of a sequence that holds no pages (BlockTables handles are >= 0)
+
+__all__ = ["NO_PAGES", "BlockPool", "BlockTables", "BatchBuilder", "NoFreeBlocksError", "compute_block_hash"]

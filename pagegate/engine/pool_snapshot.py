@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from pagegate.core import NO_PAGES
 from pagegate.core.page_map import fill_page_states
-from pagegate.engine.sequence import NO_PAGES
 from pagegate.engine.stats import EngineStats
 
 if TYPE_CHECKING:

@@ -9,11 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from llguidance import LLMatcher
 
+from pagegate.core import NO_PAGES
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.params import SamplingParams
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
-
-NO_PAGES = -1  # the handle of a sequence that holds no pages
 
 
 class SeqStatus(enum.Enum):

@@ -40,3 +40,12 @@ def test_keys_and_bearer() -> None:
     assert key_matches("k2", ["k1", "k2"]) and not key_matches("k3", ["k1", "k2"]) and not key_matches("k", [])
     assert bearer_token("Bearer abc") == "abc" and bearer_token("bearer  abc ") == "abc"
     assert bearer_token("Basic abc") is None and bearer_token(None) is None and bearer_token("Bearer ") is None
+
+
+def test_the_gateway_starts_without_importing_torch() -> None:
+    """The port opens and /health answers while the engine (and torch) load in a thread."""
+    import subprocess
+    import sys
+
+    code = "import sys, pagegate.gateway.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
