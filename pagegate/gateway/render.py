@@ -8,6 +8,7 @@ unfinished UTF-8 character) is held back, so streamed text always equals the fin
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ class ChoiceState:
 
 
 @dataclass
-class Renderer:
+class Renderer(ABC):
     """Shared bookkeeping: ids, usage, per-choice progress."""
 
     prepared: PreparedRequest
@@ -88,9 +89,9 @@ class Renderer:
     def opening_chunks(self) -> list[dict]:
         return []
 
+    @abstractmethod
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         """The whole (non-streamed) response body from each prompt's final output."""
-        raise NotImplementedError
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
         """Chunks for one fresh cumulative output of one engine request (possibly none)."""
@@ -102,8 +103,9 @@ class Renderer:
             deltas.extend(self.choice_deltas(index, state, prompt_index, completion))
         return [self.envelope(self.chunk_object, group) for group in _one_per_index(deltas)]
 
+    @abstractmethod
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
-        raise NotImplementedError
+        """The deltas one fresh output of one choice adds (possibly none)."""
 
     def next_text(self, state: ChoiceState, completion: CompletionOutput) -> str:
         # The engine's text is already safe to send: it holds back a forming stop string or character.
