@@ -47,6 +47,7 @@ class SchedulerConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     aging_rate: float = 1.0  # priority levels gained per second waited
+    scheduling_policy: str = "fcfs"  # "priority": honour requests' priority (else a non-zero one is refused)
     preemption_window_s: float = 5.0  # auto-tuning window for the running cap
     swap_bounce_s: float = 2.0  # a swap-out this soon after a swap-in is a bounce
 

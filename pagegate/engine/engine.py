@@ -15,14 +15,14 @@ from pagegate.core import compute_block_hash
 from pagegate.engine.grammar_masks import GrammarMasks
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_events import EventPublisher, KVEventsConfig
-from pagegate.engine.limits import check_context, check_token_ids
+from pagegate.engine.limits import check_context, check_priority, check_token_ids
 from pagegate.engine.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.metrics import EngineMetrics
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.parallel import SINGLE
 from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.runner import ModelRunner
-from pagegate.engine.sampler import Sampler, SamplingRow, make_generator
+from pagegate.engine.sampler import LogitBias, Sampler, SampleResult, SamplingRow, choice_seed, make_generator
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
 from pagegate.engine.stats import EngineHealth, EngineStats
@@ -117,9 +117,15 @@ class Engine:
         """Validate and tokenize; safe to call from any thread (touches no engine state)."""
         text, token_ids = self._tokenize(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
+        check_priority(priority, self.config.scheduler.scheduling_policy)
+        if params.n > self.config.scheduler.max_num_seqs:  # its choices run together: it could never start
+            raise InvalidParamError(f"n is {params.n}, but at most {self.config.scheduler.max_num_seqs} "
+                                    "sequences run at once (max_num_seqs)", "n")
         root = hash_salt(cache_salt) if cache_salt else 0
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
-        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher)
+        bias = LogitBias.of(params.logit_bias, self.model_config.vocab_size, self.device)
+        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
+                       logit_bias=bias)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached); safe from any thread."""
@@ -158,14 +164,14 @@ class Engine:
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         params = request.params
         seed = params.seed
-        generator = make_generator(seed + index, self.device) if seed is not None else None
+        generator = make_generator(choice_seed(seed, index), self.device) if seed is not None else None
         seq = Sequence(request, index, token_ids, len(request.prompt_token_ids), generator,
                        logprobs=[] if params.logprobs is not None else None,
                        matcher=request.matcher.deep_copy() if request.matcher is not None else None)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                      params.skip_special_tokens)
-            seq.stop_checker = StopChecker(params.stop)
+            seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         request.seqs.append(seq)
         return seq
 
@@ -227,9 +233,9 @@ class Engine:
         rows, seqs, row_of = [], [], []
         for i, seq in enumerate(sampling):
             group = self._fork(seq) if seq.request.params.n > 1 and not seq.request.forked else [seq]
-            for member in group:
+            for member in group if seq.request.error is None else ():
                 rows.append(SamplingRow(member.request.params, member.request.prompt_token_ids,
-                                        member.output_token_ids, member.generator))
+                                        member.output_token_ids, member.generator, member.request.logit_bias))
                 seqs.append(member)
                 row_of.append(i)
         matchers = [(j, seq.matcher) for j, seq in enumerate(seqs) if seq.matcher is not None]
@@ -238,25 +244,40 @@ class Engine:
             bitmask = self.grammar_masks.compute([matcher for _, matcher in matchers])
             allowed = ([j for j, _ in matchers], self.grammar_masks.allowed(bitmask, logits.shape[1]))
         results = self.sampler(logits[row_of], rows, allowed) if rows else []
-        moved: dict[int, Request] = {}
+        moved = {id(seq.request): seq.request for seq in sampling}
         for seq, result in zip(seqs, results, strict=True):
-            self._append_token(seq, result.token_id, result.logprob, now)
-            moved[id(seq.request)] = seq.request
+            if seq.request.error is None:
+                self._append_token_or_fail(seq, result, now)
         self.metrics.generation_tokens.inc(len(results))
         self.num_generation_tokens += len(results)
         for request in moved.values():
-            if request.finished:
+            if request.error is not None:
+                self._fail(request)
+            elif request.finished:
                 self._finish(request, now)
         return list(moved.values())
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the prompt was computed once; n choices now share its pages."""
+        """n > 1: the prompt was computed once; n choices now share its pages. The scheduler admitted the
+        prompt with seats for all n, so this cannot run out of slots; if it does, the request fails alone."""
         request = parent.request
         request.forked = True
         children = [self._new_sequence(request, i, list(parent.token_ids)) for i in range(1, request.params.n)]
-        for child in children:
-            self.scheduler.fork(parent, child)
+        try:
+            for child in children:
+                self.scheduler.fork(parent, child)
+        except ValueError as error:
+            log.exception("request %s: forking its %d choices failed", request.request_id, request.params.n)
+            request.error = f"its {request.params.n} choices could not be started: {error}"
         return [parent, *children]
+
+    def _append_token_or_fail(self, seq: Sequence, result: SampleResult, now: float) -> None:
+        """A failure in one request's bookkeeping (its grammar, its detokenizer) fails that request alone."""
+        try:
+            self._append_token(seq, result.token_id, result.logprob, now)
+        except Exception as error:
+            log.exception("request %s failed while taking token %d", seq.request.request_id, result.token_id)
+            seq.request.error = f"internal error after token {result.token_id}: {type(error).__name__}: {error}"
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         request, params = seq.request, seq.request.params
@@ -271,7 +292,8 @@ class Engine:
             seq.logprobs.append(logprob)
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
         eos = token in self.eos_token_ids and not params.ignore_eos
-        if token in params.stop_token_ids:
+        stop_token = token in params.stop_token_set
+        if stop_token:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif eos:
             seq.finish_reason = "stop"
@@ -279,13 +301,13 @@ class Engine:
             seq.finish_reason = "stop"  # the grammar is complete: only EOS could follow
         elif num_out >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
-        self._detokenize(seq, token, in_text=not eos)
+        self._detokenize(seq, token, in_text=not (eos or stop_token and not params.include_stop_str_in_output))
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
             self.scheduler.free(seq)
 
     def _detokenize(self, seq: Sequence, token: int, in_text: bool) -> None:
-        """`in_text` False: an EOS, which never shows in the text."""
+        """`in_text` False: an EOS, or a stop token (vLLM's way), which do not show in the text."""
         if seq.detokenizer is None or seq.stop_checker is None:
             return
         delta = seq.detokenizer.step([token]) if in_text else ""

@@ -1,11 +1,11 @@
-"""The model's two hard limits on a request, checked here and nowhere else: the engine calls these
-on every request and the gateway calls the same functions before it starts any of a request's prompts."""
+"""The hard limits on a request, checked here and nowhere else: the engine calls these on every request
+and the gateway calls the same functions before it starts any of a request's prompts."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagegate.engine.params import InvalidParamError
+from pagegate.engine.params import PRIORITY_RANGE, InvalidParamError
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -27,3 +27,13 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
                    f"{wanted} tokens ({prompt_len} in the {param}, {max_tokens} for the completion). "
                    "Please reduce the length of the prompt or max_tokens.")
     raise InvalidParamError(message, param, code="context_length_exceeded")
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A priority is honoured only under the priority policy, and only within PRIORITY_RANGE."""
+    low, high = PRIORITY_RANGE
+    if priority and scheduling_policy != "priority":
+        raise InvalidParamError("priority is only honoured when the server runs with --scheduling-policy "
+                                f"priority; this one schedules {scheduling_policy}: leave priority at 0", "priority")
+    if not low <= priority <= high:
+        raise InvalidParamError(f"priority must be in [{low}, {high}], got {priority}", "priority")

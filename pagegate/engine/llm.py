@@ -50,10 +50,12 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption_mode: str | None = None, watermark: float = 0.01, seed: int = 0,
                  served_model_name: str | None = None, quantization: str | None = None,
-                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0) -> None:
+                 tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
+                 scheduling_policy: str = "fcfs") -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark)
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode)
+        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
+                                    scheduling_policy=scheduling_policy)
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
                                           tensor_parallel_size, distributed_timeout_s, cache=cache,
                                           scheduler=scheduler))

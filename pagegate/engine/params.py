@@ -15,6 +15,13 @@ GREEDY_TEMPERATURE = 1e-5
 # repetition_penalty divides positive logits and multiplies negative ones; outside this range the
 # text is degenerate and, near 0 (5e-324 is 0 in float32), the logits overflow to inf and NaN.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Per-request list bounds: each list is walked when the request arrives, so a huge one must not get in.
+MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
+MAX_STOP_TOKEN_IDS = 256
+# Request priorities (lower runs first). Waiting requests gain SchedulerConfig.aging_rate levels a second, so
+# with a bounded range a request waits at most (range width / aging_rate) seconds behind later, more urgent ones.
+PRIORITY_RANGE = (-100, 100)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -33,16 +40,19 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the stop string or stop token that ended a choice
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # looked up every token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_set = frozenset(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -69,6 +79,10 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
+            (len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias or ())}"),
         ]
         for ok, param, message in checks:
             if not ok:

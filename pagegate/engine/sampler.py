@@ -20,14 +20,34 @@ from pagegate.engine.outputs import Logprob
 from pagegate.engine.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class LogitBias:
+    """A request's logit_bias as tensors, built once when it arrives: a step adds every row's bias in one
+    op instead of walking dicts (a whole-vocabulary bias times n choices was n x V Python tuples a step)."""
+
+    token_ids: torch.Tensor  # int64 [K], inside the vocabulary
+    values: torch.Tensor  # float32 [K]
+
+    @classmethod
+    def of(cls, bias: dict[int, float] | None, vocab_size: int, device: str | torch.device = "cpu") -> LogitBias | None:
+        """None when no entry falls inside the vocabulary (ids outside it are ignored)."""
+        entries = [(token, value) for token, value in (bias or {}).items() if 0 <= token < vocab_size]
+        if not entries:
+            return None
+        token_ids, values = zip(*entries, strict=True)
+        return cls(torch.tensor(token_ids, dtype=torch.long, device=device),
+                   torch.tensor(values, dtype=torch.float32, device=device))
+
+
 @dataclass
 class SamplingRow:
-    """One row of the logits: its parameters, token history and optional private generator."""
+    """One row of the logits: its parameters, token history, logit bias and optional private generator."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    logit_bias: LogitBias | None = None
 
 
 @dataclass
@@ -39,6 +59,26 @@ class SampleResult:
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A request's private generator for `SamplingParams.seed`."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+_MASK64 = 2**64 - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The generator seed of choice `index` of a request seeded with `seed`.
+
+    NOTE: choice 0 keeps the seed itself (so n = 1 samples as before); choice i > 0 takes a 64-bit mix of
+    (seed, i). `seed + i` (vLLM's way) made (seed 1, choice 1) the same stream as (seed 2, choice 0), so
+    nearby seeds shared most of their samples; mixed, two requests share a stream only by a 2^-64 accident.
+    """
+    return seed if index == 0 else _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 class Sampler:
@@ -107,15 +147,16 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Add each row's logit_bias (token ids outside the vocabulary are ignored), in place."""
-    vocab = logits.shape[1]
-    entries = [(i, int(token), bias) for i, r in enumerate(rows)
-               for token, bias in (r.params.logit_bias or {}).items() if 0 <= int(token) < vocab]
-    if entries:
-        row_idx, token_idx, bias = zip(*entries, strict=True)
-        index = (torch.tensor(row_idx, device=logits.device), torch.tensor(token_idx, device=logits.device))
-        values = torch.tensor(bias, dtype=logits.dtype, device=logits.device)
-        logits.index_put_(index, values, accumulate=True)
+    """Add each row's logit bias, in place, in one indexed add."""
+    biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r.logit_bias is not None]
+    if not biased:
+        return
+    device = logits.device
+    sizes = torch.tensor([len(bias.token_ids) for _, bias in biased], device=device)
+    row_idx = torch.repeat_interleave(torch.tensor([i for i, _ in biased], device=device), sizes)
+    token_idx = torch.cat([bias.token_ids for _, bias in biased])
+    values = torch.cat([bias.values for _, bias in biased]).to(logits.dtype)
+    logits.index_put_((row_idx, token_idx), values, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:

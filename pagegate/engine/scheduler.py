@@ -99,13 +99,18 @@ class Scheduler:
     @property
     def num_waiting_seqs(self) -> int:
         """Sequences not yet admitted, a request's n choices each (they fork after its prefill)."""
-        waiting = list(self.waiting)  # one C-level copy: safe against the engine thread appending
-        return sum(1 if seq.request.forked else seq.request.params.n for seq in waiting)
+        return sum(seats(seq) for seq in list(self.waiting))  # one C-level copy: safe against appends
+
+    @property
+    def num_occupied_seats(self) -> int:
+        """Running slots held by running and swapped sequences, the choices an unforked prompt will fork
+        into included (they appear in one step, when its prefill ends)."""
+        return sum(seats(seq) for seq in [*self.running, *self.swapped])
 
     @property
     def free_slots(self) -> int:
         """Running slots open now under the running cap (swapped sequences have theirs reserved)."""
-        return max(0, self.cap.value - len(self.running) - len(self.swapped))
+        return max(0, self.cap.value - self.num_occupied_seats)
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -215,14 +220,24 @@ class Scheduler:
         return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        occupied = self.num_occupied_seats
+        pending_forks = occupied - len(self.running) - len(self.swapped)
         for seq in self._waiting_by_urgency(now):
-            if budget <= 0 or len(self.running) >= self.cap.value:
-                return
+            wanted = seats(seq)
+            # NOTE: an n > 1 prompt is admitted only when all n choices fit, under the running cap and in the
+            # block tables' slots, since it forks into them at once; one that fits nothing waits for an empty
+            # engine (the gateway refuses n > max_num_seqs, which could never run).
+            over_cap = occupied + wanted > self.cap.value and occupied > 0
+            no_slots = self.tables.num_sequences + pending_forks + wanted > self.tables.max_seqs
+            if budget <= 0 or over_cap or no_slots:
+                return  # head of line waits: later ones must not overtake it forever
             n = self._try_admit(seq, budget, now)
             if n == 0:
-                return  # head of line waits: later ones must not overtake it forever
+                return
             batch.add(seq, n)
             budget -= n
+            occupied += wanted
+            pending_forks += wanted - 1
 
     def _waiting_by_urgency(self, now: float) -> list[Sequence]:
         """Waiting sequences, most urgent first; each gains `aging_rate` priority levels per second."""
@@ -234,9 +249,6 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
         request = seq.request
-        slots = request.params.n if request.params.n > 1 and not request.forked else 1
-        if self.tables.max_seqs - self.tables.num_sequences < slots:
-            return 0
         hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1], request.root_hash)
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
@@ -271,3 +283,9 @@ class Scheduler:
             swap_out_blocks=self.num_swapped_out_blocks, swap_in_blocks=self.num_swapped_in_blocks,
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
             max_num_seqs=self.cap.value)
+
+
+def seats(seq: Sequence) -> int:
+    """Running slots a sequence stands for: n for a prompt of n > 1 choices not yet forked, else one."""
+    n = seq.request.params.n
+    return n if n > 1 and not seq.request.forked else 1

@@ -12,6 +12,7 @@ from llguidance import LLMatcher
 from pagegate.core import NO_PAGES
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.params import SamplingParams
+from pagegate.engine.sampler import LogitBias
 from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
 
 
@@ -82,6 +83,7 @@ class Request:
     num_cached_tokens: int = 0
     error: str | None = None
     matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
+    logit_bias: LogitBias | None = None  # params.logit_bias as tensors, built once
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

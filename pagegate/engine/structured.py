@@ -1,8 +1,9 @@
 """Structured outputs on llguidance: what a request's text must match, compiled once per grammar and
 tokenizer; each sequence then holds its own matcher (grammar_masks.py turns them into logit masks).
 
-A compiled grammar is a prototype matcher in an LRU cache; each sequence gets a deep copy (microseconds).
-The gateway compiles in its preparation threads, so the engine loop only ever copies from the cache.
+A compiled grammar is a prototype matcher in an LRU cache bounded by (estimated) bytes; each sequence gets a
+deep copy (microseconds). The gateway compiles in its preparation threads, so the engine loop only ever copies
+from the cache. What a client may have compiled is bounded here, in one place (the README's Security list).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from pagegate.engine.params import InvalidParamError
 from pagegate.engine.tokenizer import Tokenizer
@@ -23,7 +24,19 @@ from pagegate.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+# What one request may have compiled. Compile time grows faster than the source (3,000 optional properties,
+# 77 KB, take ~0.6 s), so the source is capped; llguidance's own budgets bound what a small source expands to.
+MAX_GRAMMAR_BYTES = 64 * 1024  # a schema (as compact JSON), regex, grammar or choice list; one tool's parameters
+MAX_TOOLS_BYTES = 128 * 1024  # all tools' parameter schemas together
+MAX_TOOLS = 128  # functions per request, as OpenAI
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema given as an object (llguidance refuses > 128)
+COMPILE_LIMITS = llguidance.LLParserLimits(
+    max_grammar_size=100_000,  # symbols (default 500,000); 64 KiB of schema makes ~25,000
+    initial_lexer_fuel=500_000)  # lexer build work (default 1,000,000); dense 64 KiB schemas need < 300,000
+# The compiled-grammar cache: an LRU under a byte budget. llguidance reports no sizes, so an entry's is estimated
+# from its source (measured: ~30 KB for a tiny grammar, ~30 bytes per source byte for an 80,000-value enum).
+CACHE_BYTES = 256 * 1024 * 1024  # per tokenizer
+ENTRY_BYTES, BYTES_PER_SOURCE_BYTE = 32 * 1024, 32
 # JSON as json.dumps writes it (and OpenAI returns it); a schema's own "x-guidance" options win
 JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PARAM = "structured_outputs"
@@ -46,6 +59,16 @@ class StructuredOutputsParams:
             raise InvalidParamError("structured outputs take exactly one of json, regex, choice, grammar "
                                     "or json_object", PARAM)
 
+    @classmethod
+    def from_request(cls, **kind: Any) -> StructuredOutputsParams:
+        """A client's constraint, refused before anything compiles it when its source is over MAX_GRAMMAR_BYTES
+        or its schema nests deeper than MAX_SCHEMA_DEPTH."""
+        params = cls(**kind)
+        source = next((s for s in (params.json, params.regex, params.choice, params.grammar) if s is not None), None)
+        if source is not None:
+            check_grammar_size(source, PARAM)
+        return params
+
     def grammar_text(self) -> str:
         """The llguidance grammar (the compiled-grammar cache key)."""
         if self.json_object:
@@ -67,33 +90,44 @@ class GrammarCompiler:
     """Compiled grammars of one tokenizer, cached by grammar text; safe to use from any thread."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = CACHE_SIZE) -> None:
-        self._tokenizer, self._vocab_size, self._cache_size = tokenizer, vocab_size, cache_size
+                 cache_bytes: int = CACHE_BYTES) -> None:
+        self._tokenizer, self._vocab_size, self.cache_bytes = tokenizer, vocab_size, cache_bytes
         self._eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[llguidance.LLMatcher, int]] = OrderedDict()  # grammar: (matcher, bytes)
+        self.cached_bytes = 0  # the estimated size of what the cache holds, at most cache_bytes
         self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start; an invalid grammar is an InvalidParamError."""
-        try:
-            key = params.grammar_text()
-        except (ValueError, TypeError, GbnfToLarkError) as error:  # a malformed schema, or GBNF that does not convert
-            raise InvalidParamError(f"Invalid structured output: {error}", PARAM) from error
+        key = _grammar_text(params)
         with self._lock:
-            prototype = self._cache.get(key)
-            if prototype is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
-                return prototype.deep_copy()
+                return cached[0].deep_copy()
             tokenizer = self._llg_tokenizer()
-        prototype = llguidance.LLMatcher(tokenizer, key, log_level=0)  # releases the GIL while it compiles
+        # releases the GIL while it compiles; COMPILE_LIMITS turn a grammar that expands too far into an error
+        prototype = llguidance.LLMatcher(tokenizer, key, log_level=0, limits=COMPILE_LIMITS)
         if prototype.is_error():
             raise InvalidParamError(f"Invalid structured output: {prototype.get_error()}", PARAM)
-        with self._lock:
-            self._cache[key] = prototype
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._keep(key, prototype)
         return prototype.deep_copy()
+
+    def _keep(self, key: str, prototype: llguidance.LLMatcher) -> None:
+        """Cache a compiled grammar, evicting the least recently used until the estimates fit cache_bytes; one
+        larger than the whole budget is not cached (each request compiles it again)."""
+        size = estimated_bytes(key)
+        if size > self.cache_bytes:
+            return
+        with self._lock:
+            if key in self._cache:  # another thread compiled it meanwhile
+                return
+            self._cache[key] = (prototype, size)
+            self.cached_bytes += size
+            while self.cached_bytes > self.cache_bytes:
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self.cached_bytes -= evicted
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:  # under the lock; ~20 ms for 2k tokens, ~0.3 s for 50k
@@ -102,3 +136,55 @@ class GrammarCompiler:
                 tokenizer.backend_json(), n_vocab=max(self._vocab_size, tokenizer.vocab_size),
                 eos_token=self._eos_token_ids)
         return self._ll_tokenizer
+
+
+def estimated_bytes(grammar: str) -> int:
+    """What a compiled grammar (and its source, the cache key) is taken to hold in memory."""
+    return ENTRY_BYTES + BYTES_PER_SOURCE_BYTE * len(grammar)
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    try:
+        return params.grammar_text()
+    except InvalidParamError:
+        raise
+    except RecursionError:  # json.loads and the GBNF converter recurse into what they read
+        raise InvalidParamError("Invalid structured output: it is nested too deeply.", PARAM) from None
+    except Exception as error:  # any other failure to convert is the client's too: llguidance's GBNF converter
+        raise InvalidParamError(f"Invalid structured output: {error}", PARAM) from error  # raises bare Exceptions
+
+
+def check_grammar_size(source: str | Sequence[str] | dict[str, Any], param: str,
+                       limit: int = MAX_GRAMMAR_BYTES) -> int:
+    """The size in UTF-8 bytes of a client's schema (as compact JSON), regex, grammar or choice list; an
+    InvalidParamError naming `param` when it is over `limit`, or when a schema nests deeper than MAX_SCHEMA_DEPTH
+    (json.dumps, chat templates and llguidance all recurse)."""
+    if isinstance(source, str):
+        size = len(source.encode(errors="surrogatepass"))
+    else:
+        if json_depth(source) > MAX_SCHEMA_DEPTH:
+            raise InvalidParamError(f"The schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels.",
+                                    param)
+        try:
+            text = json.dumps(source, ensure_ascii=False, separators=(",", ":"))
+        except (TypeError, ValueError) as error:  # msgpack may carry bytes, the offline API anything
+            raise InvalidParamError(f"The schema is not JSON: {error}", param) from None
+        size = len(text.encode(errors="surrogatepass"))
+    if size > limit:
+        raise InvalidParamError(f"The schema, regex or grammar is {size} bytes long (a schema as compact JSON), "
+                                f"more than the {limit} bytes allowed.", param)
+    return size
+
+
+def json_depth(value: Any) -> int:
+    """How deeply dicts and lists nest in `value` (a scalar: 0); iterative, so any depth is safe to measure."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, (list, tuple)):
+            continue
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in item)
+    return deepest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -20,6 +21,17 @@ from tokenizers import Tokenizer as HFTokenizer
 from pagegate.engine.model_config import token_id_list
 from pagegate.engine.token_bounds import chars_per_token_bound
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """The character byte-level BPE writes for each byte: printable Latin-1 stays, the rest moves past 255."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
 
@@ -83,6 +95,28 @@ class Tokenizer:
         if text is None:
             text = self._token_texts[token_id] = self._surface_text(token_id)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, which may be part of a UTF-8 character (its text then shows U+FFFD):
+        byte-level BPE pieces mapped back through GPT-2's byte alphabet, `<0xNN>` byte-fallback pieces as
+        their byte, anything else (special tokens, whole pieces) as its text in UTF-8."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._added_token_ids:
+            return self.token_text(token_id).encode()
+        if self._byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        return self.token_text(token_id).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        decoder = self._tokenizer.decoder
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **extra: Any) -> str:
@@ -232,15 +266,17 @@ class IncrementalDetokenizer:
 class StopChecker:
     """Finds stop strings across token boundaries; holds back a tail that may start one."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop  # the output ends after the stop string rather than before it
         self.held = ""
         self.stopped_by: str | None = None
 
     def step(self, delta: str) -> tuple[str, str | None]:
         """Feed new text; return (text safe to emit, the stop string that matched or None).
 
-        After a match the output ends right before the stop string and nothing more is emitted.
+        After a match the output ends right before the stop string (after it with include_stop) and nothing
+        more is emitted.
         """
         if self.stopped_by is not None:
             return "", self.stopped_by
@@ -249,7 +285,7 @@ class StopChecker:
         if match is not None:
             position, self.stopped_by = match
             self.held = ""
-            return text[:position], self.stopped_by
+            return text[:position + (len(self.stopped_by) if self.include_stop else 0)], self.stopped_by
         keep = self._partial_tail_length(text)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from urllib.parse import parse_qs
 
@@ -17,11 +18,30 @@ QUERY_KEY_PREFIXES = ("/dashboard/api/",)  # also take ?api_key=: an EventSource
 
 def key_matches(presented: str, keys: list[str]) -> bool:
     """True when `presented` equals one of `keys`; every key is compared, so timing tells nothing."""
+    return matching_key(presented, keys) is not None
+
+
+def matching_key(presented: str, keys: list[str]) -> str | None:
+    """The key of `keys` that `presented` equals, or None; every key is compared, so timing tells nothing."""
     given = presented.encode()
-    matched = False
+    matched = None
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
+        if hmac.compare_digest(given, key.encode()):
+            matched = key
     return matched
+
+
+def key_identity(key: str) -> str:
+    """A stable name of an API key that does not reveal it: the tenant a request belongs to."""
+    return hashlib.sha256(b"pagegate-key\0" + key.encode()).hexdigest()[:24]
+
+
+def request_key_identity(scope: Scope) -> str | None:
+    """The identity of the key that authorized this request (None without --api-key)."""
+    return scope.get("state", {}).get(KEY_IDENTITY)
+
+
+KEY_IDENTITY = "api_key_identity"  # where APIKeyMiddleware leaves it in the ASGI scope's state
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -39,7 +59,12 @@ class APIKeyMiddleware:
         self.api_keys = list(api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._needs_key(scope) or self._authorized(scope):
+        if scope["type"] != "http" or not self._needs_key(scope):
+            await self.app(scope, receive, send)
+            return
+        key = self._presented_key(scope)
+        if key is not None:
+            scope.setdefault("state", {})[KEY_IDENTITY] = key_identity(key)
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -51,12 +76,13 @@ class APIKeyMiddleware:
     def _needs_key(self, scope: Scope) -> bool:
         return bool(self.api_keys) and scope["method"] != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _presented_key(self, scope: Scope) -> str | None:
+        """The configured key the request presents, or None."""
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
         token = bearer_token(header)
         if token is None and scope["path"].startswith(QUERY_KEY_PREFIXES):
             token = query_key(scope.get("query_string", b""))
-        return token is not None and key_matches(token, self.api_keys)
+        return matching_key(token, self.api_keys) if token is not None else None
 
 
 def query_key(query_string: bytes) -> str | None:

@@ -7,15 +7,18 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, torchrun_rank
 from pagegate.engine.kv_events import KVEventsConfig
+from pagegate.engine.params import SCHEDULING_POLICIES
+from pagegate.gateway.access_log import redact_access_log
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
-from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
+from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
 from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
 
@@ -71,6 +74,8 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=defaults.scheduling_policy,
+                       help="priority: honour requests' priority (else a non-zero priority is a 400)")
 
 
 def _server_flags(group: argparse._ArgumentGroup) -> None:
@@ -81,6 +86,9 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="gRPC port on --host, same engine (0: no gRPC server)")
     group.add_argument("--api-key", action="append", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 (repeatable; also ${API_KEY_ENV})")
+    group.add_argument("--prefix-cache-scope", choices=["shared", "key"], default=defaults.prefix_cache_scope,
+                       help="key: salt every request's prefix cache with its API key, so no key hits (or learns "
+                            "of) another's cached prefixes; needs --api-key")
     group.add_argument("--max-queue", type=int, default=defaults.max_queue,
                        help="waiting requests before new ones get 429 (-1: unbounded)")
     group.add_argument("--allowed-origins", nargs="+", default=None,
@@ -89,6 +97,11 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="largest request body in bytes or like '16MiB' (413 beyond)")
     group.add_argument("--request-timeout", type=float, default=defaults.request_read_timeout_s,
                        help="seconds to receive a whole request (head and body); 408 beyond, 0: no limit")
+    group.add_argument("--idle-connection-timeout", type=_positive(float), default=defaults.idle_connection_timeout_s,
+                       help="seconds a connection may send nothing (before its first request or between two) "
+                            "before it is closed")
+    group.add_argument("--max-connections", type=_positive(int), default=defaults.max_connections,
+                       help="open HTTP connections; one more is closed at once (each is a file: keep ulimit -n above)")
     group.add_argument("--max-header-size", default=str(defaults.max_header_bytes),
                        help="largest request line + headers in bytes or like '64KiB' (431 beyond)")
     group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,
@@ -99,6 +112,19 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="no live KV-page dashboard at /dashboard (and no feed under /dashboard/api/)")
+    group.add_argument("--dashboard-max-viewers", type=_positive(int), default=defaults.dashboard_max_viewers,
+                       help="open dashboard feeds; one more gets a 503 with Retry-After")
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -114,7 +140,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_model_len=args.max_model_len, preemption_mode=args.preemption_mode)
+                                max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+                                scheduling_policy=args.scheduling_policy)
     engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
@@ -124,13 +151,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
-    gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys, served_model_names=list(names),
+    if args.prefix_cache_scope == "key" and not keys:
+        raise SystemExit("--prefix-cache-scope key needs --api-key (or $PAGEGATE_API_KEY): without keys there is "
+                         "one tenant")
+    gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys,
+                            served_model_names=list(names), prefix_cache_scope=args.prefix_cache_scope,
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
                             max_header_bytes=parse_bytes(args.max_header_size),
                             request_read_timeout_s=args.request_timeout,
+                            idle_connection_timeout_s=args.idle_connection_timeout,
+                            max_connections=args.max_connections,
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level,
-                            enable_dashboard=not args.disable_dashboard)
+                            enable_dashboard=not args.disable_dashboard,
+                            dashboard_max_viewers=args.dashboard_max_viewers)
     return engine, gateway
 
 
@@ -176,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
                                access_log=not args.disable_uvicorn_access_log,
-                               http=HeadLimitedH11Protocol.with_read_timeout(config.request_read_timeout_s),
+                               http=HeadLimitedH11Protocol.with_limits(config.request_read_timeout_s,
+                                                                       config.max_connections),
+                               timeout_keep_alive=config.idle_connection_timeout_s,  # type: ignore[arg-type]
+                               backlog=listen_backlog(config.max_connections),
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
+    redact_access_log()  # after uvicorn.Config, which sets up uvicorn's loggers
     server = GatewayServer(uv_config, app.state.host)
     holder.append(server)
     server.run()

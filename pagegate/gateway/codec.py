@@ -1,4 +1,4 @@
-"""Bodies in and out: JSON or msgpack, chosen by Content-Type / Accept, with a size limit."""
+"""Bodies in and out: JSON or msgpack, chosen by Content-Type / Accept, with limits on bytes and containers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import msgpack
+import numpy as np
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -18,6 +19,13 @@ JSON = "application/json"
 MSGPACK = "application/msgpack"
 MSGPACK_ALIASES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 EVENT_STREAM = "text/event-stream"
+
+# Maps/objects and arrays one request body may hold. An empty msgpack map is 1 byte (a JSON `{},` 3) and an
+# empty dict 64 bytes, so a 16 MiB body of them would decode to a gigabyte (in JSON 400 MB) and hold the event
+# loop for seconds; under this cap containers cost tens of MB at most. Real requests (messages and content parts,
+# tool schemas, batches of token-id prompts) hold a few thousand.
+MAX_BODY_CONTAINERS = 1 << 17
+SCAN_CHUNK = 1 << 20  # bytes of JSON scanned at a time for containers (bounds the scan's memory)
 
 
 def is_msgpack(media_type: str | None) -> bool:
@@ -55,7 +63,7 @@ def render_error(error: APIError, *, msgpack_body: bool) -> Response:
 
 async def read_body(request: Request, limit: int) -> Any:
     """Decode a request body: msgpack when Content-Type says so, JSON otherwise (curl -d sends a form
-    type); 413 past `limit` bytes."""
+    type); 413 past `limit` bytes or MAX_BODY_CONTAINERS maps and arrays."""
     raw = await _read_limited(request, limit)
     if is_msgpack(request.headers.get("content-type")):
         return _loads_msgpack(raw)
@@ -84,20 +92,73 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"The request body ({size} bytes or more) exceeds the limit of {limit} bytes.")
 
 
+def _too_many_containers() -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body holds more than {MAX_BODY_CONTAINERS} objects and arrays.",
+                           code="too_many_containers")
+
+
 def _loads_json(raw: bytes) -> Any:
     if not raw:
         raise BadRequest("The request body is empty: send a JSON object.")
+    if has_more_json_containers(raw, MAX_BODY_CONTAINERS):  # counted before decoding
+        raise _too_many_containers()
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
+def has_more_json_containers(raw: bytes, limit: int) -> bool:
+    """Whether a JSON text holds more than `limit` objects and arrays (`{` and `[` outside strings), told
+    without decoding it: a count of bytes, then, only when that is over, a scan in numpy chunks."""
+    if raw.count(b"{") + raw.count(b"[") <= limit:
+        return False
+    encoding = json.detect_encoding(raw)
+    if not encoding.startswith("utf-8"):  # in UTF-8 a quote or bracket byte is always that character
+        raw = raw.decode(encoding, errors="replace").encode()
+    if b"\\" in raw:  # without escaped backslashes, then escaped quotes, every quote opens or closes a string
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = np.frombuffer(raw, dtype=np.uint8)
+    containers, quotes_before = 0, 0
+    for start in range(0, len(text), SCAN_CHUNK):
+        chunk = text[start:start + SCAN_CHUNK]
+        quotes = np.cumsum(chunk == ord('"'), dtype=np.uint8)  # wraps at 256: only the parity matters
+        quotes += quotes_before
+        outside_strings = (quotes & 1) == 0
+        containers += int(np.count_nonzero(((chunk == ord("{")) | (chunk == ord("["))) & outside_strings))
+        if containers > limit:
+            return True
+        quotes_before = int(quotes[-1])
+    return False
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+class _ContainerBudget:
+    """msgpack's list_hook and object_hook: counts maps and arrays as each is built and stops the decoder
+    past `limit` (the few still open around it aside, no more are ever built)."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _TooManyContainers
+        return container
+
+
 def _loads_msgpack(raw: bytes) -> Any:
     if not raw:
         raise BadRequest("The request body is empty: send a msgpack map.")
+    budget = _ContainerBudget(MAX_BODY_CONTAINERS)
     try:
         # Invalid UTF-8 in a str becomes surrogate escapes, so validation can name the field it is in.
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape")
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape",
+                               list_hook=budget, object_hook=budget)
+    except _TooManyContainers:
+        raise _too_many_containers() from None
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise BadRequest(f"The request body is not valid msgpack: {exc}", code="invalid_msgpack") from None

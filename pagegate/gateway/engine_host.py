@@ -12,11 +12,12 @@ from dataclasses import asdict
 from typing import Any
 
 from pagegate.config import EngineConfig
+from pagegate.engine.limits import check_priority
 from pagegate.engine.model_config import ModelLoadError
-from pagegate.engine.params import SamplingParams
+from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.stats import EngineStats
 from pagegate.gateway.engine_client import EngineClient
-from pagegate.gateway.errors import Overloaded, ServiceUnavailable
+from pagegate.gateway.errors import BadRequest, Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
@@ -42,6 +43,9 @@ class EngineHost:
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self.num_rejected = 0
         self._active: set[OutputMerger] = set()
+        # engine request id -> the identity of the API key that sent it: the dashboard names a request only
+        # to viewers with the same key
+        self.request_tenants: dict[str, str] = {}
         self._load_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -157,11 +161,13 @@ class EngineHost:
         return self.engine.stats() if self.engine is not None else None
 
     # -- requests --------------------------------------------------------------------------------
-    def admit(self, num_seqs: int) -> None:
-        """429 unless the request's sequences (prompts x n) fit in the engine's free running slots plus
-        --max-queue waiting ones; callers then start the generation at once. A 503 if the server began
-        stopping while the request was being prepared."""
+    def admit(self, prepared: PreparedRequest) -> None:
+        """400 if n choices could never run at once; 429 unless the request's sequences (prompts x n) fit
+        in the engine's free running slots plus --max-queue waiting ones; callers then start the generation
+        at once. A 503 if the server began stopping while the request was being prepared."""
         engine, _ = self.require_engine()
+        self._check_runnable(prepared)
+        num_seqs = len(prepared.prompts) * prepared.params.n
         limit = self.config.max_queue
         if limit is None:
             return
@@ -173,15 +179,39 @@ class EngineHost:
                              f"{num_seqs} (limit {limit} waiting, {free} free running slots). Retry later.",
                              headers={"Retry-After": str(self.config.retry_after_s)})
 
+    def cache_salt(self, prepared: PreparedRequest) -> str | None:
+        """The prefix-cache salt: the client's, under --prefix-cache-scope key also the key's identity.
+
+        NOTE: salted per key, one key's prefix pages are never another's hits, so `cached_tokens` tells a key
+        nothing about what other keys sent; the key part is a prefix no client-chosen salt can reproduce."""
+        if self.config.prefix_cache_scope != "key" or prepared.tenant is None:
+            return prepared.cache_salt
+        return f"key:{prepared.tenant}:{prepared.cache_salt or ''}"
+
+    def _check_runnable(self, prepared: PreparedRequest) -> None:
+        """The engine's own checks of what this server's scheduler settings allow, made before a stream starts."""
+        scheduler = self.engine_config.scheduler
+        try:
+            check_priority(prepared.priority, scheduler.scheduling_policy)
+        except InvalidParamError as error:
+            raise BadRequest(str(error), param=error.param) from None
+        n = prepared.params.n
+        if n > scheduler.max_num_seqs:
+            raise BadRequest(f"n is {n}, but this server runs at most {scheduler.max_num_seqs} sequences at once "
+                             "(--max-num-seqs), and the n choices of a prompt run together.", param="n")
+
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""
         engine, _ = self.require_engine()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
-        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
-                                   cache_salt=prepared.cache_salt) for p, rid in zip(prepared.prompts, ids, strict=True)]
+        salt = self.cache_salt(prepared)
+        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt)
+                   for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)
+        if prepared.tenant is not None:
+            self.request_tenants.update(dict.fromkeys(ids, prepared.tenant))
 
         def on_first(index: int) -> None:
             if index in waiting:
@@ -190,6 +220,8 @@ class EngineHost:
 
         def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
             self._active.discard(merger)
+            for rid in ids:
+                self.request_tenants.pop(rid, None)
             for index in list(waiting):
                 on_first(index)
             for index in unfinished:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pagegate.gateway.auth import bearer_token, key_matches
+from pagegate.gateway.auth import bearer_token, key_identity, matching_key
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, Unauthorized, to_api_error
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
@@ -142,23 +142,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                      renderer_cls: type[Renderer], id_prefix: str, *,
                      stream: bool) -> tuple[PreparedRequest, Renderer]:
         """Auth, readiness, the shared validation path, admission (same order as the REST route)."""
-        self._authorize(context)
+        tenant = self._authorize(context)
         _, model = self.host.require_engine()
         body = request_to_body(request)
         if stream:
             body["stream"] = True
         prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
-        self.host.admit(len(prepared.prompts) * prepared.params.n)
+        prepared.tenant = tenant
+        self.host.admit(prepared)
         return prepared, renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The identity of the call's API key (None when the server has no keys); Unauthorized without one."""
         keys = self.host.config.api_keys
         if not keys:
-            return
+            return None
         header = next((value for key, value in context.invocation_metadata() or () if key == "authorization"), None)
         token = bearer_token(header if isinstance(header, str) else None)
-        if token is None or not key_matches(token, keys):
+        key = matching_key(token, keys) if token is not None else None
+        if key is None:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
+        return key_identity(key)
 
 
 Prepare = Callable[[dict[str, Any], ModelContext], PreparedRequest]

@@ -1,8 +1,14 @@
-"""uvicorn's h11 protocol with a limit on the request head: 431 past --max-header-size."""
+"""uvicorn's h11 protocol with limits: 431 past --max-header-size, 408 past --request-timeout, a close for a
+connection idle past --idle-connection-timeout before its first byte, and for one past --max-connections."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
+import socket
+import struct
+import sys
 from typing import Any
 
 import h11
@@ -13,7 +19,16 @@ from pagegate.gateway.codec import dumps_json
 from pagegate.gateway.errors import error_body
 from pagegate.gateway.settings import GatewayConfig
 
+logger = logging.getLogger("pagegate.gateway")
+
 LINGER_S = 2.0  # after a 431, how long to drop what the client still sends before closing
+REFUSAL_WARNING_EVERY_S = 10.0  # at most one log line per this long while connections are refused
+FILE_HEADROOM = 128  # file descriptors the process needs besides its connections (model, engine, gRPC, logs)
+DEFAULT_BACKLOG = 2048  # uvicorn's listen backlog, kept when the file limit allows
+MIN_BACKLOG = 64
+# scope["extensions"][CONNECTION_EXTENSION]["abort"](): reset the request's connection now, for a response stuck
+# in a write to a client that does not read (a dashboard viewer): close() would wait for the client for ever.
+CONNECTION_EXTENSION = "pagegate.connection"
 
 
 class HeadLimitedH11Protocol(H11Protocol):
@@ -23,21 +38,56 @@ class HeadLimitedH11Protocol(H11Protocol):
     h11 measures a head only while it is incomplete, and uvicorn answers that with a 400; a head that came
     whole in one read is measured by _HeadLimitedConnection. After the 431 the connection drops what the
     client still sends, for LINGER_S at most, so that the client reads the answer instead of a reset.
+
+    Every connection is a file descriptor: one that would make more than `max_connections` open is closed
+    as soon as it is accepted, so silent sockets cannot exhaust `ulimit -n` and lock everyone out; and a
+    connection that sends nothing is closed after uvicorn's keep-alive timeout (--idle-connection-timeout).
     """
 
     conn: _HeadLimitedConnection
-    read_timeout_s = GatewayConfig.request_read_timeout_s  # see with_read_timeout
+    read_timeout_s = GatewayConfig.request_read_timeout_s  # see with_limits
+    max_connections = GatewayConfig.max_connections
+    last_refusal_warning = float("-inf")  # loop time of the last "connection refused" log line
 
     @classmethod
-    def with_read_timeout(cls, read_timeout_s: float) -> type[HeadLimitedH11Protocol]:
-        """The class uvicorn instantiates (it passes no arguments of ours), with this server's timeout."""
-        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s})
+    def with_limits(cls, read_timeout_s: float, max_connections: int) -> type[HeadLimitedH11Protocol]:
+        """The class uvicorn instantiates (it passes no arguments of ours), with this server's limits."""
+        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s, "max_connections": max_connections})
 
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.conn = _HeadLimitedConnection(config.h11_max_incomplete_event_size or GatewayConfig.max_header_bytes)
         self.discarding = False
         self.read_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # counts it in self.connections (the server's open connections)
+        if len(self.connections) > self.max_connections:
+            self._warn_refused()
+            transport.close()
+            return
+        # uvicorn arms this timer only after a response; a socket that never sends a byte would stay open.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _warn_refused(self) -> None:
+        now = self.loop.time()
+        if now - type(self).last_refusal_warning >= REFUSAL_WARNING_EVERY_S:
+            type(self).last_refusal_warning = now
+            logger.warning("%d HTTP connections are open (--max-connections): closing new ones", self.max_connections)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:  # a new request: its app task has not run yet
+            self.cycle.scope.setdefault("extensions", {})[CONNECTION_EXTENSION] = {"abort": self.reset}
+
+    def reset(self) -> None:
+        """Close the connection with a TCP reset: a plain close would first wait, in the kernel, for a client
+        that does not read to take what is still queued for it."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.discarding:
@@ -84,6 +134,24 @@ class HeadLimitedH11Protocol(H11Protocol):
         if self.transport.can_write_eof():  # the client sees the answer end; its own close then ends ours
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def listen_backlog(max_connections: int, file_limit: int | None = None) -> int:
+    """The listen backlog for a file limit (default: this process's `ulimit -n`); a warning when it is low.
+
+    asyncio accepts up to `backlog` waiting connections in one go before any of them is counted (and closed
+    past max_connections), so a burst must fit in the files that max_connections and FILE_HEADROOM leave:
+    past the limit accept() fails and asyncio stops accepting for a second.
+    """
+    if file_limit is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        file_limit = sys.maxsize if soft == resource.RLIM_INFINITY else soft
+    spare = file_limit - max_connections - FILE_HEADROOM
+    if spare < MIN_BACKLOG:
+        logger.warning("the open-file limit (ulimit -n) is %d, too low for --max-connections %d: accepting may fail "
+                       "with 'Too many open files'; raise it (ulimit -n 65536) or lower --max-connections",
+                       file_limit, max_connections)
+    return max(MIN_BACKLOG, min(DEFAULT_BACKLOG, spare))
 
 
 class _HeadLimitedConnection(h11.Connection):

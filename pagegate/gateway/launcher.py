@@ -24,11 +24,13 @@ class ServerProcess:
     """A real server: started, waited for (/health 200), stopped with SIGTERM; its log kept in a file."""
 
     def __init__(self, args: list[str] | None = None, *, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 180.0) -> None:
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 180.0,
+                 cwd: Path | None = None) -> None:
         self.args = list(args or [])
         self.host = host
         self.port = port or free_port(host)
         self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd  # `python -m` puts it first on sys.path: a checkout there is the code that runs
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="pagegate-serve-", suffix=".log", delete=False)
@@ -40,7 +42,8 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         command = [sys.executable, "-m", "pagegate", "serve", "--host", self.host, "--port", str(self.port), *self.args]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                        cwd=self.cwd)
         self._wait_healthy()
         return self
 

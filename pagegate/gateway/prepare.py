@@ -30,6 +30,7 @@ from pagegate.gateway.protocol import (
 from pagegate.gateway.tools import (
     CallParsing,
     call_grammar,
+    check_tool_sizes,
     offered_tools,
     parameters_schema,
     template_messages,
@@ -56,6 +57,7 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def encode_chat(self, text: str) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class PreparedRequest:
     priority: int
     cache_salt: str | None
     tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
+    tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
 
     @property
     def stream(self) -> bool:
@@ -153,11 +156,12 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
 def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelContext) -> PreparedRequest:
     request = body if isinstance(body, ChatCompletionRequest) else parse_request(ChatCompletionRequest, body)
     name = model.resolve(request.model)
-    check_tool_schemas(request.tools or [], model)
+    check_tool_sizes(request.tools or [])
     offered = offered_tools(request)
     prompt = chat_prompt(request.messages, model, tools=offered)
     limit = request.completion_limit
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
+    check_tool_schemas(request.tools or [], model)  # compiling is the slow part: only once the cheap checks pass
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top)
     params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
@@ -250,6 +254,7 @@ def sampling_params(
         min_tokens=request.min_tokens,
         stop=_stop_list(request.stop),
         stop_token_ids=stop_token_ids,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
     )
@@ -283,22 +288,22 @@ def structured_outputs(request: SamplingFields, model: ModelContext,
 def _constraints(request: SamplingFields) -> list[Constraint]:
     """Each way a request may ask for structured output, with a maker of its params when it does."""
     fmt, vllm = request.response_format, request.structured_outputs
+    client = StructuredOutputsParams.from_request  # a client's source: size and depth checked before compiling
     from_format = None
     if fmt is not None and fmt.type == "json_object":
-        from_format = functools.partial(StructuredOutputsParams, json_object=True)
+        from_format = functools.partial(client, json_object=True)
     elif fmt is not None and fmt.json_schema is not None:  # type json_schema; no schema: any JSON value
-        from_format = functools.partial(StructuredOutputsParams, json=fmt.json_schema.schema_ or {})
+        from_format = functools.partial(client, json=fmt.json_schema.schema_ or {})
     from_vllm = None
     if vllm is not None:
-        from_vllm = functools.partial(StructuredOutputsParams, json=vllm.json_, regex=vllm.regex, choice=vllm.choice,
+        from_vllm = functools.partial(client, json=vllm.json_, regex=vllm.regex, choice=vllm.choice,
                                       grammar=vllm.grammar, json_object=bool(vllm.json_object))
     r, make = request, functools.partial
     return [("response_format", from_format), ("structured_outputs", from_vllm),
-            ("guided_json", None if r.guided_json is None else make(StructuredOutputsParams, json=r.guided_json)),
-            ("guided_regex", None if r.guided_regex is None else make(StructuredOutputsParams, regex=r.guided_regex)),
-            ("guided_choice", None if r.guided_choice is None else make(StructuredOutputsParams, choice=r.guided_choice)),
-            ("guided_grammar",
-             None if r.guided_grammar is None else make(StructuredOutputsParams, grammar=r.guided_grammar))]
+            ("guided_json", None if r.guided_json is None else make(client, json=r.guided_json)),
+            ("guided_regex", None if r.guided_regex is None else make(client, regex=r.guided_regex)),
+            ("guided_choice", None if r.guided_choice is None else make(client, choice=r.guided_choice)),
+            ("guided_grammar", None if r.guided_grammar is None else make(client, grammar=r.guided_grammar))]
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -26,7 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagegate.engine.params import REPETITION_PENALTY_RANGE
+from pagegate.engine.params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    PRIORITY_RANGE,
+    REPETITION_PENALTY_RANGE,
+)
+from pagegate.engine.structured import MAX_TOOLS
 from pagegate.gateway.errors import BadRequest
 
 MAX_N = 128  # choices per request
@@ -35,6 +41,7 @@ MAX_STOP = 16
 INT64 = 2**63 - 1
 INT32 = 2**31 - 1
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = REPETITION_PENALTY_RANGE
+MIN_PRIORITY, MAX_PRIORITY = PRIORITY_RANGE
 
 
 def _integral(value: Any) -> Any:
@@ -84,7 +91,8 @@ Prompt = Annotated[PromptValue, PlainValidator(_check_prompt, json_schema_input_
 TOKEN_ID_TEXT = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "²", which int() refuses
 # JSON keys are strings, msgpack keys may be ints: either way a token id (the vocabulary is checked later).
 LogitBias = Annotated[dict[str | Annotated[int, INTEGRAL], Annotated[float, Field(ge=-100, le=100)]],
-                      Field(json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_TEXT.pattern}$"}})]
+                      Field(max_length=MAX_LOGIT_BIAS,
+                            json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_TEXT.pattern}$"}})]
 
 # sampling_params() refuses an empty stop string; the schema says so where the type cannot.
 StopText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
@@ -166,10 +174,13 @@ class SamplingFields(StrictModel):
     top_k: Annotated[int, Field(ge=-1, le=INT32), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32, description="At most max_tokens."), INTEGRAL] = 0
-    priority: Annotated[int, Field(ge=-INT32 - 1, le=INT32), INTEGRAL] = 0
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY,
+                                   description="Lower runs first; only with --scheduling-policy priority."),
+                        INTEGRAL] = 0
     cache_salt: str | None = Field(None, min_length=1)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
@@ -352,7 +363,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    tools: Annotated[list[Tool], NonEmpty] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = Field(
         None, description="Needs tools; a named function must be one of them. Unset: auto with tools, else none.")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")

@@ -57,25 +57,50 @@ class Renderer(ABC):
         return prompt_index * self.prepared.params.n + output.index
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"<{token_id}>"
+        """A token as logprobs show it: its text, or (as OpenAI does) `bytes:\\xNN...` for a token that
+        holds only part of a UTF-8 character, whose text would be U+FFFD."""
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return self.tokenizer.token_text(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: joined in order, the tokens' bytes are the answer's UTF-8."""
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else self.token_text(token_id).encode()
+        return list(raw)
 
     def text_width(self, token_id: int) -> int:
         """Characters a token adds to the returned text: special tokens are skipped when decoding."""
         width = self.widths.get(token_id)
         if width is None:
-            special = self.tokenizer is not None and self.tokenizer.decode([token_id]) == ""
-            width = self.widths[token_id] = 0 if special else len(self.token_text(token_id))
+            if self.tokenizer is None:
+                width = len(self.token_text(token_id))
+            else:  # special tokens are skipped when decoding; a partial character's U+FFFD counts one
+                special = self.tokenizer.decode([token_id]) == ""
+                width = 0 if special else len(self.tokenizer.token_text(token_id))
+            self.widths[token_id] = width
         return width
 
     def envelope(self, object_name: str, choices: list[dict]) -> dict:
         body = {"id": self.request_id, "object": object_name, "created": self.created,
                 "model": self.prepared.model, "choices": choices}
         if self.prepared.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.continuous_usage else None
         return body
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
+        options = self.prepared.request.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
+
     def usage(self) -> dict:
-        prompt_tokens = sum(len(out.prompt_token_ids) for out in self.latest.values())
+        """The tokens so far: every prompt's (known before the first output), those generated until now."""
+        prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prepared.prompts)
         completion_tokens = sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.latest.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -251,7 +276,7 @@ class ChatRenderer(Renderer):
 
     def token_entry(self, token_id: int, logprob: float) -> dict:
         token = self.token_text(token_id)
-        return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode())}
+        return {"token": token, "logprob": finite_logprob(logprob), "bytes": self.token_bytes(token_id)}
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
         choices = []

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import to_api_error
@@ -40,7 +41,8 @@ async def _generate(
     _, model = host.require_engine()
     body = await read_body(request, host.config.max_request_bytes)
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
-    host.admit(len(prepared.prompts) * prepared.params.n)
+    prepared.tenant = request_key_identity(request.scope)
+    host.admit(prepared)
     renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}")
     merger, _ = host.generate(prepared, renderer.request_id)
     msgpack_out = wants_msgpack(request)

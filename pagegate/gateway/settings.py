@@ -11,6 +11,7 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int = 50051  # pagegate.v1.Generation on host:grpc_port; 0: no gRPC server
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
+    prefix_cache_scope: str = "shared"  # "key": each API key its own prefix cache (needs api_keys)
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     max_queue: int | None = 1024  # waiting requests before 429; None: unbounded
     retry_after_s: int = 1  # the Retry-After a 429 carries
@@ -18,9 +19,14 @@ class GatewayConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     max_header_bytes: int = 64 * 1024  # request line + headers; larger heads get 431
     request_read_timeout_s: float = 30.0  # from a request's first byte to its last; 408 beyond (0: none)
+    # A connection that sends nothing this long (before its first request or between two) is closed.
+    idle_connection_timeout_s: float = 5.0
+    # Open HTTP connections; one more is closed at once. Each is a file descriptor: keep `ulimit -n` above.
+    max_connections: int = 512
     log_level: str = "info"
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
     stream_chunk_rate: float = 500.0
     drain_timeout_s: float = 10.0  # after SIGTERM, how long in-flight responses get to end
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
+    dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After

@@ -12,7 +12,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagegate.engine.structured import JSON_STYLE, StructuredOutputsParams
+from pagegate.engine.params import InvalidParamError
+from pagegate.engine.structured import (
+    JSON_STYLE,
+    MAX_TOOLS_BYTES,
+    StructuredOutputsParams,
+    check_grammar_size,
+)
 from pagegate.gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -27,6 +33,18 @@ def parameters_schema(tool: Tool) -> dict[str, Any]:
     """The JSON schema of a function's arguments object; OpenAI reads a missing one as "takes no arguments"."""
     schema = tool.function.parameters
     return NO_PARAMETERS if schema is None else {"type": "object", **schema}  # protocol: the type is object
+
+
+def check_tool_sizes(tools: list[Tool]) -> None:
+    """Before anything renders or compiles them: each function's parameter schema within MAX_GRAMMAR_BYTES and
+    MAX_SCHEMA_DEPTH, all of them within MAX_TOOLS_BYTES (tool_choice "required" compiles them as one grammar)."""
+    total = 0
+    for index, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            total += check_grammar_size(tool.function.parameters, f"tools.{index}.function.parameters")
+    if total > MAX_TOOLS_BYTES:
+        raise InvalidParamError(f"The tools' parameter schemas are {total} bytes long together (as compact JSON), "
+                                f"more than the {MAX_TOOLS_BYTES} bytes allowed.", "tools")
 
 
 # -- what the model is asked for ----------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_oversubscribed_pool_finishes_everything_with_identical_output(llama_mod
 
 def test_aging_lets_a_low_priority_request_finish_under_a_flood(llama_model):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=16, max_model_len=64, max_num_seqs=2,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, scheduling_policy="priority")
     engine = llm.engine
     engine.scheduler.config.aging_rate = 50.0  # priority levels per second: fast enough for a test
     low = engine.add_request("low", [9] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 
 from pagegate.engine.params import InvalidParamError, SamplingParams
 from pagegate.engine.sampler import (
+    LogitBias,
     Sampler,
     SamplingRow,
+    apply_logit_bias,
     apply_penalties,
+    choice_seed,
     make_generator,
 )
 
@@ -23,7 +26,8 @@ EOS = 3
 
 def _row(prompt: list[int] = (), output: list[int] = (), generator: torch.Generator | None = None,
          **params: object) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+    sampling = SamplingParams(**params)
+    return SamplingRow(sampling, list(prompt), list(output), generator, LogitBias.of(sampling.logit_bias, V))
 
 
 def _logits(batch: int, vocab: int = V, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
@@ -242,3 +246,47 @@ def test_repetition_penalty_bounds_give_finite_logprobs() -> None:
             for low_or_high in (0.01, 100.0)]
     for result in Sampler([EOS])(logits, rows):
         assert all(math.isfinite(v) for v in [result.logprob.logprob, *result.logprob.top.values()])
+
+
+def test_logit_bias_of_many_rows_is_one_indexed_add(monkeypatch: pytest.MonkeyPatch) -> None:
+    """n choices of a whole-vocabulary bias: one index_put_ over all rows, the same sums as a loop."""
+    bias = {token: float(token % 7) - 3.0 for token in range(V)}
+    rows = [_row(logit_bias=bias) for _ in range(8)] + [_row()]
+    logits = _logits(9)
+    expected = logits.clone()
+    expected[:8] += torch.tensor([bias[t] for t in range(V)])
+    calls = []
+    original = torch.Tensor.index_put_
+
+    def counting(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "index_put_", counting)
+    apply_logit_bias(logits, rows)
+    assert len(calls) == 1
+    assert torch.allclose(logits, expected)
+
+
+def test_logit_bias_tensors_ignore_ids_outside_the_vocabulary() -> None:
+    assert LogitBias.of({V: 1.0, V + 9: 2.0}, V) is None
+    bias = LogitBias.of({1: 0.5, V: 1.0}, V)
+    assert bias is not None and bias.token_ids.tolist() == [1] and bias.values.tolist() == [0.5]
+
+
+def test_list_caps() -> None:
+    with pytest.raises(InvalidParamError) as error:
+        SamplingParams(stop_token_ids=list(range(257)))
+    assert error.value.param == "stop_token_ids"
+    with pytest.raises(InvalidParamError) as error:
+        SamplingParams(logit_bias={t: 1.0 for t in range(301)})
+    assert error.value.param == "logit_bias"
+    assert SamplingParams(stop_token_ids=[5, 5, 9]).stop_token_set == frozenset({5, 9})
+
+
+def test_choice_seeds_of_different_seeds_never_meet() -> None:
+    """seed + i made (seed 1, choice 1) equal (seed 2, choice 0); mixed seeds share no choice stream."""
+    streams = {(seed, i): choice_seed(seed, i) for seed in range(-50, 50) for i in range(128)}
+    assert len(set(streams.values())) == len(streams)
+    assert choice_seed(7, 0) == 7  # n = 1 samples as before
+    assert all(0 <= value < 2**64 for (_, index), value in streams.items() if index)

@@ -12,7 +12,13 @@ import pytest
 
 from pagegate.engine.llm import LLM
 from pagegate.engine.params import InvalidParamError, SamplingParams
-from pagegate.engine.structured import StructuredOutputsParams
+from pagegate.engine.structured import (
+    MAX_GRAMMAR_BYTES,
+    MAX_SCHEMA_DEPTH,
+    GrammarCompiler,
+    StructuredOutputsParams,
+    estimated_bytes,
+)
 
 SHORT = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict] = [
@@ -148,6 +154,9 @@ def test_stop_strings_and_max_tokens_still_apply(llm: LLM) -> None:
     (dict(grammar='root ::= "a'), "Invalid structured output"),  # GBNF that does not convert (was a 500)
     (dict(grammar="\U000630b8"), "Invalid structured output"),
     (dict(choice=[]), "non-empty strings"),
+    (dict(grammar="root ::= undefined-rule"), "not found"),  # llguidance's GBNF converter: a bare Exception
+    (dict(grammar="root ::= " + "(" * 3000 + '"a"' + ")" * 3000), "nested too deeply"),  # was a RecursionError
+    (dict(json="[" * 3000 + "]" * 3000), "nested too deeply"),  # json.loads: RecursionError
 ])
 def test_bad_grammars_are_invalid_params(llm: LLM, structured: dict, words: str) -> None:
     with pytest.raises(InvalidParamError, match=re.escape(words)) as caught:
@@ -169,3 +178,61 @@ def test_compiled_grammars_are_cached(llm: LLM) -> None:
     again = compiler.matcher(StructuredOutputsParams(json='{"const": "cache-probe"}'))
     assert first is not again and not first.is_error() and not again.is_error()
     assert sum(1 for key in compiler._cache if "cache-probe" in key) == 1
+
+
+def probe(i: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json={"const": f"byte-probe-{i:03d}"})
+
+
+def test_the_cache_is_bounded_by_bytes_least_recently_used_first(llm: LLM) -> None:
+    engine = llm.engine
+    one = estimated_bytes(probe(0).grammar_text())
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                               cache_bytes=3 * one)
+    for i in range(8):
+        assert not compiler.matcher(probe(i)).is_error()
+        assert compiler.cached_bytes <= compiler.cache_bytes
+        if i == 5:
+            compiler.matcher(probe(3))  # a hit: 3 is now the most recently used
+    assert list(compiler._cache) == [probe(i).grammar_text() for i in (3, 6, 7)]
+    assert compiler.cached_bytes == 3 * one
+
+
+def test_a_grammar_larger_than_the_cache_is_compiled_but_not_kept(llm: LLM) -> None:
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                               cache_bytes=estimated_bytes(probe(0).grammar_text()))
+    compiler.matcher(probe(0))
+    big = StructuredOutputsParams(json={"enum": [f"value-{i:04d}" for i in range(100)]})
+    assert estimated_bytes(big.grammar_text()) > compiler.cache_bytes
+    matcher = compiler.matcher(big)
+    assert not matcher.is_error() and matcher.consume_tokens(engine.tokenizer.encode('"value-0042"', False))
+    assert list(compiler._cache) == [probe(0).grammar_text()]
+
+
+def test_compile_limits_refuse_a_grammar_that_expands_too_far(llm: LLM) -> None:
+    enum = {"enum": [f"value-{i:06d}" for i in range(80_000)]}  # 1.2 MB: past COMPILE_LIMITS' lexer fuel
+    with pytest.raises(InvalidParamError, match="too big"):
+        llm.engine.grammars.matcher(StructuredOutputsParams(json=enum))
+
+
+@pytest.mark.parametrize("kind", [
+    dict(json={"enum": ["x" * MAX_GRAMMAR_BYTES]}),
+    dict(json=json.dumps({"enum": ["x" * MAX_GRAMMAR_BYTES]})),
+    dict(regex="x" * (MAX_GRAMMAR_BYTES + 1)),
+    dict(grammar=f'start: "{"x" * MAX_GRAMMAR_BYTES}"'),
+    dict(choice=["x" * MAX_GRAMMAR_BYTES]),
+])
+def test_a_clients_constraint_is_capped_in_bytes(kind: dict) -> None:
+    with pytest.raises(InvalidParamError, match=f"more than the {MAX_GRAMMAR_BYTES} bytes"):
+        StructuredOutputsParams.from_request(**kind)
+    StructuredOutputsParams(**kind)  # the offline API compiles what its caller gives it
+
+
+def test_a_clients_schema_is_capped_in_depth() -> None:
+    schema: dict = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        schema = {"type": "array", "items": schema}
+    StructuredOutputsParams.from_request(json=schema)
+    with pytest.raises(InvalidParamError, match=f"deeper than {MAX_SCHEMA_DEPTH}"):
+        StructuredOutputsParams.from_request(json={"type": "array", "items": schema})

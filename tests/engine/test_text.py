@@ -61,3 +61,44 @@ def test_streamed_text_only_grows_and_never_holds_a_broken_character(text_model)
         assert after.startswith(before)
     assert texts[-1] == engine.tokenizer.decode(outputs[-1].token_ids)
     assert engine.stats().used_blocks == 0
+
+
+def test_a_stop_token_is_cut_from_the_text_unless_asked_for(text_model):
+    llm = LLM(str(text_model), device="cpu", num_kv_blocks=64)
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_token = free.token_ids[5]
+    cut = free.token_ids.index(stop_token)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token])
+    out = llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:cut + 1] and out.stop_reason == stop_token
+    assert out.text == tokenizer.decode(free.token_ids[:cut])
+    params.include_stop_str_in_output = True
+    kept = llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0]
+    assert kept.text == tokenizer.decode(free.token_ids[:cut + 1])
+    assert_all_pages_free(llm)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(text_model):
+    llm = LLM(str(text_model), device="cpu", num_kv_blocks=64)
+    free = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[6:9]
+    start = free.text.find(stop)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=True)
+    out = llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0]
+    assert out.text == free.text[:start + len(stop)] and out.stop_reason == stop
+
+
+def test_nearby_seeds_share_no_choice(text_model):
+    """(seed 1, n 2)'s second choice was (seed 2, n 1)'s first: choice i sampled with seed + i."""
+    llm = LLM(str(text_model), device="cpu", num_kv_blocks=64)
+
+    def choices(seed: int, n: int) -> list[list[int]]:
+        params = SamplingParams(temperature=1.0, seed=seed, n=n, max_tokens=12, ignore_eos=True)
+        return [c.token_ids for c in llm.generate("Hello", params, use_tqdm=False)[0].outputs]
+
+    one, two = choices(1, 4), choices(2, 4)
+    assert not set(map(tuple, one)) & set(map(tuple, two))
+    assert choices(1, 4) == one  # still reproducible
+    assert_all_pages_free(llm)

@@ -130,7 +130,7 @@ def test_sampling_extras_accepted(client: openai.OpenAI, model: str) -> None:
     result = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=4, presence_penalty=0.5, frequency_penalty=0.5,
         logit_bias={"5": -100}, user="tester", top_p=0.9,
-        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "priority": 1,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "priority": 0,
                     "cache_salt": "tenant-a", "stop_token_ids": [3]})
     assert result.usage.completion_tokens >= 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -15,7 +16,7 @@ from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.stats import EngineStats
 from pagegate.gateway.app import build_app
 from pagegate.gateway.cli import build_parser, configs_from_args
-from pagegate.gateway.dashboard.frames import MAX_LISTED, FrameEncoder
+from pagegate.gateway.dashboard.frames import EVERY_ID, MAX_LISTED, FrameEncoder, shown_id
 from pagegate.gateway.dashboard.history import History
 from pagegate.gateway.settings import GatewayConfig
 
@@ -36,26 +37,50 @@ def decode(text: str, states: np.ndarray, delta: bool) -> np.ndarray:
     return states
 
 
+def frame_of(encoder: FrameEncoder, snap: PoolSnapshot, history: History, key: bool = False,
+             audience: str | None = EVERY_ID, tenants: dict[str, str] | None = None) -> dict:
+    """One viewer's frame of this snapshot, parsed from its SSE bytes."""
+    event = encoder.encode(snap, history, "m", {(audience, key)}, tenants or {})[audience, key]
+    assert event.startswith(b"event: frame\ndata: {") and event.endswith(b"}\n\n") and b"\n" not in event[19:-2]
+    return json.loads(event[len(b"event: frame\ndata: "):])
+
+
 def test_first_frame_is_whole_and_later_ones_are_xor_deltas() -> None:
     encoder, history = FrameEncoder(), History()
-    first = encoder.frame(snapshot([2, 1, 1, 0x80, 0, 0]), history, "m")
+    first = frame_of(encoder, snapshot([2, 1, 1, 0x80, 0, 0]), history)  # no frame before: a key frame anyway
     assert first["key"] and first["total_pages"] == 6 and first["used_pages"] == 3 and first["prefix_hit_rate"] == 0.4
     states = decode(first["pages"], np.zeros(6, np.uint8), delta=False)
     assert states.tolist() == [2, 1, 1, 0x80, 0, 0]
     assert first["queues"]["running"] == {"count": 1, "requests": [["a", 2, 3]]}  # page 0 counted once
     assert first["queues"]["waiting"] == {"count": 1, "requests": [["b", 1, 0]]}
-    second = encoder.frame(snapshot([0, 0, 0, 0x80, 0, 0]), history, "m")
+    second = frame_of(encoder, snapshot([0, 0, 0, 0x80, 0, 0]), history)
     assert not second["key"] and "queues" not in second  # the same queues are not sent again
     assert decode(second["pages"], states, delta=True).tolist() == [0, 0, 0, 0x80, 0, 0]
     assert len(base64.b64decode(second["pages"])) < len(base64.b64decode(first["pages"]))
-    event = encoder.event(snapshot([0] * 6), history, "m")
-    assert event.startswith(b"event: frame\ndata: {") and event.endswith(b"}\n\n") and b"\n" not in event[19:-2]
+    third = frame_of(encoder, snapshot([0] * 6), history, key=True)  # a viewer that just joined
+    assert third["key"] and "queues" in third and "history" in third
+
+
+def test_one_snapshot_is_encoded_once_per_audience_and_kind() -> None:
+    encoder, history = FrameEncoder(), History()
+    encoder.encode(snapshot([1] * 6), history, "m", {(EVERY_ID, True)}, {})
+    frames = encoder.encode(snapshot([0] * 6), history, "m", {(EVERY_ID, True), (EVERY_ID, False)}, {})
+    assert encoder.frames_encoded == 3 and set(frames) == {(EVERY_ID, True), (EVERY_ID, False)}
+    assert json.loads(frames[EVERY_ID, True][19:])["key"] and not json.loads(frames[EVERY_ID, False][19:])["key"]
+
+
+def test_other_keys_requests_are_listed_without_their_ids() -> None:
+    encoder, tenants = FrameEncoder(), {"a": "tenant-1", "b": "tenant-2"}
+    mine = frame_of(encoder, snapshot([2, 1, 1, 0, 0, 0]), History(), True, "tenant-1", tenants)
+    assert mine["queues"]["running"]["requests"] == [["a", 2, 3]]
+    assert mine["queues"]["waiting"]["requests"] == [[None, 1, 0]]  # b's: counted, not named
+    assert shown_id("a", EVERY_ID, tenants) == "a" and shown_id("c", "tenant-1", tenants) is None
 
 
 def test_long_queues_are_cut_and_counted() -> None:
     many = {"running": [(f"r{i}", np.array([i], np.int32)) for i in range(MAX_LISTED + 5)], "waiting": [],
             "swapped": []}
-    frame = FrameEncoder().frame(snapshot([1] * 6, many), History(), "m")
+    frame = frame_of(FrameEncoder(), snapshot([1] * 6, many), History())
     assert frame["queues"]["running"]["count"] == MAX_LISTED + 5
     assert len(frame["queues"]["running"]["requests"]) == MAX_LISTED
 
@@ -72,10 +97,10 @@ def test_history_points_are_per_interval_and_sent_once() -> None:
         history.sample(at(t), float(t))
     assert [p.as_list() for p in history.points] == [[t, 0.5, 0.5, 1, 2] for t in (3.0, 4.0, 5.0)]
     assert history.since(4) == [history.points[-1]] and history.since(5) == []
-    assert len(encoder.frame(snapshot([0] * 6), history, "m")["history"]) == 3  # a key frame: all of it
-    assert "history" not in encoder.frame(snapshot([0] * 6), history, "m")
+    assert len(frame_of(encoder, snapshot([0] * 6), history)["history"]) == 3  # a key frame: all of it
+    assert "history" not in frame_of(encoder, snapshot([0] * 6), history)
     history.sample(at(5), 6.0)
-    assert encoder.frame(snapshot([0] * 6), history, "m")["history"][0][2] is None  # no prompts: no hit rate
+    assert frame_of(encoder, snapshot([0] * 6), history)["history"][0][2] is None  # no prompts: no hit rate
 
 
 @pytest.fixture

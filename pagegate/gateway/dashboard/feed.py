@@ -1,39 +1,91 @@
-"""The dashboard's source of snapshots: while anyone watches, one pool snapshot per tick (10 Hz at most) asked
-of the engine thread and shared by every viewer; always, a history sample per second.
+"""The dashboard's source of frames: while anyone watches, one pool snapshot per tick (10 Hz at most) asked of
+the engine thread, encoded once and broadcast to every viewer; always, a history sample per second.
 
-The engine never waits for a viewer: a snapshot is an item in the engine's inbox, run between two steps
-(a C copy of each pool's page states, then the queues), and viewers encode it on the event loop afterwards.
+The engine never waits for a viewer: a snapshot is an item in the engine's inbox, run between two steps (a C
+copy of each pool's page states, then the queues), and the event loop encodes it afterwards, once per tick
+whatever the number of viewers. Viewers are capped (--dashboard-max-viewers), and one that does not read is
+dropped once VIEWER_BUFFER_FRAMES frames wait for it, so a viewer costs a few appends per frame at most.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 
 from pagegate.engine.pool_snapshot import PoolSnapshot
+from pagegate.gateway.dashboard.frames import Audience, FrameEncoder
 from pagegate.gateway.dashboard.history import HISTORY_INTERVAL_S, History
 from pagegate.gateway.engine_host import READY, STOPPING, EngineHost
+from pagegate.gateway.errors import ServiceUnavailable
 
 logger = logging.getLogger("pagegate.gateway")
 
 FRAME_INTERVAL_S = 0.1  # 10 Hz at most
 SNAPSHOT_TIMEOUT_S = 5.0  # a step longer than this only delays frames; a dead engine never answers
+QUERY_TIMEOUT_S = 1.0  # a hover query waits this long for a snapshot (the engine may be mid-step), then 503
 FRESH_S = 1.0  # an on-demand query reuses a snapshot this young
+VIEWER_BUFFER_FRAMES = 30  # frames waiting for one viewer's connection (3 s at 10 Hz); one more drops it
+RETRY_S = 1.0  # after a failed snapshot (engine loading or gone), the next try
+
+
+class Viewer:
+    """One open feed: the broadcast frames its connection has not taken yet."""
+
+    def __init__(self, audience: Audience, max_buffered: int, abort: Callable[[], None] | None) -> None:
+        self.audience = audience
+        self.following = False  # it has had a key frame, so the next delta frame applies to what it holds
+        self.closed = False
+        self._max_buffered = max_buffered
+        self._buffer: deque[bytes] = deque()
+        self._ready = asyncio.Event()
+        self._abort = abort
+
+    def offer(self, frame: bytes) -> bool:
+        """Queue a frame; False, and the viewer is closed, when its buffer is full: it is not reading."""
+        if len(self._buffer) >= self._max_buffered:
+            # Its response is stuck in a write that waits for the client to read: only resetting the
+            # connection (where the server offers it) ends that write and frees the socket.
+            self.close()
+            if self._abort is not None:
+                self._abort()
+            return False
+        self._buffer.append(frame)
+        self._ready.set()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        """The response body: until the viewer is closed (dropped, or the server stops)."""
+        yield b": pagegate dashboard feed\n\n"  # headers out now, before the first snapshot
+        while True:
+            while not self._buffer and not self.closed:
+                self._ready.clear()
+                await self._ready.wait()
+            if self.closed:
+                return
+            yield self._buffer.popleft()
 
 
 class DashboardFeed:
-    def __init__(self, host: EngineHost, frame_interval_s: float = FRAME_INTERVAL_S) -> None:
+    def __init__(self, host: EngineHost, frame_interval_s: float = FRAME_INTERVAL_S,
+                 viewer_buffer_frames: int = VIEWER_BUFFER_FRAMES) -> None:
         self.host = host
         self.frame_interval_s = frame_interval_s
+        self.query_timeout_s = QUERY_TIMEOUT_S
+        self.viewer_buffer_frames = viewer_buffer_frames
         self.history = History()
+        self.encoder = FrameEncoder()
         self.latest: PoolSnapshot | None = None
-        self.version = 0  # snapshots taken; a viewer waits for one newer than the last it sent
-        self._fresh = asyncio.Event()
-        self._viewers = 0
-        self._ticker: asyncio.Task[None] | None = None
+        self.ticks = 0  # snapshots broadcast
+        self.viewers: set[Viewer] = set()
+        self._pending: asyncio.Task[PoolSnapshot] | None = None  # the snapshot asked of the engine, if any
+        self._producer: asyncio.Task[None] | None = None
 
     @property
     def stopping(self) -> bool:
@@ -48,50 +100,87 @@ class DashboardFeed:
                 self.history.sample(stats, time.time())
             await asyncio.sleep(HISTORY_INTERVAL_S)
 
+    # -- viewers ---------------------------------------------------------------------------------
+    def join(self, audience: Audience, abort: Callable[[], None] | None = None) -> Viewer:
+        """A new viewer (its first frame a key frame), or a 503 when --dashboard-max-viewers are watching."""
+        if self.stopping:
+            raise ServiceUnavailable("The server is shutting down.", code="shutting_down")
+        limit = self.host.config.dashboard_max_viewers
+        if len(self.viewers) >= limit:
+            raise ServiceUnavailable(f"The dashboard has {limit} viewers already (--dashboard-max-viewers); "
+                                     "retry later.", code="too_many_viewers",
+                                     headers={"Retry-After": str(self.host.config.retry_after_s)})
+        viewer = Viewer(audience, self.viewer_buffer_frames, abort)
+        self.viewers.add(viewer)
+        if self._producer is None or self._producer.done():
+            self._producer = asyncio.get_running_loop().create_task(self._produce())
+        return viewer
+
+    def leave(self, viewer: Viewer) -> None:
+        viewer.close()
+        self.viewers.discard(viewer)
+        if not self.viewers and self._producer is not None:
+            self._producer.cancel()  # no snapshot is taken for nobody
+            self._producer = None
+
+    async def _produce(self) -> None:
+        while self.viewers and not self.stopping:
+            started = time.monotonic()
+            try:
+                snapshot = await self._snapshot(SNAPSHOT_TIMEOUT_S)
+            except Exception as exc:  # loading, dead or stopping: /health says which; viewers see no frame
+                logger.debug("dashboard snapshot failed: %r", exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self._broadcast(snapshot)
+            await asyncio.sleep(max(0.0, self.frame_interval_s - (time.monotonic() - started)))
+        for viewer in list(self.viewers):  # the server is stopping: end the feeds so that it can drain
+            viewer.close()
+
+    def _broadcast(self, snapshot: PoolSnapshot) -> None:
+        model = self.host.model.name if self.host.model is not None else ""
+        wanted = {(v.audience, not v.following) for v in self.viewers}
+        frames = self.encoder.encode(snapshot, self.history, model, wanted, self.host.request_tenants)
+        self.ticks += 1
+        for viewer in list(self.viewers):
+            if viewer.offer(frames[viewer.audience, not viewer.following]):
+                viewer.following = True
+            else:
+                self.viewers.discard(viewer)
+                logger.info("dashboard viewer dropped: %d frames were waiting for it", self.viewer_buffer_frames)
+
     # -- snapshots -------------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def watching(self) -> AsyncIterator[None]:
-        """Snapshots are taken while at least one viewer is inside this context."""
-        self._viewers += 1
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        try:
-            yield
-        finally:
-            self._viewers -= 1
-            if self._viewers == 0 and self._ticker is not None:
-                self._ticker.cancel()  # no snapshot is taken for nobody
-
-    async def next_snapshot(self, seen: int, timeout_s: float) -> PoolSnapshot | None:
-        """A snapshot newer than version `seen`, or None if none came within the timeout."""
-        if self.version <= seen:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._fresh.wait(), timeout_s)
-        return self.latest if self.version > seen else None
-
     async def current(self) -> PoolSnapshot:
-        """The latest snapshot if it is fresh, else a new one (the hover queries)."""
+        """The latest snapshot if it is fresh, else a new one (the hover queries); a 503 with Retry-After
+        when the engine is in a step too long to wait for."""
         latest = self.latest
         if latest is not None and time.time() - latest.taken_at < FRESH_S:
             return latest
-        return await self._take()
+        try:
+            return await self._snapshot(self.query_timeout_s)
+        except TimeoutError:
+            raise ServiceUnavailable(f"The engine took no snapshot within {self.query_timeout_s:g} s: it is in a "
+                                     "long step. Retry later.", code="engine_busy",
+                                     headers={"Retry-After": str(self.host.config.retry_after_s)}) from None
 
-    async def _tick(self) -> None:
-        while self._viewers > 0 and not self.stopping:
-            started = time.monotonic()
-            try:
-                await self._take()
-            except Exception as exc:  # loading, dead or stopping: /health says which; viewers see no frame
-                logger.debug("dashboard snapshot failed: %r", exc)
-                await asyncio.sleep(1.0)
-                continue
-            await asyncio.sleep(max(0.0, self.frame_interval_s - (time.monotonic() - started)))
+    async def _snapshot(self, timeout_s: float) -> PoolSnapshot:
+        """A new snapshot. Whoever asks while one is on its way shares it: one inbox item however many ask,
+        and a caller that gives up does not take it from the others."""
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().create_task(self._ask_engine())
+            self._pending.add_done_callback(_retrieve)
+        return await asyncio.wait_for(asyncio.shield(self._pending), timeout_s)
 
-    async def _take(self) -> PoolSnapshot:
-        engine, _ = self.host.require_engine()
-        snapshot = await asyncio.wait_for(engine.pool_snapshot(), SNAPSHOT_TIMEOUT_S)
-        self.latest = snapshot
-        self.version += 1
-        fresh, self._fresh = self._fresh, asyncio.Event()
-        fresh.set()
-        return snapshot
+    async def _ask_engine(self) -> PoolSnapshot:
+        try:
+            engine, _ = self.host.require_engine()
+            self.latest = await asyncio.wait_for(engine.pool_snapshot(), SNAPSHOT_TIMEOUT_S)
+            return self.latest
+        finally:
+            self._pending = None
+
+
+def _retrieve(task: asyncio.Task[PoolSnapshot]) -> None:
+    """Mark a failed snapshot's error as seen: every caller may have stopped waiting for it."""
+    if not task.cancelled():
+        task.exception()

@@ -1,15 +1,19 @@
-"""A viewer's frames: a pool snapshot as one Server-Sent Event.
+"""The feed's frames: a pool snapshot as one Server-Sent Event, encoded once for every viewer.
 
-The page states travel as run-length-encoded bytes (pagegate.core.page_map), base64 in the JSON: the first
-frame of a stream whole, every later one XORed with the frame before it, so a frame where few pages changed
-is a few bytes whatever the pool's size. The queues go out only when they changed, the history only its new
-points. dashboard.js decodes the same format.
+The page states travel as run-length-encoded bytes (pagegate.core.page_map), base64 in the JSON: a viewer's
+first frame whole (a key frame), every later one XORed with the frame before it, so a frame where few pages
+changed is a few bytes whatever the pool's size. The queues go out only when they changed, the history only its
+new points. dashboard.js decodes the same format.
+
+All viewers see the same pages; only the queues' request ids depend on who looks (an audience: viewers with
+the same API key), so a snapshot's audience-free part is serialized once and each audience adds its queues.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
@@ -20,40 +24,67 @@ from pagegate.engine.pool_snapshot import QUEUES, PoolSnapshot, QueuedRequest
 from pagegate.gateway.dashboard.history import History
 
 MAX_LISTED = 100  # requests listed per queue; the rest are counted
+EVERY_ID: None = None  # the audience of a server with one key or none: every request id is shown
+Audience = str | None  # the key identity (auth.key_identity) whose requests a viewer may name, or EVERY_ID
+Tenants = Mapping[str, str]  # engine request id -> the identity of the key that sent it
+FrameKind = tuple[Audience, bool]  # (audience, key frame?)
+_EVENT_START = b"event: frame\ndata: "
+
+
+def shown_id(request_id: str, audience: Audience, tenants: Tenants) -> str | None:
+    """A request's id as a viewer sees it: None (anonymous) unless the request came with the viewer's own key
+    or the viewer's audience sees every id."""
+    return request_id if audience is EVERY_ID or tenants.get(request_id) == audience else None
 
 
 class FrameEncoder:
-    """One per open feed: it remembers what that viewer was sent."""
+    """One for the whole feed. Each encode() follows the last: a delta frame applies to the frames before it,
+    so a viewer given one must have been given every frame since its key frame."""
 
     def __init__(self) -> None:
         self._previous: tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None = None
-        self._queues: Any = None
+        self._queues_sent: dict[Audience, Any] = {}
         self._history_count = 0
         self._buffer = np.empty(0, dtype=np.uint8)
+        self.frames_encoded = 0  # SSE frames built, whatever the number of viewers they went to
 
-    def frame(self, snapshot: PoolSnapshot, history: History, model: str) -> dict[str, Any]:
-        key = self._previous is None or self._previous[0].shape != snapshot.device_states.shape
+    def encode(self, snapshot: PoolSnapshot, history: History, model: str, wanted: Set[FrameKind],
+               tenants: Tenants) -> dict[FrameKind, bytes]:
+        """The SSE frame of this snapshot for each wanted (audience, key frame?) pair."""
+        whole = not self._delta_applies(snapshot)
+        shared = {key: self._shared_part(snapshot, history, model, key) for key in {k or whole for _, k in wanted}}
+        queued = {name: snapshot.queue(name) for name in QUEUES}
+        sent, self._queues_sent = self._queues_sent, {}
+        frames: dict[FrameKind, bytes] = {}
+        for audience in {a for a, _ in wanted}:
+            queues = {name: _listed(queued[name], audience, tenants) for name in QUEUES}
+            self._queues_sent[audience] = queues
+            for key in (k for a, k in wanted if a == audience):
+                as_key = key or whole
+                frames[audience, key] = _event(shared[as_key], queues if as_key or queues != sent.get(audience) else None)
+                self.frames_encoded += 1
+        self._previous = (snapshot.device_states, snapshot.cpu_states)
+        self._history_count = history.count
+        return frames
+
+    def _delta_applies(self, snapshot: PoolSnapshot) -> bool:
+        previous = self._previous
+        return previous is not None and previous[0].shape == snapshot.device_states.shape \
+            and previous[1].shape == snapshot.cpu_states.shape
+
+    def _shared_part(self, snapshot: PoolSnapshot, history: History, model: str, key: bool) -> bytes:
+        """The frame's JSON object without its closing brace, the same for every audience."""
         base = None if key else self._previous
-        frame: dict[str, Any] = {
+        members: dict[str, Any] = {
             "time": snapshot.taken_at, "model": model, "key": key,
             "pages": self._encode(snapshot.device_states, base[0] if base else None),
             "cpu_pages": self._encode(snapshot.cpu_states, base[1] if base else None),
             **figures(snapshot),
         }
-        self._previous = (snapshot.device_states, snapshot.cpu_states)
-        queues = {name: _listed(snapshot.queue(name)) for name in QUEUES}
-        if queues != self._queues:
-            frame["queues"] = self._queues = queues
         new_points = history.since(self._history_count)
-        self._history_count = history.count
         if new_points or key:
-            frame["history"] = [p.as_list() for p in (history.points if key else new_points)]
-        return frame
-
-    def event(self, snapshot: PoolSnapshot, history: History, model: str) -> bytes:
-        """The frame as an SSE message."""
-        data = json.dumps(self.frame(snapshot, history, model), separators=(",", ":"), allow_nan=False)
-        return b"event: frame\ndata: " + data.encode() + b"\n\n"
+            members["history"] = [p.as_list() for p in (history.points if key else new_points)]
+        return _dumps(members)[:-1]
 
     def _encode(self, states: npt.NDArray[np.uint8], previous: npt.NDArray[np.uint8] | None) -> str:
         need = max_encoded_size(len(states))
@@ -78,5 +109,15 @@ def figures(snapshot: PoolSnapshot) -> dict[str, Any]:
     }
 
 
-def _listed(requests: tuple[QueuedRequest, ...]) -> dict[str, Any]:
-    return {"count": len(requests), "requests": [[r.request_id, r.seqs, r.pages] for r in requests[:MAX_LISTED]]}
+def _event(shared: bytes, queues: dict[str, Any] | None) -> bytes:
+    tail = b',"queues":' + _dumps(queues) + b"}" if queues is not None else b"}"
+    return _EVENT_START + shared + tail + b"\n\n"
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _listed(requests: tuple[QueuedRequest, ...], audience: Audience, tenants: Tenants) -> dict[str, Any]:
+    listed = [[shown_id(r.request_id, audience, tenants), r.seqs, r.pages] for r in requests[:MAX_LISTED]]
+    return {"count": len(requests), "requests": listed}

@@ -1,24 +1,28 @@
 """GET /dashboard (the page), /dashboard/static/* (its files), and the data under /dashboard/api/, which needs
-the API key when the server has one (auth.py): the SSE feed and the two hover queries."""
+the API key when the server has one (auth.py): the SSE feed and the two hover queries. With several keys a
+viewer sees only its own key's request ids; other requests are listed and counted, not named."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
 
 from pagegate.core.page_map import CACHED, MAX_REFCOUNT
-from pagegate.gateway.dashboard.feed import DashboardFeed
-from pagegate.gateway.dashboard.frames import FrameEncoder
+from pagegate.gateway.auth import request_key_identity
+from pagegate.gateway.dashboard.feed import DashboardFeed, Viewer
+from pagegate.gateway.dashboard.frames import EVERY_ID, Audience, shown_id
 from pagegate.gateway.errors import BadRequest, NotFound
+from pagegate.gateway.http_protocol import CONNECTION_EXTENSION
 
 STATIC = Path(__file__).parent / "static"
 API_PREFIX = "/dashboard/api/"
-_WAIT_S = 0.5  # how often a waiting feed looks up from its wait (to end at shutdown)
+NOBODY = ""  # the audience of a viewer without a key identity (none gets past auth): no request is its own
 
 
 def dashboard_routes() -> list[BaseRoute]:
@@ -40,22 +44,36 @@ async def page(request: Request) -> Response:
 
 async def feed(request: Request) -> Response:
     dashboard: DashboardFeed = request.app.state.dashboard
-    headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_frames(dashboard), media_type="text/event-stream", headers=headers)
+    viewer = dashboard.join(audience(request), abort=_connection_abort(request.scope))
+    return FeedResponse(dashboard, viewer)
 
 
-async def _frames(dashboard: DashboardFeed) -> AsyncIterator[bytes]:
-    """Until the client leaves (Starlette then cancels this) or the server stops."""
-    encoder, seen = FrameEncoder(), 0
-    yield b": pagegate dashboard feed\n\n"  # headers out now, before the first snapshot
-    async with dashboard.watching():
-        while not dashboard.stopping:
-            snapshot = await dashboard.next_snapshot(seen, _WAIT_S)
-            if snapshot is None:
-                continue
-            seen = dashboard.version
-            model = dashboard.host.model.name if dashboard.host.model is not None else ""
-            yield encoder.event(snapshot, dashboard.history, model)
+class FeedResponse(StreamingResponse):
+    """A viewer's frames; it leaves the feed however the response ends (finished, client gone, cancelled)."""
+
+    def __init__(self, dashboard: DashboardFeed, viewer: Viewer) -> None:
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        super().__init__(viewer.frames(), media_type="text/event-stream", headers=headers)
+        self.dashboard = dashboard
+        self.viewer = viewer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.dashboard.leave(self.viewer)
+
+
+def _connection_abort(scope: Scope) -> Callable[[], None] | None:
+    """What resets this request's connection, where the server offers it (pagegate serve's uvicorn does)."""
+    return (scope.get("extensions") or {}).get(CONNECTION_EXTENSION, {}).get("abort")
+
+
+def audience(request: Request) -> Audience:
+    """Whose request ids this viewer may see: with several API keys only its own key's, else every one."""
+    if len(set(request.app.state.host.config.api_keys)) <= 1:
+        return EVERY_ID
+    return request_key_identity(request.scope) or NOBODY
 
 
 async def request_pages(request: Request) -> Response:
@@ -64,7 +82,8 @@ async def request_pages(request: Request) -> Response:
     if not request_id:
         raise BadRequest("Missing query parameter 'request'.", param="request")
     snapshot = await request.app.state.dashboard.current()
-    device, cpu = snapshot.pages_of(request_id) or ((), ())
+    visible = shown_id(request_id, audience(request), request.app.state.host.request_tenants) is not None
+    device, cpu = (snapshot.pages_of(request_id) if visible else None) or ((), ())  # another key's: as if gone
     return JSONResponse({"request": request_id, "pages": list(map(int, device)), "cpu_pages": list(map(int, cpu))})
 
 
@@ -80,5 +99,9 @@ async def page_holders(request: Request) -> Response:
     if not 0 <= page_id < len(states):
         raise NotFound(f"No page {page_id} in a pool of {len(states)}.", param="id")
     state = int(states[page_id])
+    seen_by, tenants = audience(request), request.app.state.host.request_tenants
+    holders = snapshot.holders_of(page_id, cpu)
+    shown = [rid for rid in holders if shown_id(rid, seen_by, tenants) is not None]
     return JSONResponse({"page": page_id, "pool": "cpu" if cpu else "device", "refcount": state & MAX_REFCOUNT,
-                         "prefix_cached": bool(state & CACHED), "requests": snapshot.holders_of(page_id, cpu)})
+                         "prefix_cached": bool(state & CACHED), "requests": shown,
+                         "other_requests": len(holders) - len(shown)})

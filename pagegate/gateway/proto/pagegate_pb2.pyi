@@ -34,7 +34,7 @@ class StreamOptions(_message.Message):
     def __init__(self, include_usage: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class CompletionRequest(_message.Message):
-    __slots__ = ("model", "text", "texts", "token_ids", "token_id_lists", "max_tokens", "echo", "logprobs", "best_of", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    __slots__ = ("model", "text", "texts", "token_ids", "token_id_lists", "max_tokens", "echo", "logprobs", "best_of", "response_format", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "include_stop_str_in_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class CompletionRequest(_message.Message):
     GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
     GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
     GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     texts: StringList
@@ -108,7 +109,8 @@ class CompletionRequest(_message.Message):
     guided_regex: str
     guided_choice: StringList
     guided_grammar: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., texts: _Optional[_Union[StringList, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., token_id_lists: _Optional[_Union[TokenIdLists, _Mapping]] = ..., max_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., texts: _Optional[_Union[StringList, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., token_id_lists: _Optional[_Union[TokenIdLists, _Mapping]] = ..., max_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[int] = ..., best_of: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("type", "text")
@@ -159,7 +161,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., parts: _Optional[_Union[ContentParts, _Mapping]] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    __slots__ = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "n", "temperature", "top_p", "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "priority", "cache_salt", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "include_stop_str_in_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,7 @@ class ChatRequest(_message.Message):
     GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
     GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
     GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -233,7 +236,8 @@ class ChatRequest(_message.Message):
     guided_regex: str
     guided_choice: StringList
     guided_grammar: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured_outputs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[StringList, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

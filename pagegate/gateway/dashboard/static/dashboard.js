@@ -241,8 +241,8 @@
       $(`${name}-count`).textContent = count;
       const list = $(`${name}-list`);
       const kept = new Map([...list.querySelectorAll("li[data-request]")].map((li) => [li.dataset.request, li]));
-      const items = requests.map(([id, seqs, pages]) => {
-        const item = kept.get(id) || queueItem(id);
+      const items = requests.map(([id, seqs, pages]) => { // id null: another API key's request
+        const item = id === null ? queueItem(null) : kept.get(id) || queueItem(id);
         item.lastChild.textContent = `${seqs} seq${seqs === 1 ? "" : "s"} · ${pages} pages`;
         return item;
       });
@@ -259,9 +259,9 @@
   function queueItem(id) {
     const item = document.createElement("li"), label = document.createElement("span");
     const meta = document.createElement("span");
-    item.dataset.request = id;
+    if (id !== null) item.dataset.request = id; // only a named request can be hovered
     label.className = "rid";
-    label.textContent = label.title = id;
+    label.textContent = label.title = id ?? "another key's request";
     meta.className = "meta";
     item.append(label, meta);
     return item;
@@ -329,9 +329,14 @@
     place(event);
     tipTimer = setTimeout(async () => {
       const body = await getJSON(`/dashboard/api/page?pool=${pool}&id=${page}`);
-      if (tipFor === id) holders.textContent = body ? `held by: ${body.requests.join(", ") || "–"}` : "";
+      if (tipFor === id) holders.textContent = body ? `held by: ${holderNames(body)}` : "";
       place(event);
     }, 80);
+  }
+
+  function holderNames({ requests, other_requests: others }) {
+    const names = others ? [...requests, `${others} from other keys`] : requests;
+    return names.join(", ") || "–";
   }
 
   function place(event) { // beside the pointer, on whichever side has room
@@ -387,9 +392,9 @@
       showLogin("That key was refused.");
       return;
     }
-    if (!response.ok) {
+    if (!response.ok) { // 503: the server is loading, stopping, or has all the viewers it takes
       setConnection(`feed answered ${response.status}; retrying`);
-      setTimeout(connect, RETRY_MS);
+      setTimeout(connect, Number(response.headers.get("Retry-After")) * 1000 || RETRY_MS);
       return;
     }
     setConnection("live");
