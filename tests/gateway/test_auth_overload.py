@@ -102,15 +102,16 @@ def test_low_chunk_rate_batches_tokens_without_changing_text(guarded: ServerProc
 
 
 def test_queue_counts_sequences_not_requests(guarded: ServerProcess) -> None:
-    """--max-num-seqs 1, --max-queue 1: an idle server takes two sequences (one runs, one waits), never more,
-    whether they come as prompts of one request or as its n choices."""
+    """--max-num-seqs 1, --max-queue 1: an idle server takes two sequences (one runs, one waits), never more;
+    n = 2 choices, which run together, could never run here at all."""
     def post(prompts: list[str], n: int = 1) -> httpx.Response:
         body = {"prompt": prompts, "n": n, "max_tokens": 1}
         return httpx.post(guarded.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
 
     assert post(["a", "b"]).status_code == 200
-    assert post(["a"], n=2).status_code == 200
-    for prompts, n in ((["a", "b", "c"], 1), (["a", "b"], 2), (["a"] * 600, 2)):
-        refused = post(prompts, n)
-        assert refused.status_code == 429, (len(prompts), n)
-        assert f"adds {len(prompts) * n}" in refused.json()["error"]["message"]
+    for prompts in (["a", "b", "c"], ["a"] * 600):
+        refused = post(prompts)
+        assert refused.status_code == 429, len(prompts)
+        assert f"adds {len(prompts)}" in refused.json()["error"]["message"]
+    too_many = post(["a"], n=2)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
