@@ -1,5 +1,6 @@
 """uvicorn's h11 protocol with limits: 431 past --max-header-size, 408 past --request-timeout, a close for a
-connection idle past --idle-connection-timeout before its first byte, and for one past --max-connections."""
+connection idle past --idle-connection-timeout before its first byte, and past --max-connections for the one
+idle the longest (or the newcomer, when none is idle)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ class HeadLimitedH11Protocol(H11Protocol):
     whole in one read is measured by _HeadLimitedConnection. After the 431 the connection drops what the
     client still sends, for LINGER_S at most, so that the client reads the answer instead of a reset.
 
-    Every connection is a file descriptor: one that would make more than `max_connections` open is closed
-    as soon as it is accepted, so silent sockets cannot exhaust `ulimit -n` and lock everyone out; and a
-    connection that sends nothing is closed after uvicorn's keep-alive timeout (--idle-connection-timeout).
+    Every connection is a file descriptor: past `max_connections` open, a new one takes the place of the one
+    idle the longest (or is closed as soon as it is accepted when none is idle), so silent sockets can neither
+    exhaust `ulimit -n` nor lock everyone out; and a connection that sends nothing is closed after uvicorn's
+    keep-alive timeout (--idle-connection-timeout).
     """
 
     conn: _HeadLimitedConnection
@@ -62,12 +64,27 @@ class HeadLimitedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # counts it in self.connections (the server's open connections)
-        if len(self.connections) > self.max_connections:
+        if len(self.connections) > self.max_connections and not self._evict_longest_idle():
             self._warn_refused()
             transport.close()
             return
         # uvicorn arms this timer only after a response; a socket that never sends a byte would stay open.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _evict_longest_idle(self) -> bool:
+        """Make room by closing the connection idle the longest (none sent a byte of a request since it opened
+        or since its last response); False when every other connection is busy with a request.
+
+        NOTE: so a client holding --max-connections silent sockets cannot lock others out: each newcomer pushes
+        one of them out. Only connections with a request in flight keep their place, and other limits bound
+        those (--request-timeout, the dashboard's viewer cap, the queue)."""
+        idle = [c for c in self.connections
+                if c is not self and isinstance(c, HeadLimitedH11Protocol) and c.timeout_keep_alive_task is not None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.timeout_keep_alive_task.when() if c.timeout_keep_alive_task else 0.0)
+        oldest.timeout_keep_alive_handler()
+        return True
 
     def _warn_refused(self) -> None:
         now = self.loop.time()

@@ -3,7 +3,8 @@
 - a body of millions of empty maps/objects or arrays (1 byte each in msgpack, 64 bytes each in Python) is
   refused with a 413 before it is decoded, while brackets inside strings do not count;
 - a connection that never sends a byte is closed after --idle-connection-timeout, and one past
-  --max-connections is closed as soon as it is accepted, and the listen backlog fits in what the file limit
+  --max-connections takes the place of the longest idle one (or is closed as soon as it is accepted when all
+  are busy), and the listen backlog fits in what the file limit
   leaves (silent sockets cannot use up the file limit);
 - stream_options.continuous_usage_stats puts the usage so far on every chunk, as vLLM does.
 """
@@ -219,3 +220,15 @@ def test_continuous_usage_on_completion_chunks(sdk: openai.OpenAI, served_model:
     # As in vLLM, continuous_usage_stats alone adds nothing: usage comes with include_usage.
     plain = list(sdk.completions.create(**args, stream_options={"continuous_usage_stats": True}))
     assert all(chunk.usage is None for chunk in plain)
+
+
+def test_a_newcomer_takes_the_place_of_the_longest_idle_connection(guarded: ServerProcess) -> None:
+    """MAX_CONNECTIONS silent sockets must not lock others out: the oldest makes room for a new connection."""
+    silent = [connect(guarded) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with connect(guarded) as newcomer:
+            assert get_health(newcomer).startswith(b"HTTP/1.1 200")
+        assert closed_by_server(silent[0])
+    finally:
+        for sock in silent:
+            sock.close()
