@@ -15,7 +15,7 @@ from pagegate.core import compute_block_hash
 from pagegate.engine.grammar_masks import GrammarMasks
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_events import EventPublisher, KVEventsConfig
-from pagegate.engine.limits import check_context, check_priority, check_token_ids
+from pagegate.engine.limits import check_choices, check_context, check_priority, check_token_ids
 from pagegate.engine.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.metrics import EngineMetrics
 from pagegate.engine.outputs import RequestOutput
@@ -118,9 +118,7 @@ class Engine:
         text, token_ids = self._tokenize(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         check_priority(priority, self.config.scheduler.scheduling_policy)
-        if params.n > self.config.scheduler.max_num_seqs:  # its choices run together: it could never start
-            raise InvalidParamError(f"n is {params.n}, but at most {self.config.scheduler.max_num_seqs} "
-                                    "sequences run at once (max_num_seqs)", "n")
+        check_choices(params.n, self.config.scheduler.max_num_seqs)
         root = hash_salt(cache_salt) if cache_salt else 0
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.model_config.vocab_size, self.device)

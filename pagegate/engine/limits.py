@@ -29,6 +29,13 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
     raise InvalidParamError(message, param, code="context_length_exceeded")
 
 
+def check_choices(n: int, max_num_seqs: int) -> None:
+    """The n choices of a prompt run together, so more than max_num_seqs could never start."""
+    if n > max_num_seqs:
+        raise InvalidParamError(f"n is {n}, but at most {max_num_seqs} sequences run at once (--max-num-seqs), "
+                                "and the n choices of a prompt run together", "n")
+
+
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """A priority is honoured only under the priority policy, and only within PRIORITY_RANGE."""
     low, high = PRIORITY_RANGE

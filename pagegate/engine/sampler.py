@@ -169,8 +169,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_toke
         logits[list(row_idx), list(token_idx)] = float("-inf")
 
 
-def _stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
-    return {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+def _stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
+    return params.stop_token_set if params.ignore_eos else params.stop_token_set | set(eos_token_ids)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -220,6 +220,8 @@ class Scheduler:
         return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        if not self.waiting:
+            return  # the seat count walks the running sequences: not every decode step
         occupied = self.num_occupied_seats
         pending_forks = occupied - len(self.running) - len(self.swapped)
         for seq in self._waiting_by_urgency(now):

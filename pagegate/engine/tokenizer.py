@@ -55,6 +55,7 @@ class Tokenizer:
         self.chat_template = chat_template or _pick_template(config.get("chat_template"))
         self._anchor_ids = self._tokenizer.encode("a", add_special_tokens=False).ids[-1:]
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer | None:
@@ -100,6 +101,12 @@ class Tokenizer:
         """One token's own bytes, which may be part of a UTF-8 character (its text then shows U+FFFD):
         byte-level BPE pieces mapped back through GPT-2's byte alphabet, `<0xNN>` byte-fallback pieces as
         their byte, anything else (special tokens, whole pieces) as its text in UTF-8."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self._own_bytes(token_id)
+        return raw
+
+    def _own_bytes(self, token_id: int) -> bytes:
         piece = self._tokenizer.id_to_token(token_id)
         if piece is None or token_id in self._added_token_ids:
             return self.token_text(token_id).encode()

@@ -101,7 +101,8 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="seconds a connection may send nothing (before its first request or between two) "
                             "before it is closed")
     group.add_argument("--max-connections", type=_positive(int), default=defaults.max_connections,
-                       help="open HTTP connections; one more is closed at once (each is a file: keep ulimit -n above)")
+                       help="open HTTP connections; one more takes the place of the longest idle one, or is closed at "
+                            "once when none is idle (each is a file: keep ulimit -n above)")
     group.add_argument("--max-header-size", default=str(defaults.max_header_bytes),
                        help="largest request line + headers in bytes or like '64KiB' (431 beyond)")
     group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,

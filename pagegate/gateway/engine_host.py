@@ -12,12 +12,12 @@ from dataclasses import asdict
 from typing import Any
 
 from pagegate.config import EngineConfig
-from pagegate.engine.limits import check_priority
+from pagegate.engine.limits import check_choices, check_priority
 from pagegate.engine.model_config import ModelLoadError
-from pagegate.engine.params import InvalidParamError, SamplingParams
+from pagegate.engine.params import SamplingParams
 from pagegate.engine.stats import EngineStats
 from pagegate.gateway.engine_client import EngineClient
-from pagegate.gateway.errors import BadRequest, Overloaded, ServiceUnavailable
+from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
@@ -189,16 +189,11 @@ class EngineHost:
         return f"key:{prepared.tenant}:{prepared.cache_salt or ''}"
 
     def _check_runnable(self, prepared: PreparedRequest) -> None:
-        """The engine's own checks of what this server's scheduler settings allow, made before a stream starts."""
+        """The engine's own checks of what the scheduler settings allow, made here before a stream starts
+        (InvalidParamError: a 400)."""
         scheduler = self.engine_config.scheduler
-        try:
-            check_priority(prepared.priority, scheduler.scheduling_policy)
-        except InvalidParamError as error:
-            raise BadRequest(str(error), param=error.param) from None
-        n = prepared.params.n
-        if n > scheduler.max_num_seqs:
-            raise BadRequest(f"n is {n}, but this server runs at most {scheduler.max_num_seqs} sequences at once "
-                             "(--max-num-seqs), and the n choices of a prompt run together.", param="n")
+        check_priority(prepared.priority, scheduler.scheduling_policy)
+        check_choices(prepared.params.n, scheduler.max_num_seqs)
 
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""

@@ -21,7 +21,8 @@ class GatewayConfig:
     request_read_timeout_s: float = 30.0  # from a request's first byte to its last; 408 beyond (0: none)
     # A connection that sends nothing this long (before its first request or between two) is closed.
     idle_connection_timeout_s: float = 5.0
-    # Open HTTP connections; one more is closed at once. Each is a file descriptor: keep `ulimit -n` above.
+    # Open HTTP connections; one more takes the longest idle one's place (closed at once when none is idle).
+    # Each is a file descriptor: keep `ulimit -n` above.
     max_connections: int = 512
     log_level: str = "info"
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
