@@ -35,8 +35,8 @@ from pagegate.engine import async_engine
 from pagegate.engine.async_engine import AsyncEngine
 from pagegate.engine.engine import Engine
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.params import SamplingParams
 from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
+from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.dashboard.feed import DashboardFeed, Viewer
 from pagegate.gateway.dashboard.frames import EVERY_ID
 from pagegate.gateway.engine_host import READY

@@ -136,7 +136,7 @@ def check_model(name: str, model: Path | None, args: argparse.Namespace) -> tupl
                  agreement.describe()))
 
     own = load(model, args.device, "auto", args.kv_blocks)
-    dtype = str(own.engine.model.dtype).removeprefix("torch.")
+    dtype = str(own.engine.runner.model.dtype).removeprefix("torch.")
     if dtype != "float32":
         loose = compare(reference, greedy(own, args.max_tokens), args.tie_nats)
         print(f"[{name}] {args.device} {dtype} vs cpu float32 (reported, not judged): {loose.describe()}")

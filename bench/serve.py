@@ -59,7 +59,7 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
 
 
 def vocab_size_of(model: str | None) -> int:
-    from pagegate.engine.tokenizer import Tokenizer
+    from pagegate.engine.loading.tokenizer import Tokenizer
 
     folder = Path(model) if model else ROOT / "pagegate" / "engine" / "default_model"
     tokenizer = Tokenizer.from_folder(folder)

@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.grammar_masks import GrammarMasks, apply_allowed
-from pagegate.engine.structured import StructuredOutputsParams
+from pagegate.engine.sampling.grammar_masks import GrammarMasks, apply_allowed
+from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 from .plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
 
@@ -44,7 +44,7 @@ def throughput(llm: LLM, requests: int, max_tokens: int, structured: StructuredO
 
 def compile_times(llm: LLM) -> tuple[float, float]:
     """(first, cached) seconds to get a matcher for a schema never seen before."""
-    compiler = llm.engine.grammars
+    compiler = llm.engine.intake.grammars
     assert compiler is not None
     schema = {**SCHEMA, "title": f"fresh-{time.time_ns()}"}
     start = time.perf_counter()
@@ -60,7 +60,7 @@ def compile_times(llm: LLM) -> tuple[float, float]:
 
 def mask_step(llm: LLM, rows: int) -> float:
     """Median seconds to compute and apply the masks of `rows` sequences mid-way through a JSON value."""
-    compiler, vocab = llm.engine.grammars, llm.engine.model_config.vocab_size
+    compiler, vocab = llm.engine.intake.grammars, llm.engine.model_config.vocab_size
     assert compiler is not None
     masks = GrammarMasks(vocab)
     prefix = llm.engine.tokenizer.encode('{"people": [{"name": "Ann", "age": 3', add_special_tokens=False)

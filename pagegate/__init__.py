@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "pagegate.engine.llm",
-    "SamplingParams": "pagegate.engine.params",
+    "SamplingParams": "pagegate.engine.sampling.params",
     "RequestOutput": "pagegate.engine.outputs",
     "CompletionOutput": "pagegate.engine.outputs",
     "AsyncEngine": "pagegate.engine.async_engine",

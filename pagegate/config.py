@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagegate.engine.kv_events import KVEventsConfig
+from dataclasses import dataclass, field, fields
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -87,3 +84,29 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """`--kv-events-config`: the keys and defaults of vLLM's KVEventsConfig."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq", or "null" (events are taken from the pool and dropped)
+    endpoint: str = "tcp://*:5557"  # a wildcard or ipc:// address is bound, any other is connected to
+    replay_endpoint: str | None = None  # bound
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown --kv-events-config key(s) {unknown}; known: {sorted(known)}")
+        config = cls(**raw)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config publisher {config.publisher!r}: use zmq or null")
+        return config

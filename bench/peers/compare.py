@@ -21,7 +21,7 @@ import torch
 
 from bench.peers import llamacpp
 from pagegate import LLM, SamplingParams
-from pagegate.engine.loader import DEFAULT_MODEL
+from pagegate.engine.loading.loader import DEFAULT_MODEL
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 DOCS = Path("docs")
@@ -80,7 +80,7 @@ class PagegateRunner:
         prompt = self.rng.integers(10, self.vocab, prompt_len).tolist()
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         self.ids += 1
-        self.engine.add(self.engine.make_request(str(self.ids), prompt, params))
+        self.engine.add(self.engine.intake.make_request(str(self.ids), prompt, params))
 
     def _run(self) -> None:
         while self.engine.has_unfinished():

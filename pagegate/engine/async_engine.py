@@ -18,11 +18,11 @@ from typing import TypeVar
 from pagegate.config import EngineConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import EngineDeadError, RequestFailedError
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.params import SamplingParams
 from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
-from pagegate.engine.stats import EngineHealth, EngineStats
-from pagegate.engine.structured import StructuredOutputsParams
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,7 +39,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
-        self.default_sampling = self.engine.generation.sampling_overrides()  # generation_config.json
+        self.default_sampling = self.engine.runner.generation.sampling_overrides()  # generation_config.json
         self.metrics = self.engine.metrics
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_seqs = 0  # sequences of the requests in the inbox (under _lock)
@@ -47,8 +47,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
-        if self.engine.workers is not None:
-            self.engine.workers.on_death = lambda message: self._die(EngineDeadError(message))
+        if self.engine.runner.workers is not None:
+            self.engine.runner.workers.on_death = lambda message: self._die(EngineDeadError(message))
         self._thread = threading.Thread(target=self._loop, name="pagegate-engine", daemon=True)
         self._thread.start()
 
@@ -116,7 +116,7 @@ class AsyncEngine:
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come; leaving the loop early aborts the request."""
         self._check_alive()
-        request = self.engine.make_request(request_id, prompt, params, priority, cache_salt)
+        request = self.engine.intake.make_request(request_id, prompt, params, priority, cache_salt)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -163,7 +163,7 @@ class AsyncEngine:
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Compile and cache a structured-output grammar off the engine thread (InvalidParamError when bad),
         so that the request's own matcher is a cache hit."""
-        self.engine.grammar_matcher(structured)
+        self.engine.intake.grammar_matcher(structured)
 
     def call_between_steps(self, fn: Callable[[Engine], T]) -> Future[T]:
         """Run fn(engine) on the loop thread before its next step (waking an idle loop); any thread."""

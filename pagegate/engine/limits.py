@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagegate.engine.params import PRIORITY_RANGE, InvalidParamError
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.sampling.params import PRIORITY_RANGE
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:

@@ -12,11 +12,11 @@ from tqdm import tqdm
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
+from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.params import SamplingParams
+from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sequence import Request
-from pagegate.engine.stats import EngineStats
-from pagegate.engine.tokenizer import Tokenizer
 
 
 class TextPrompt(TypedDict):
@@ -116,7 +116,7 @@ class LLM:
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
-        request = self.engine.make_request(str(next(self._ids)), engine_prompt, params, priority, salt)
+        request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt)
         if text is not None:
             request.prompt = text
         return request

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from pagegate.core import NO_PAGES
 from pagegate.core.page_map import fill_page_states
-from pagegate.engine.stats import EngineStats
+from pagegate.engine.observe.stats import EngineStats
 
 if TYPE_CHECKING:
     from pagegate.engine.engine import Engine
@@ -94,7 +94,8 @@ def take_snapshot(engine: Engine) -> PoolSnapshot:
 
     queues = {"running": tables(scheduler.running), "waiting": tables(scheduler.waiting),
               "swapped": tables(scheduler.swapped)}
-    return PoolSnapshot(time.time(), device, cpu, engine.stats(), engine.health_grade, engine.health_reason, queues)
+    health = engine.health()
+    return PoolSnapshot(time.time(), device, cpu, engine.stats(), health.grade, health.reason, queues)
 
 
 def _union(arrays: list[Pages]) -> Pages:

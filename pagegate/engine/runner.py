@@ -1,31 +1,96 @@
-"""Turns a scheduled batch into tensors, runs the model, returns logits of the rows that sample."""
+"""The model runner: loads the model (its tensor-parallel workers load their slices alongside), sizes and
+allocates the KV pages, and turns each scheduled batch into tensors, a forward and the logits that sample."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
 
+from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockTables
-from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.engine.model import AttentionMetadata, CausalLM
-from pagegate.engine.parallel import StepChannel, StepInputs
+from pagegate.engine.forward import forward
+from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
+from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.scheduler import ScheduledBatch
+from pagegate.engine.tp_workers import WorkerGroup, rank_device
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
 
 
 class ModelRunner:
     """Rank 0's runner: builds each step's inputs, sends them to the tensor-parallel workers (if any) and
     runs the same forward; only rank 0 computes logits."""
 
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, tables: BlockTables,
-                 max_num_batched_tokens: int, channel: StepChannel | None = None) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.channel = channel
-        self.builder = BatchBuilder(tables, tables.max_seqs, max_num_batched_tokens)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:  # the workers load their slices while this rank loads its own
+            self.workers = WorkerGroup(config, self.device)
+            self.device = rank_device(self.device, 0, config.tensor_parallel_size)
+        try:
+            self._load()
+        except BaseException:
+            self.close(graceful=False)  # the workers may wait for sizes that never come
+            raise
+        self.builder: BatchBuilder | None = None
+
+    def _load(self) -> None:
+        config, tp = self.config, self.workers.tp if self.workers is not None else SINGLE
+        path = model_path(config)
+        log.info("loading weights from %s", path)
+        (self.model, self.model_config, self.generation), self.tokenizer = load_checkpoint(
+            path, config.dtype, self.device, config.quantization, tp)
+        self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
+                                    set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
+        m, cache = self.model, config.cache
+        self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
+                                     m.dtype, self.device, self.num_cpu_blocks)
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        """Device and CPU pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which
+        holds its KV heads of every page; a GPU's own memory budget is per GPU."""
+        cache, m, ranks = self.config.cache, self.model, self.model.tp.size
+        block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        shared = ranks if self.device.type == "cpu" or cache.kv_cache_memory is not None else 1
+        num_blocks = cache.num_kv_blocks or self._profiled_budget() // shared // block_bytes
+        check_fits(num_blocks, cache.block_size, self.max_model_len, block_bytes)
+        num_cpu_blocks = int(cache.swap_space * GIB) // ranks // block_bytes
+        if self.workers is not None:
+            self.workers.share_sizes(num_blocks, num_cpu_blocks)
+        log.info("KV cache: %d pages of %d tokens (%d tokens), %d bytes per page per rank (%.3f GiB), "
+                 "%d CPU swap pages; %d rank(s) of %d KV heads each (%d in the model)",
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, block_bytes,
+                 num_blocks * block_bytes / GIB, num_cpu_blocks, ranks, m.num_kv_heads,
+                 self.model_config.num_key_value_heads)
+        return num_blocks, num_cpu_blocks
+
+    def _profiled_budget(self) -> int:
+        """Device bytes for pages; on CUDA after a forward at the largest batch (its peak is not KV)."""
+        peak = 0
+        if self.device.type == "cuda" and self.config.cache.kv_cache_memory is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            scheduler = self.config.scheduler
+            self.model.profile_forward(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        return device_memory_budget(self.config.cache, self.device, peak)
+
+    def bind(self, tables: BlockTables) -> None:
+        """Write each step's inputs from the scheduler's block tables."""
+        self.builder = BatchBuilder(tables, tables.max_seqs, self.config.scheduler.max_num_batched_tokens)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [S, vocab] for each sequence whose last token was computed this step, in batch order."""
+        assert self.builder is not None, "bind() the scheduler's block tables first"
         seqs, counts = batch.seqs, batch.num_tokens
         block_tables, slots, positions, seq_lens, starts = self.builder.build([s.handle for s in seqs], counts)
         input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)
@@ -33,25 +98,14 @@ class ModelRunner:
                                 dtype=np.int64, count=len(slots))
         step = StepInputs(input_ids, positions, slots, block_tables, seq_lens, starts,
                           batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
-        if self.channel is not None:
-            self.channel.send(step)
+        if self.workers is not None:
+            self.workers.channel.send(step)
         hidden = forward(self.model, self.kv_cache, step)
         last = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)]
         return self.model.compute_logits(hidden[last])
 
-
-@torch.inference_mode()
-def forward(model: CausalLM, kv_cache: PagedKVCache, step: StepInputs) -> torch.Tensor:
-    """The step's page moves, then the forward pass: hidden states [T, hidden] (every rank runs this)."""
-    kv_cache.swap_out(step.swap_out)
-    kv_cache.copy(step.copies)
-    kv_cache.swap_in(step.swap_in)
-    device = model.device
-
-    def tensor(array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-    attn = AttentionMetadata(tensor(step.slot_mapping), tensor(step.block_tables), tensor(step.seq_lens),
-                             tensor(step.query_start_loc))
-    return model(tensor(step.input_ids), tensor(step.positions), kv_cache.layers, attn)
+    def close(self, graceful: bool = True) -> None:
+        """End the tensor-parallel workers."""
+        if self.workers is not None:
+            self.workers.close(graceful=graceful)
+            self.workers = None

@@ -18,8 +18,8 @@ import numpy as np
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
+from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
-from pagegate.engine.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ import torch
 from llguidance import LLMatcher
 
 from pagegate.core import NO_PAGES
+from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagegate.engine.params import SamplingParams
-from pagegate.engine.sampler import LogitBias
-from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.sampler import LogitBias
 
 
 class SeqStatus(enum.Enum):

@@ -24,11 +24,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagegate.config import EngineConfig, torchrun_rank
+from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.engine.loader import load_checkpoint, model_path, resolve_device
-from pagegate.engine.model import CausalLM
+from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
+from pagegate.engine.models.base import CausalLM
 from pagegate.engine.parallel import StepChannel, TensorParallel, backend_for
-from pagegate.engine.runner import forward
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pagegate.config import EngineConfig
-from pagegate.engine.errors import EngineDeadError, RequestFailedError
-from pagegate.engine.params import InvalidParamError
+from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from pagegate.gateway import routes_api, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware
 from pagegate.gateway.codec import render_error, wants_msgpack

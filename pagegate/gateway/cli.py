@@ -12,9 +12,15 @@ from types import FrameType
 
 import uvicorn
 
-from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, torchrun_rank
-from pagegate.engine.kv_events import KVEventsConfig
-from pagegate.engine.params import SCHEDULING_POLICIES
+from pagegate.config import (
+    CacheConfig,
+    EngineConfig,
+    KVEventsConfig,
+    SchedulerConfig,
+    parse_bytes,
+    torchrun_rank,
+)
+from pagegate.engine.sampling.params import SCHEDULING_POLICIES
 from pagegate.gateway.access_log import redact_access_log
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.params import SamplingParams
-from pagegate.engine.stats import EngineHealth, EngineStats
+from pagegate.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagegate.engine.metrics import EngineMetrics
+    from pagegate.engine.loading.tokenizer import Tokenizer
+    from pagegate.engine.observe.metrics import EngineMetrics
     from pagegate.engine.pool_snapshot import PoolSnapshot
-    from pagegate.engine.structured import StructuredOutputsParams
-    from pagegate.engine.tokenizer import Tokenizer
+    from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 
 class EngineClient(Protocol):

@@ -12,10 +12,10 @@ from dataclasses import asdict
 from typing import Any
 
 from pagegate.config import EngineConfig
+from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.limits import check_choices, check_priority
-from pagegate.engine.model_config import ModelLoadError
-from pagegate.engine.params import SamplingParams
-from pagegate.engine.stats import EngineStats
+from pagegate.engine.observe.stats import EngineStats
+from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.engine_client import EngineClient
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest

@@ -100,8 +100,7 @@ def from_status(status_code: int, message: str) -> APIError:
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map anything raised while serving a request onto the error the client sees."""
-    from pagegate.engine.errors import EngineDeadError, RequestFailedError
-    from pagegate.engine.params import InvalidParamError
+    from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 
     if isinstance(exc, APIError):
         return exc

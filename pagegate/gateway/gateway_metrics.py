@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagegate.engine.stats import EngineStats
+from pagegate.engine.observe.stats import EngineStats
 
 if TYPE_CHECKING:
     from pagegate.gateway.engine_host import EngineHost

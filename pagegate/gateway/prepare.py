@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
-from pagegate.engine.params import InvalidParamError, SamplingParams
-from pagegate.engine.structured import StructuredOutputsParams
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
@@ -41,7 +42,7 @@ PREPARE_THREADS = 4  # worker threads for request preparation, shared by every d
 
 
 class TokenizerLike(Protocol):
-    """What the gateway uses of a tokenizer (pagegate.engine.tokenizer.Tokenizer fits)."""
+    """What the gateway uses of a tokenizer (pagegate.engine.loading.tokenizer.Tokenizer fits)."""
 
     eos_token_ids: list[int]
 

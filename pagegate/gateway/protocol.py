@@ -26,13 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagegate.engine.params import (
+from pagegate.engine.sampling.params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     PRIORITY_RANGE,
     REPETITION_PENALTY_RANGE,
 )
-from pagegate.engine.structured import MAX_TOOLS
+from pagegate.engine.sampling.structured import MAX_TOOLS
 from pagegate.gateway.errors import BadRequest
 
 MAX_N = 128  # choices per request

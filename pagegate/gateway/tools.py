@@ -12,8 +12,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagegate.engine.params import InvalidParamError
-from pagegate.engine.structured import (
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.sampling.structured import (
     JSON_STYLE,
     MAX_TOOLS_BYTES,
     StructuredOutputsParams,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagegate.engine.model import AttentionMetadata, CausalLM
+from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.layers import AttentionMetadata
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

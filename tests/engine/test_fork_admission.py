@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.params import InvalidParamError
+from pagegate.engine.errors import InvalidParamError
 
 from .test_llm import assert_all_pages_free
 

@@ -12,10 +12,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.gguf_loader import GGUFFile
-from pagegate.engine.loader import load_model, weight_bytes
-from pagegate.engine.model_config import ModelConfig, ModelLoadError
-from pagegate.engine.quantized import QuantEmbedding, QuantLinear
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.gguf_loader import GGUFFile
+from pagegate.engine.loading.loader import load_model, weight_bytes
+from pagegate.engine.models.config import ModelConfig
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.gateway.launcher import free_port
 
 from .conftest import SavedModel, hf, save_hf_model
@@ -103,7 +104,7 @@ def wide_model_of(tmp_path: Path) -> torch.nn.Module:
 
 def _checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face checkpoint names (packed q/k/v and gate/up split apart)."""
-    from pagegate.engine.loader import checkpoint_layout
+    from pagegate.engine.loading.loader import checkpoint_layout
 
     return {name: t.param[t.start:t.start + t.rows] for name, t in checkpoint_layout(model).items()}
 

@@ -20,8 +20,8 @@ from tokenizers import Regex, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from pagegate.engine.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf
-from pagegate.engine.tokenizer import Tokenizer
+from pagegate.engine.loading.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf
+from pagegate.engine.loading.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -36,7 +36,7 @@ def test_half_checkpoint_is_served_in_the_dtype_asked_for(half_model: SavedModel
     # a small pool and budget: chunked prefill, preemption and swap all run in the half dtype
     llm = LLM(str(half_model.path), device="cpu", dtype=name, num_kv_blocks=12, max_num_batched_tokens=32,
               max_model_len=128, swap_space=0.001)
-    assert llm.engine.model.dtype == llm.engine.kv_cache.layers[0][0].dtype == dtype
+    assert llm.engine.runner.model.dtype == llm.engine.runner.kv_cache.layers[0][0].dtype == dtype
     prompts = make_prompts()[:6]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert attention_calls  # the fused CPU kernel is float32-only: half caches go to the torch reference
@@ -55,7 +55,7 @@ def test_half_checkpoint_is_served_in_the_dtype_asked_for(half_model: SavedModel
 
 def test_half_checkpoint_under_auto_runs_in_float32(half_model: SavedModel) -> None:
     llm = LLM(str(half_model.path), device="cpu", num_kv_blocks=64)
-    assert llm.engine.model.dtype == torch.float32
+    assert llm.engine.runner.model.dtype == torch.float32
     upcast = SavedModel(half_model.path, copy.deepcopy(half_model.hf_model).float())
     prompts = make_prompts()[:4]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -12,8 +12,10 @@ from prometheus_client import generate_latest
 
 from bench.kv_router import PageIndex
 from pagegate import LLM, SamplingParams
+from pagegate.config import KVEventsConfig
 from pagegate.core import BlockPool, compute_block_hash
-from pagegate.engine.kv_events import END_OF_REPLAY, KVEventsConfig, encode_batch
+from pagegate.engine.observe.kv_events import END_OF_REPLAY, encode_batch
+from pagegate.engine.observe.monitor import start_kv_events
 from pagegate.gateway.launcher import free_port
 
 BLOCK = 16
@@ -83,7 +85,7 @@ def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
                             replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv@pod@model")
     llm = LLM(None, device="cpu", num_kv_blocks=24, max_model_len=256)
-    llm.engine.kv_events = llm.engine._start_kv_events(config)
+    llm.engine.monitor.kv_events = start_kv_events(config, llm.engine.scheduler.pool)
     try:
         index, seqs, rng = PageIndex(), [], random.Random(0)
         systems = [[rng.randrange(3, 2000) for _ in range(3 * BLOCK + 5)] for _ in range(3)]

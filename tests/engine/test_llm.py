@@ -74,11 +74,11 @@ def test_prompt_logits_match_transformers(llama_model):
     seq = request.seqs[0]
     # every position samples here: ask the model for all rows directly
     block_tables, slots, positions, seq_lens, starts = runner.builder.build([seq.handle], batch.num_tokens)
-    from pagegate.engine.model import AttentionMetadata
+    from pagegate.engine.models.layers import AttentionMetadata
     attn = AttentionMetadata(*(torch.from_numpy(a) for a in (slots, block_tables, seq_lens, starts)))
     with torch.inference_mode():
-        hidden = engine.model(torch.tensor(prompt), torch.from_numpy(positions), engine.kv_cache.layers, attn)
-        ours = engine.model.compute_logits(hidden)
+        hidden = engine.runner.model(torch.tensor(prompt), torch.from_numpy(positions), engine.runner.kv_cache.layers, attn)
+        ours = engine.runner.model.compute_logits(hidden)
         theirs = llama_model.hf_model(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     engine.abort("r")
@@ -111,7 +111,7 @@ def test_stop_token_ids_end_the_output(llama_model):
 
 
 def test_too_long_prompt_is_rejected_with_both_numbers(llama_model):
-    from pagegate.engine.params import InvalidParamError
+    from pagegate.engine.errors import InvalidParamError
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, max_model_len=64)
     with pytest.raises(InvalidParamError, match="60 in the prompt, 10 for the completion"):
         llm.generate([3] * 60, SamplingParams(max_tokens=10), use_tqdm=False)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagegate.engine.loader import load_model, read_generation_defaults, resolve_dtype, weight_files
-from pagegate.engine.model_config import ModelConfig, ModelLoadError, RopeConfig
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.loader import load_model, read_generation_defaults, resolve_dtype, weight_files
+from pagegate.engine.models.config import ModelConfig, RopeConfig
 
 from .conftest import SavedModel, hf
 

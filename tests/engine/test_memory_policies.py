@@ -6,7 +6,7 @@ import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import HealthThresholds
-from pagegate.engine.metrics import health_grade
+from pagegate.engine.observe.metrics import health_grade
 
 from .test_llm import assert_all_pages_free, make_prompts
 

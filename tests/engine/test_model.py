@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagegate.engine.loader import load_model
-from pagegate.engine.model import RotaryEmbedding, apply_rope, rope_inv_freq
-from pagegate.engine.model_config import RopeConfig
+from pagegate.engine.loading.loader import load_model
+from pagegate.engine.models.config import RopeConfig
+from pagegate.engine.models.layers import RotaryEmbedding, apply_rope, rope_inv_freq
 
 from .conftest import PagedBatch, SavedModel
 

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.engine.params import InvalidParamError, SamplingParams
-from pagegate.engine.sampler import (
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.sampler import (
     LogitBias,
     Sampler,
     SamplingRow,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.loader import weight_bytes
+from pagegate.engine.loading.loader import weight_bytes
 
 from .conftest import hf
 
@@ -79,4 +79,4 @@ def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
 
 def test_resident_weights_stay_near_the_file_size(smollm2_llm: LLM, smollm2_gguf: Path) -> None:
     """Q4_1 layers and the Q8_0 embedding (tied output) are served from their blocks, not float32."""
-    assert weight_bytes(smollm2_llm.engine.model) <= 1.3 * smollm2_gguf.stat().st_size
+    assert weight_bytes(smollm2_llm.engine.runner.model) <= 1.3 * smollm2_gguf.stat().st_size

@@ -10,9 +10,10 @@ import re
 import jsonschema
 import pytest
 
+from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.llm import LLM
-from pagegate.engine.params import InvalidParamError, SamplingParams
-from pagegate.engine.structured import (
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import (
     MAX_GRAMMAR_BYTES,
     MAX_SCHEMA_DEPTH,
     GrammarCompiler,
@@ -173,7 +174,7 @@ def test_exactly_one_kind() -> None:
 
 
 def test_compiled_grammars_are_cached(llm: LLM) -> None:
-    compiler = llm.engine.grammars
+    compiler = llm.engine.intake.grammars
     first = compiler.matcher(StructuredOutputsParams(json={"const": "cache-probe"}))
     again = compiler.matcher(StructuredOutputsParams(json='{"const": "cache-probe"}'))
     assert first is not again and not first.is_error() and not again.is_error()
@@ -213,7 +214,7 @@ def test_a_grammar_larger_than_the_cache_is_compiled_but_not_kept(llm: LLM) -> N
 def test_compile_limits_refuse_a_grammar_that_expands_too_far(llm: LLM) -> None:
     enum = {"enum": [f"value-{i:06d}" for i in range(80_000)]}  # 1.2 MB: past COMPILE_LIMITS' lexer fuel
     with pytest.raises(InvalidParamError, match="too big"):
-        llm.engine.grammars.matcher(StructuredOutputsParams(json=enum))
+        llm.engine.intake.grammars.matcher(StructuredOutputsParams(json=enum))
 
 
 @pytest.mark.parametrize("kind", [

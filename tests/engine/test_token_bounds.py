@@ -7,9 +7,9 @@ from tokenizers import AddedToken, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE, WordPiece
 
-from pagegate.engine.loader import DEFAULT_MODEL
-from pagegate.engine.token_bounds import chars_per_token_bound
-from pagegate.engine.tokenizer import Tokenizer
+from pagegate.engine.loading.loader import DEFAULT_MODEL
+from pagegate.engine.loading.token_bounds import chars_per_token_bound
+from pagegate.engine.loading.tokenizer import Tokenizer
 
 SAMPLES = ["a" * 5000, " " * 5000, "\n" * 3000, "hello world " * 300, "🙂" * 500, "e\u0301" * 500,
            "Ἂ" * 500, "<|end|>" * 200, "x = [1, 2, 3]\n\tprint(x)\n" * 100]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 from .conftest import hf
 

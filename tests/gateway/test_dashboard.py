@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 
 from pagegate.config import EngineConfig
 from pagegate.core.page_map import rle_decode
+from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.pool_snapshot import PoolSnapshot
-from pagegate.engine.stats import EngineStats
 from pagegate.gateway.app import build_app
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.dashboard.frames import EVERY_ID, MAX_LISTED, FrameEncoder, shown_id

@@ -251,8 +251,7 @@ def test_struct_numbers_arrive_as_json_wrote_them() -> None:
 
 
 def test_status_mapping() -> None:
-    from pagegate.engine.errors import EngineDeadError
-    from pagegate.engine.params import InvalidParamError
+    from pagegate.engine.errors import EngineDeadError, InvalidParamError
     from pagegate.gateway.errors import NotFound, Overloaded, ServiceUnavailable, to_api_error
     from pagegate.gateway.grpc_server import status_of
 

@@ -9,7 +9,12 @@ import json
 import httpx
 import pytest
 
-from pagegate.engine.structured import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH, MAX_TOOLS, MAX_TOOLS_BYTES
+from pagegate.engine.sampling.structured import (
+    MAX_GRAMMAR_BYTES,
+    MAX_SCHEMA_DEPTH,
+    MAX_TOOLS,
+    MAX_TOOLS_BYTES,
+)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 DEPTH = 600  # past MAX_SCHEMA_DEPTH and llguidance's 128, under what the body's JSON parser takes (~1000)

@@ -16,7 +16,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 import pagegate.engine
-from pagegate.engine.tokenizer import Tokenizer
+from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.gateway.prepare import ModelContext, chat_prompt
 from pagegate.gateway.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_request
 from pagegate.gateway.tools import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import astuple, dataclass
 
-from pagegate.engine.stats import EngineStats
+from pagegate.engine.observe.stats import EngineStats
 
 HISTORY_INTERVAL_S = 1.0
 HISTORY_POINTS = 300  # five minutes

@@ -9,7 +9,7 @@ from dataclasses import fields
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagegate.config import HealthThresholds
-from pagegate.engine.stats import SchedulerStats
+from pagegate.engine.observe.stats import SchedulerStats
 
 HEALTH_GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

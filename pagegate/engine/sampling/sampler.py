@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from llguidance import LLMatcher
 
-from pagegate.engine.grammar_masks import apply_allowed
 from pagegate.engine.outputs import Logprob
-from pagegate.engine.params import SamplingParams
+from pagegate.engine.sampling.grammar_masks import GrammarMasks, apply_allowed
+from pagegate.engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     logit_bias: LogitBias | None = None
+    matcher: LLMatcher | None = None  # structured outputs: the grammar that restricts the next token
 
 
 @dataclass
@@ -88,12 +90,23 @@ class Sampler:
                  device: str | torch.device = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = make_generator(seed, device)
+        self.grammar_masks: GrammarMasks | None = None  # built on the first constrained row
+
+    def _grammar_allowed(self, rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], torch.Tensor] | None:
+        constrained = [(i, row.matcher) for i, row in enumerate(rows) if row.matcher is not None]
+        if not constrained:
+            return None
+        if self.grammar_masks is None:
+            self.grammar_masks = GrammarMasks(vocab)
+        bitmask = self.grammar_masks.compute([matcher for _, matcher in constrained])
+        return [i for i, _ in constrained], self.grammar_masks.allowed(bitmask, vocab)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  allowed: tuple[Sequence[int], torch.Tensor] | None = None) -> list[SampleResult]:
         """Next token (and logprobs when asked) for each row of logits [B, V]; `allowed` is (rows,
-        bool [R, V]) of the rows whose grammar restricts the next token."""
+        bool [R, V]) of the rows whose grammar restricts the next token, else taken from the rows' matchers."""
+        allowed = allowed or self._grammar_allowed(rows, logits.shape[1])
         logits = logits.float().clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)

@@ -7,14 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagegate.engine.errors import ModelLoadError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelLoadError(ValueError):
-    """A model folder cannot be served: unsupported architecture, bad config or bad weights."""
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,15 @@ import torch
 from safetensors import safe_open
 
 from pagegate.config import EngineConfig
-from pagegate.engine.gguf_loader import GGUFFile, is_gguf
-from pagegate.engine.gguf_tokenizer import tokenizer_from_gguf
-from pagegate.engine.model import CausalLM, build_empty_model
-from pagegate.engine.model_config import ModelConfig, ModelLoadError, token_id_list
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.gguf_loader import GGUFFile, is_gguf
+from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
+from pagegate.engine.loading.layout import checkpoint_layout, copy_into
+from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.config import ModelConfig, token_id_list
+from pagegate.engine.models.registry import build_empty_model
 from pagegate.engine.parallel import SINGLE, TensorParallel
-from pagegate.engine.tokenizer import Tokenizer
 from pagegate.kernels.quant import block_types
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ class LoadedModel(NamedTuple):
     generation: GenerationDefaults
 
 
-DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_MODEL = Path(__file__).parent.parent / "default_model"
 
 
 def model_path(config: EngineConfig) -> Path:
@@ -151,36 +154,6 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-class Target(NamedTuple):
-    """Where a checkpoint tensor goes: rows [start, start + rows) of `param`, from the part `source` of the
-    checkpoint tensor (everything, or this rank's rows or columns under tensor parallelism)."""
-
-    param: torch.Tensor
-    start: int
-    rows: int
-    source: tuple[slice, ...] = ()
-
-
-def checkpoint_layout(model: CausalLM) -> dict[str, Target]:
-    """Checkpoint tensor name -> its Target, for every expected tensor."""
-    layout: dict[str, Target] = {}
-    for name, param in model.named_parameters():  # a tied lm_head shares embed_tokens and is listed once
-        module_path, leaf = name.rsplit(".", 1)
-        module = model.get_submodule(module_path)
-        shard_names = getattr(module, "shard_names", ())  # PackedLinear and its QuantLinear stack several tensors
-        if not shard_names:
-            columns = getattr(module, "in_columns", None)  # a row-parallel layer's slice of the input features
-            source = (slice(None), columns) if columns is not None and leaf == "weight" else ()
-            layout[name] = Target(param, 0, param.shape[0], source)
-            continue
-        parent, start = module_path.rsplit(".", 1)[0], 0
-        rows = getattr(module, "shard_rows", None) or [slice(None)] * len(shard_names)
-        for shard_name, size, part in zip(shard_names, getattr(module, "shard_sizes", ()), rows, strict=True):
-            layout[f"{parent}.{shard_name}.{leaf}"] = Target(param, start, size, (part,))
-            start += size
-    return layout
-
-
 def load_weights(model: CausalLM, files: list[Path]) -> None:
     """Copy every checkpoint tensor into place; missing, unexpected or misshapen tensors fail."""
     layout = checkpoint_layout(model)
@@ -195,7 +168,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                                          "weight")
                 target = layout[name]
                 tensor = reader.get_slice(name)[target.source] if target.source else reader.get_tensor(name)
-                _copy_into(name, tensor, target)
+                copy_into(name, tensor, target)
                 loaded.add(name)
     missing = sorted(set(layout) - loaded)
     if missing:
@@ -207,14 +180,6 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith(_IGNORED_SUFFIXES):
         return True
     return config.tie_word_embeddings and name == "lm_head.weight"
-
-
-def _copy_into(name: str, tensor: torch.Tensor, target: Target) -> None:
-    param, start, rows = target.param, target.start, target.rows
-    expected = (rows, *param.shape[1:])
-    if tuple(tensor.shape) != expected:
-        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
-    param.data[start:start + rows].copy_(tensor)
 
 
 def read_generation_defaults(folder: Path, config: ModelConfig) -> GenerationDefaults:

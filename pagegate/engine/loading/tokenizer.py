@@ -18,8 +18,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from pagegate.engine.model_config import token_id_list
-from pagegate.engine.token_bounds import chars_per_token_bound
+from pagegate.engine.loading.token_bounds import chars_per_token_bound
+from pagegate.engine.models.config import token_id_list
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 

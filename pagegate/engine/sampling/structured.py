@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from pagegate.engine.params import InvalidParamError
-from pagegate.engine.tokenizer import Tokenizer
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.loading.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagegate.engine.errors import InvalidParamError
+
 if TYPE_CHECKING:
-    from pagegate.engine.structured import StructuredOutputsParams
+    from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 # Below this temperature a request samples greedily: dividing logits by a vanishing temperature
 # overflows float32, and the limit of softmax(logits / t) as t -> 0 is the argmax (vLLM's _SAMPLING_EPS).
@@ -102,12 +104,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Argmax sampling: temperature 0, or one so small that only the argmax is its limit."""
         return self.temperature < GREEDY_TEMPERATURE
-
-
-class InvalidParamError(ValueError):
-    """A request parameter is out of range; `param` names it (the OpenAI error's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code

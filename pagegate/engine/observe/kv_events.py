@@ -11,48 +11,22 @@ batches from a requested sequence number.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import msgpack
+
+from pagegate.config import KVEventsConfig
 
 log = logging.getLogger(__name__)
 
 MEDIUM = "GPU"  # vLLM's name for device pages, on CPU-only servers too
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """`--kv-events-config`: the keys and defaults of vLLM's KVEventsConfig."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "null"  # "zmq", or "null" (events are taken from the pool and dropped)
-    endpoint: str = "tcp://*:5557"  # a wildcard or ipc:// address is bound, any other is connected to
-    replay_endpoint: str | None = None  # bound
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # ZMQ send high-water mark
-    max_queue_size: int = 100_000  # batches waiting for the publisher thread
-    topic: str = ""
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        raw = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown --kv-events-config key(s) {unknown}; known: {sorted(known)}")
-        config = cls(**raw)
-        if config.publisher not in ("zmq", "null"):
-            raise ValueError(f"--kv-events-config publisher {config.publisher!r}: use zmq or null")
-        return config
 
 
 def encode_batch(events: Sequence[tuple[Any, ...]], block_size: int, ts: float | None = None,

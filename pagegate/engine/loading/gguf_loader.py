@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,12 +17,11 @@ from gguf.quants import dequantize
 from torch import nn
 from tqdm import tqdm
 
-from pagegate.engine.model import CausalLM
-from pagegate.engine.model_config import ModelConfig, ModelLoadError
-from pagegate.engine.quantized import QuantEmbedding, QuantLinear
-
-if TYPE_CHECKING:
-    from pagegate.engine.loader import Target
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.layout import Target
+from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.config import ModelConfig
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in (

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from pagegate.engine.tokenizer import Tokenizer
+from pagegate.engine.loading.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

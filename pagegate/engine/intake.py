@@ -1,0 +1,85 @@
+"""Request intake: prompts and parameters become validated `Request`s, and each choice its `Sequence`.
+
+Nothing here touches engine state, so any thread may call it: AsyncEngine.generate builds requests on the
+caller's thread and the engine thread only queues them."""
+
+from __future__ import annotations
+
+import torch
+from llguidance import LLMatcher
+
+from pagegate.config import SchedulerConfig
+from pagegate.core import compute_block_hash
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.limits import check_choices, check_context, check_priority, check_token_ids
+from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
+from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
+from pagegate.engine.sequence import Request, Sequence
+
+
+class RequestIntake:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: list[int],
+                 max_model_len: int, scheduler: SchedulerConfig, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+        self.device = device
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer else None
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Validate and tokenize; raises InvalidParamError for what the caller must fix."""
+        text, token_ids = self._tokenize(prompt)
+        check_context(len(token_ids), params.max_tokens, self.max_model_len)
+        check_priority(priority, self.scheduler.scheduling_policy)
+        check_choices(params.n, self.scheduler.max_num_seqs)
+        root = hash_salt(cache_salt) if cache_salt else 0
+        matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
+        bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
+        return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
+                       logit_bias=bias)
+
+    def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
+        """A fresh matcher of the constraint (compiled once, then cached)."""
+        if self.grammars is None:
+            raise InvalidParamError("this model has no tokenizer, so it cannot constrain its output",
+                                    "structured_outputs")
+        return self.grammars.matcher(structured)
+
+    def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        """Choice `index` of a request, with its own generator, grammar state, detokenizer and stop strings."""
+        params = request.params
+        seed = params.seed
+        generator = make_generator(choice_seed(seed, index), self.device) if seed is not None else None
+        seq = Sequence(request, index, token_ids, len(request.prompt_token_ids), generator,
+                       logprobs=[] if params.logprobs is not None else None,
+                       matcher=request.matcher.deep_copy() if request.matcher is not None else None)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     params.skip_special_tokens)
+            seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        request.seqs.append(seq)
+        return seq
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParamError("this model has no tokenizer: send the prompt as token ids", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = [int(t) for t in prompt], None
+            check_token_ids(token_ids, self.vocab_size, "prompt")
+        if not token_ids:
+            raise InvalidParamError("the prompt is empty", "prompt")
+        return text, token_ids
+
+
+def hash_salt(salt: str) -> int:
+    """A 64-bit chain root from a cache salt."""
+    data = salt.encode()
+    words = [int.from_bytes(data[i:i + 4], "little") & 0x7FFFFFFF for i in range(0, len(data), 4)]
+    return compute_block_hash(0x5A17, words or [0])

@@ -1,0 +1,138 @@
+"""The building blocks every model family shares: linear layers (packed, row-parallel), RMSNorm, RoPE,
+and the attention metadata of a step over the paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagegate.engine.models.config import RopeConfig
+from pagegate.engine.parallel import TensorParallel
+from pagegate.kernels.quant import linear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and which pages each sequence reads."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1: do not write
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each sequence's tokens in the flat batch
+
+
+class Linear(nn.Linear):
+    """nn.Linear through pagegate's kernels (decode steps stream the weight on every core)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
+    """Several checkpoint projections stacked along the output dim (q/k/v, gate/up) for one matmul.
+
+    Column-parallel under tensor parallelism: each shard holds `shard_rows[i]` of its checkpoint tensor."""
+
+    def __init__(self, in_features: int, shard_names: tuple[str, ...], shard_sizes: tuple[int, ...],
+                 bias: bool, shard_rows: tuple[slice, ...] | None = None) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_names = shard_names  # the checkpoint's module names, e.g. ("q_proj", "k_proj", "v_proj")
+        self.shard_sizes = shard_sizes
+        self.shard_rows = shard_rows or tuple(slice(None) for _ in shard_names)
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split across ranks (o_proj, down_proj): each rank holds
+    checkpoint columns `in_columns`, and one all-reduce sums the partial outputs (the bias added once after)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        local, first = tp.split(in_features, "the input features of a row-parallel layer")
+        super().__init__(local, out_features, bias=bias)
+        self.tp = tp
+        self.in_columns = slice(first, first + local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32, scale in the model dtype, as Hugging Face does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with linear or llama3 scaling."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type != "llama3":
+        return inv_freq
+    old_len = rope.original_max_position_embeddings or max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half, as HF Llama) with a cos/sin table for every position.
+
+    The table holds cos and a signed sin over the whole head: x -> x cos + roll(x, D/2) sin'
+    is HF's x cos + rotate_half(x) sin in four ops, with the same roundings."""
+
+    cos_sin: torch.Tensor  # a buffer
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_position_embeddings = max_position_embeddings
+        self.register_buffer("cos_sin", torch.empty(max_position_embeddings, 2 * head_dim), persistent=False)
+        if not self.cos_sin.is_meta:
+            self.build_cache()
+
+    def build_cache(self) -> None:
+        """Fill the float32 [max_pos, 2 * head_dim] table: (cos, cos) then (-sin, sin) per position."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings)
+        positions = torch.arange(self.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.cat([cos, cos, -sin, sin], dim=-1)
+        self.cos_sin = table.to(self.cos_sin.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, head_dim] for the given positions."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D]: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in float32."""
+    x32 = x if x.dtype == torch.float32 else x.float()
+    rotated = x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin
+    return rotated if x.dtype == torch.float32 else rotated.to(x.dtype)

@@ -1,0 +1,33 @@
+"""Architecture name -> model class; a new family is a new file and a line in FAMILIES."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.config import ModelConfig
+from pagegate.engine.models.llama import LlamaForCausalLM
+from pagegate.engine.parallel import SINGLE, TensorParallel
+
+FAMILIES: dict[str, Callable[[ModelConfig, TensorParallel], CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                      tp: TensorParallel = SINGLE) -> CausalLM:
+    """A model (this rank's slice of it) with uninitialised weights, ready for the loader to fill."""
+    family = FAMILIES.get(config.architecture)
+    if family is None:
+        raise ModelLoadError(f"architecture {config.architecture} has no model class; known: {sorted(FAMILIES)}")
+    with torch.device("meta"):
+        model = family(config, tp)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
+    model.model.rotary.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,84 @@
+"""What the engine reports about itself: its Prometheus metrics, token totals, health grade and the
+KV-cache events routers read, all fed from the engine thread once per step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from pagegate.config import EngineConfig, KVEventsConfig
+from pagegate.core import BlockPool
+from pagegate.engine.observe.kv_events import EventPublisher
+from pagegate.engine.observe.metrics import EngineMetrics
+from pagegate.engine.observe.stats import EngineHealth, EngineStats, SchedulerStats
+
+if TYPE_CHECKING:
+    from pagegate.engine.sequence import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineMonitor:
+    def __init__(self, model_name: str, config: EngineConfig, pool: BlockPool) -> None:
+        self.metrics = EngineMetrics(model_name, config.health)
+        self.metrics.cache_config(config.cache.block_size, pool.num_blocks)
+        self.pool = pool
+        self.kv_events = start_kv_events(config.kv_events, pool)
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.grade, self.reason = "OK", "starting"
+
+    def computed(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """One step's totals: prompt tokens it computed, tokens it sampled."""
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(generated_tokens)
+        self.num_prompt_tokens += prompt_tokens
+        self.num_generation_tokens += generated_tokens
+
+    def token(self, request: Request, now: float) -> None:
+        """A request got a token: time to first token, or the gap since its last one."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - request.arrival_time)
+        elif request.last_token_time is not None:
+            self.metrics.inter_token_latency.observe(now - request.last_token_time)
+        request.last_token_time = now
+
+    def finished(self, request: Request, now: float) -> None:
+        self.metrics.e2e_request_latency.observe(now - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.metrics.request_queue_time.observe(request.first_scheduled_time - request.arrival_time)
+
+    def refresh(self, stats: SchedulerStats, now: float | None = None) -> None:
+        """Recompute the gauges and the health grade; publish the pool's new KV events."""
+        self.grade, self.reason = self.metrics.update(stats, now if now is not None else time.monotonic())
+        if self.kv_events is not None and (events := self.pool.take_events()):
+            if not self.kv_events.publish(events):
+                self.metrics.kv_events_dropped.inc()
+
+    def stats(self, scheduler: SchedulerStats, num_requests: int) -> EngineStats:
+        return EngineStats(**{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},
+                           requests=num_requests, prompt_tokens=self.num_prompt_tokens,
+                           generation_tokens=self.num_generation_tokens)
+
+    def health(self, stats: SchedulerStats) -> EngineHealth:
+        return EngineHealth(grade=self.grade, reason=self.reason, kv_cache_usage=stats.kv_cache_usage,
+                            waiting=stats.waiting, running=stats.running, swapped=stats.swapped,
+                            swaps_in_window=len(self.metrics.swap_times))
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+
+def start_kv_events(config: KVEventsConfig | None, pool: BlockPool) -> EventPublisher | None:
+    if config is None or not config.enable_kv_cache_events:
+        return None
+    pool.record_events()
+    publisher = EventPublisher(config, pool.block_size)
+    publisher.publish([("AllBlocksCleared",)])  # a router may hold pages from this server's last life
+    log.info("KV-cache events: %s publisher on %s (topic %r, replay %s)", config.publisher, config.endpoint,
+             config.topic, config.replay_endpoint)
+    return publisher
