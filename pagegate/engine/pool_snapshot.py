@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pagegate.core import NO_PAGES
 from pagegate.core.page_map import fill_page_states
-from pagegate.engine.observe.stats import EngineStats
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
 
 if TYPE_CHECKING:
-    from pagegate.engine.engine import Engine
+    from pagegate.engine.scheduler import Scheduler
     from pagegate.engine.sequence import Sequence
 
 Pages = npt.NDArray[np.int32]
@@ -78,7 +78,17 @@ class PoolSnapshot:
         return [rid for rid, pages in self.holders().items() if bool((pages[1 if cpu else 0] == page).any())]
 
 
-def take_snapshot(engine: Engine) -> PoolSnapshot:
+class SnapshotSource(Protocol):
+    """What a snapshot reads (the Engine), named here so that nothing below the engine loop imports it."""
+
+    scheduler: Scheduler
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> EngineHealth: ...
+
+
+def take_snapshot(engine: SnapshotSource) -> PoolSnapshot:
     """On the engine thread: one C copy per pool, one block-table copy per sequence holding pages."""
     scheduler = engine.scheduler
     device = np.empty(scheduler.pool.num_blocks, dtype=np.uint8)

@@ -116,6 +116,12 @@ class EngineHost:
             logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
 
     # -- state -----------------------------------------------------------------------------------
+    def model_card(self, name: str) -> dict[str, Any]:
+        """One /v1/models entry (REST and gRPC list the same)."""
+        root = self.engine_config.model or "pagegate/engine/default_model"
+        return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",
+                "root": root, "max_model_len": self.model.max_model_len if self.model else None}
+
     def require_engine(self) -> tuple[EngineClient, ModelContext]:
         """The running engine and its model, or a 503 that says why not."""
         if self.state != READY or self.engine is None or self.model is None:

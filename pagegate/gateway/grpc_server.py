@@ -30,7 +30,6 @@ from pagegate.gateway.proto import pagegate_pb2 as pb
 from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
 from pagegate.gateway.proto.convert import request_to_body, response_from_body
 from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
-from pagegate.gateway.routes_api import _model_card
 from pagegate.gateway.streaming import collect
 
 logger = logging.getLogger("pagegate.gateway.grpc")
@@ -97,7 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             self._authorize(context)
             _, model = self.host.require_engine()
-            cards = [_model_card(self.host, name) for name in model.names]
+            cards = [self.host.model_card(name) for name in model.names]
         except Exception as exc:
             await _abort(context, exc)
         return pb.ModelList(object="list", data=cards)

@@ -95,7 +95,7 @@ async def _disconnected(request: Request) -> None:
 async def models(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
-    return render({"object": "list", "data": [_model_card(host, name) for name in model.names]},
+    return render({"object": "list", "data": [host.model_card(name) for name in model.names]},
                   msgpack_body=wants_msgpack(request))
 
 
@@ -103,10 +103,5 @@ async def model_detail(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
     name = model.resolve(request.path_params["model"])
-    return render(_model_card(host, name), msgpack_body=wants_msgpack(request))
+    return render(host.model_card(name), msgpack_body=wants_msgpack(request))
 
-
-def _model_card(host: EngineHost, name: str) -> dict[str, Any]:
-    root = host.engine_config.model or "pagegate/engine/default_model"
-    return {"id": name, "object": "model", "created": host.started_at, "owned_by": "pagegate",
-            "root": root, "max_model_len": host.model.max_model_len if host.model else None}

@@ -14,7 +14,7 @@ from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.loader import load_model, read_generation_defaults, resolve_dtype, weight_files
 from pagegate.engine.models.config import ModelConfig, RopeConfig
 
-from .conftest import SavedModel, hf
+from ..conftest import SavedModel, hf
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -9,7 +9,7 @@ from pagegate.engine.loading.loader import load_model
 from pagegate.engine.models.config import RopeConfig
 from pagegate.engine.models.layers import RotaryEmbedding, apply_rope, rope_inv_freq
 
-from .conftest import PagedBatch, SavedModel
+from ..conftest import PagedBatch, SavedModel
 
 MODELS = ["llama_model", "llama3_rope_model", "head_dim_model", "mistral_model", "qwen2_model",
           "sharded_model"]

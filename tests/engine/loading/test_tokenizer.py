@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
-from .conftest import hf
+from ..conftest import hf
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "pagegate" / "engine" / "default_model"
 TEXTS = ["Hello world!", " leading space", "  two spaces\n\nnewlines", "emoji 😀🎉 and CJK 你好，世界", "",

@@ -14,8 +14,8 @@ import torch
 from pagegate import LLM, SamplingParams
 from pagegate.kernels import reference
 
-from .conftest import SavedModel, hf
-from .test_llm import assert_all_pages_free, hf_greedy, make_prompts
+from ..conftest import SavedModel, hf
+from ..test_llm import assert_all_pages_free, hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # Our half-precision path attends in float32, transformers' in the half dtype, so a near tie may flip:

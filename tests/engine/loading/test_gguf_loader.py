@@ -19,7 +19,7 @@ from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.gateway.launcher import free_port
 
-from .conftest import SavedModel, hf, save_hf_model
+from ..conftest import SavedModel, hf, save_hf_model
 from .gguf_files import write_gguf
 
 # k-quants need rows of 256 values: a tiny model 256 wide

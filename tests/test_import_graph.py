@@ -1,0 +1,182 @@
+"""The package's import graph, .pyx and .pxd included: no cycles, and no import up the layers.
+
+Every import counts, also those inside functions and under TYPE_CHECKING: a lazy import hides a knot
+from Python, not from a reader."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pagegate"
+
+# What each part may import (besides itself). The key is the longest matching prefix of a module's name.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "pagegate": (),
+    "pagegate.config": (),
+    "pagegate.core": (),
+    "pagegate.kernels": (),
+    "pagegate.engine": ("pagegate.config", "pagegate.core", "pagegate.kernels"),
+    "pagegate.gateway": ("pagegate.config", "pagegate.engine", "pagegate.core.page_map", "pagegate.core.stats"),
+    "pagegate.clients": ("pagegate.gateway.proto",),
+    "pagegate.deploy": ("pagegate.config", "pagegate.gateway"),
+    "pagegate.testing": ("pagegate.config", "pagegate.core"),
+    "pagegate.__main__": ("pagegate.gateway", "pagegate.core"),  # the command line: serve, simulate
+}
+# The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
+ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models")
+LOOP = ("pagegate.engine.engine", "pagegate.engine.async_engine", "pagegate.engine.llm", "pagegate.engine.runner",
+        "pagegate.engine.intake", "pagegate.engine.postprocess", "pagegate.engine.scheduler",
+        "pagegate.engine.tp_workers", "pagegate.engine.forward")
+ENGINE_FRONT = ("pagegate.engine.async_engine", "pagegate.engine.llm")  # the only importers of engine.py
+
+_CYTHON_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s|c?import\s+([\w.]+))", re.M)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> list[Path]:
+    return sorted(p for ext in ("py", "pyx", "pxd") for p in PACKAGE.rglob(f"*.{ext}"))
+
+
+def imported_names(path: Path) -> set[tuple[str, str]]:
+    """(module, name) of each imported name: `import a.b` gives ("a.b", ""), `from a import b` ("a", "b")."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        names = {(m.group(2), "") for m in _CYTHON_IMPORT.finditer(text) if m.group(2)}
+        froms = re.finditer(r"^\s*from\s+([\w.]+)\s+c?import\s+\(?([\w\s,]+)", text, re.M)
+        return names | {(m.group(1), n.strip()) for m in froms for n in m.group(2).split(",") if n.strip()}
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    names: set[tuple[str, str]] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names |= {(alias.name, "") for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            names |= {(base, alias.name) for alias in node.names}
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the pagegate modules it imports."""
+    files = source_files()
+    modules = {module_name(p) for p in files}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for path in files:
+        name = module_name(path)
+        for base, item in imported_names(path):
+            target = f"{base}.{item}" if f"{base}.{item}" in modules else base  # a submodule, else a name in base
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def layer_of(name: str) -> str:
+    return max((key for key in ALLOWED if _within(name, (key,))), key=len)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        layer = layer_of(module)
+        for target in sorted(targets):
+            if target != "pagegate" and not _within(target, (layer, *ALLOWED[layer])):  # the root: version, lazy names
+                found.append(f"{module} -> {target}")
+            if _within(module, ROOMS) and _within(target, LOOP):
+                found.append(f"{module} -> {target} (a room importing the loop)")
+            if target == "pagegate.engine.engine" and module not in ENGINE_FRONT:
+                found.append(f"{module} -> {target} (only the engine's faces import engine.py)")
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "pagegate.core.block_pool" in graph["pagegate.core.block_tables"]  # a .pyx cimport
+    assert "pagegate.engine.sampling.structured" in graph["pagegate.engine.sampling.params"]  # TYPE_CHECKING
+    assert "pagegate.engine.engine" in graph["pagegate.engine.async_engine"]
+    assert len(graph) > 100
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    graph = {"pagegate.core.a": {"pagegate.core.b"}, "pagegate.core.b": {"pagegate.core.a", "pagegate.engine.x"},
+             "pagegate.engine.x": set(), "pagegate.engine.sampling.s": {"pagegate.engine.runner"},
+             "pagegate.engine.runner": set()}
+    assert cycles(graph) == [["pagegate.core.a", "pagegate.core.b"]]
+    assert upward_imports(graph) == ["pagegate.core.b -> pagegate.engine.x",
+                                     "pagegate.engine.sampling.s -> pagegate.engine.runner (a room importing the loop)"]
+
+
+def test_no_upward_imports():
+    assert upward_imports(import_graph()) == []
+
+
+def test_no_private_names_cross_modules():
+    """`from a import _b` reaches into a's privates (grpc_server once took routes_api._model_card)."""
+    modules = {module_name(p) for p in source_files()}
+    private = [f"{module_name(path)} <- {base}.{item}" for path in source_files()
+               for base, item in imported_names(path)
+               if base.startswith("pagegate") and item.startswith("_") and f"{base}.{item}" not in modules]
+    assert private == []
+
+
+def test_engine_py_is_small():
+    """The loop keeps add/abort/step/sample/fork/finish and stats; the rest lives in its rooms."""
+    path = PACKAGE / "engine" / "engine.py"
+    assert len(path.read_text().splitlines()) <= 200
+    assert len(import_graph()["pagegate.engine.engine"]) <= 10
