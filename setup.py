@@ -18,6 +18,7 @@ extensions = [
     Extension(
         f"pagegate.kernels.{name}",
         [f"pagegate/kernels/{name}.pyx"],
+        depends=[f"pagegate/kernels/{name}.h"],  # the C the module includes
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )

@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton attention kernels: tile sizes, the page walk, launch helpers."""
+"""Pieces shared by the Triton attention kernels: the page walk, the online-softmax tile step, launch helpers."""
 
 from __future__ import annotations
 
@@ -18,6 +18,30 @@ def load_page_rows(cache_ptr, block_table_row_ptr, positions, valid, dims, dim_m
     pages = tl.load(block_table_row_ptr + positions // block_size, mask=valid, other=0).to(tl.int64)
     rows = pages * cache_stride_block + (positions % block_size) * cache_stride_slot + kv_head * cache_stride_h
     return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
+def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
+                cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum, acc,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of the online softmax: the query rows q [M, D] against one tile of keys at `positions`,
+    masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator."""
+    k = load_page_rows(k_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
+                       cache_stride_block, cache_stride_slot, cache_stride_h)
+    k = k.to(tl.float32) if UPCAST else k
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    # a row may see nothing in this tile (causal edge, window start): keep its exps at 0, not NaN
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    alpha = tl.exp2(running_max - safe_max)
+    p = tl.exp2(scores - safe_max[:, None])
+    running_sum = running_sum * alpha + tl.sum(p, 1)
+    v = load_page_rows(v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
+                       cache_stride_block, cache_stride_slot, cache_stride_h)
+    v = v.to(tl.float32) if UPCAST else v
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
 
 
 def dot_options(cache: torch.Tensor) -> dict:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import LOG2_E, check_attention_inputs, dot_options, load_page_rows
+from pagegate.kernels.triton_common import LOG2_E, attend_tile, check_attention_inputs, dot_options
 
 DECODE_BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the reduction than it saves
@@ -46,20 +46,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     for tile in range(start, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
         valid = positions < end
-        k = load_page_rows(k_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                           cache_stride_block, cache_stride_slot, cache_stride_h)
-        k = k.to(tl.float32) if UPCAST else k
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))  # finite: every tile has a valid key
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(p, 1)
-        v = load_page_rows(v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                           cache_stride_block, cache_stride_slot, cache_stride_h)
-        v = v.to(tl.float32) if UPCAST else v
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = attend_tile(
+            q, valid[None, :], k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head,
+            block_size, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum,
+            acc, DOT_PRECISION, UPCAST)
     if SINGLE_SPLIT:
         out = acc / running_sum[:, None]
         out_offsets = seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import LOG2_E, check_attention_inputs, dot_options, load_page_rows
+from pagegate.kernels.triton_common import LOG2_E, attend_tile, check_attention_inputs, dot_options
 
 
 def tile_sizes(device: torch.device) -> tuple[int, int]:
@@ -68,25 +68,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     for key_tile in range(start, end, BLOCK_N):
         key_pos = key_tile + tl.arange(0, BLOCK_N)
         valid = key_pos < end
-        k = load_page_rows(k_cache_ptr, table, key_pos, valid, dims, dim_mask, kv_head, block_size,
-                           cache_stride_block, cache_stride_slot, cache_stride_h)
-        k = k.to(tl.float32) if UPCAST else k
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
             visible &= query_pos[:, None] - key_pos[None, :] < sliding_window
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        # a row may see nothing in this tile (causal edge, window start): keep its exps at 0, not NaN
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp2(running_max - safe_max)
-        p = tl.exp2(scores - safe_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(p, 1)
-        v = load_page_rows(v_cache_ptr, table, key_pos, valid, dims, dim_mask, kv_head, block_size,
-                           cache_stride_block, cache_stride_slot, cache_stride_h)
-        v = v.to(tl.float32) if UPCAST else v
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = attend_tile(
+            q, visible, k_cache_ptr, v_cache_ptr, table, key_pos, valid, dims, dim_mask, kv_head, block_size,
+            cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum, acc,
+            DOT_PRECISION, UPCAST)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -6,8 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagegate import kernels
 from pagegate.engine.models.config import ModelConfig
-from pagegate.engine.models.layers import AttentionMetadata, KVCache, Linear, RMSNorm, RotaryEmbedding
+from pagegate.engine.models.layers import (
+    AttentionMetadata,
+    KVCache,
+    Linear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from pagegate.engine.parallel import TensorParallel
 
 
@@ -70,6 +78,12 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
+
+    def use_kernels(self, ops: kernels.AttentionOps) -> None:
+        """Run every attention layer on these kernels (chosen once for the model's device)."""
+        for module in self.modules():
+            if isinstance(module, PagedAttention):
+                module.ops = ops
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, num_logits: int) -> None:

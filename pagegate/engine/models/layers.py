@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagegate import kernels
 from pagegate.engine.models.config import RopeConfig
 from pagegate.engine.parallel import TensorParallel
 from pagegate.kernels.quant import linear
@@ -136,3 +137,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x32 = x if x.dtype == torch.float32 else x.float()
     rotated = x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin
     return rotated if x.dtype == torch.float32 else rotated.to(x.dtype)
+
+
+class PagedAttention(nn.Module):
+    """Write this step's K/V into their pages, then attend over each sequence's pages. The kernels are
+    chosen once (`use_kernels`, when the model is built), not per call."""
+
+    def __init__(self, scale: float, sliding_window: int | None) -> None:
+        super().__init__()
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.ops: kernels.AttentionOps | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                attn: AttentionMetadata) -> torch.Tensor:
+        if self.ops is None:  # a model built by hand, not by build_empty_model
+            self.ops = kernels.AttentionOps(q.device)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        return self.ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                        attn.query_start_loc, self.scale, self.sliding_window)

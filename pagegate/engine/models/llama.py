@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagegate import kernels
 from pagegate.engine.models.base import CausalLM, Decoder
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.layers import (
     AttentionMetadata,
     KVCache,
     PackedLinear,
+    PagedAttention,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -28,8 +28,7 @@ class Attention(nn.Module):
         d = self.head_dim = config.head_dim
         self.num_heads, first_head = tp.split(config.num_attention_heads, "the number of attention heads")
         self.num_kv_heads, first_kv = tp.kv_heads(config.num_key_value_heads)
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = sliding_window
+        self.attn = PagedAttention(self.head_dim**-0.5, sliding_window)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         q_rows, kv_rows = slice(first_head * d, first_head * d + q_size), slice(first_kv * d, first_kv * d + kv_size)
         self.qkv_proj = PackedLinear(config.hidden_size, ("q_proj", "k_proj", "v_proj"), (q_size, kv_size, kv_size),
@@ -44,10 +43,7 @@ class Attention(nn.Module):
                         cos, sin)  # q and k rotated together: one set of ops
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + k_size:].view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        kernels.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                      attn.query_start_loc, self.scale, self.sliding_window)
+        out = self.attn(q, k, v, kv_cache, attn)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

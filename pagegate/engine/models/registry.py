@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagegate import kernels
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
@@ -30,4 +31,5 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | tor
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
     model.model.rotary.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
+    model.use_kernels(kernels.AttentionOps(torch.device(device)))
     return model.eval().requires_grad_(False)

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from pagegate.engine.loading.loader import load_model
-from pagegate.engine.models.config import RopeConfig
-from pagegate.engine.models.layers import RotaryEmbedding, apply_rope, rope_inv_freq
+from pagegate.engine.models.config import ModelConfig, RopeConfig
+from pagegate.engine.models.layers import PagedAttention, RotaryEmbedding, apply_rope, rope_inv_freq
+from pagegate.engine.models.registry import build_empty_model
 
-from ..conftest import PagedBatch, SavedModel
+from ..conftest import TINY, PagedBatch, SavedModel
 
 MODELS = ["llama_model", "llama3_rope_model", "head_dim_model", "mistral_model", "qwen2_model",
           "sharded_model"]
@@ -100,3 +101,12 @@ def test_rope_keeps_norms_and_is_identity_at_position_zero() -> None:
     torch.testing.assert_close(rotated[0], x[0])
     torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
     assert not torch.allclose(rotated[1], x[1])
+
+
+def test_a_built_model_chooses_its_kernels_once():
+    """Every attention layer shares one AttentionOps, chosen for the device when the model was built."""
+    model = build_empty_model(ModelConfig.from_dict(dict(TINY, architectures=["LlamaForCausalLM"])),
+                              torch.float32, "cpu")
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    assert len(layers) == TINY["num_hidden_layers"] and len({id(m.ops) for m in layers}) == 1
+    assert layers[0].ops is not None and layers[0].ops.backend == "reference"
