@@ -42,4 +42,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so
+	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so pagegate/core/seed/*.c pagegate/core/seed/*.so pagegate/kernels/*.c pagegate/kernels/*.so

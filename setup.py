@@ -7,12 +7,12 @@ from setuptools import Extension, setup
 extensions = [
     Extension(
         f"pagegate.core.{name}",
-        [f"pagegate/core/{name}.pyx"],
+        [f"pagegate/core/{name.replace('.', '/')}.pyx"],
         include_dirs=[numpy.get_include()],
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
-    for name in ("block_pool", "block_tables", "allocator", "page_map")
+    for name in ("block_pool", "block_tables", "page_map", "seed.allocator")
 ] + [
     # the CPU kernels: fused paged attention and the quantized matmul; OpenMP threads, no numpy
     Extension(

@@ -3,7 +3,7 @@
     python -m bench.core [--repeats 7] [--png docs/bench-core.png]
 
 The "api" rows run the seed's own BlockAllocator interface, once over the seed's pure-Python
-class and once over pagegate.core.allocator.BlockAllocator, on the same workload.
+class and once over pagegate.core.seed.allocator.BlockAllocator, on the same workload.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from pagegate.core.allocator import BlockAllocator
+from pagegate.core.seed.allocator import BlockAllocator
 
 from . import core_workloads as w
 from .plots import COLOURS, add_png_argument, figure, save_figure, wanted

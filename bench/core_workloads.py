@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagegate.core import BatchBuilder, BlockPool, BlockTables
-
-from .seed_allocator import BlockAllocator as SeedAllocator
+from pagegate.testing.seed_allocator import BlockAllocator as SeedAllocator
 
 BLOCK_SIZE = 16
 

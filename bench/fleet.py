@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from bench.kv_router import KVRouter
 from bench.plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
-from pagegate.gateway.launcher import ServerProcess, free_port
+from pagegate.testing.launcher import ServerProcess, free_port
 
 BLOCK = 16
 SYSTEM_TOKENS = 512  # 32 pages each

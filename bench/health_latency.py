@@ -97,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if args.base_url is None:
-        from pagegate.gateway.launcher import ServerProcess
+        from pagegate.testing.launcher import ServerProcess
 
         server = ServerProcess(SERVER_ARGS + args.server_args.split()).start()
     base_url = args.base_url or server.base_url

@@ -30,7 +30,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagegate.gateway.launcher import ServerProcess  # noqa: E402
+from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
 SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--grpc-port", "0", "--max-queue", "-1",
                "--disable-uvicorn-access-log", "--num-kv-blocks", "2048"]

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pagegate import LLM, SamplingParams
-from pagegate.core.simulator import GIB, compare, seed_trace
+from pagegate.core.seed.simulator import GIB, compare, seed_trace
 
 from .plots import COLOURS, add_png_argument, figure, labelled_bars, save_figure, wanted
 

@@ -444,7 +444,7 @@ def serving(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     if not args.launch:
         yield args.base_url, None
         return
-    from pagegate.gateway.launcher import ServerProcess, free_port
+    from pagegate.testing.launcher import ServerProcess, free_port
 
     extra = ["--api-key", args.api_key] if args.api_key else []
     if args.protocol == "grpc":  # `pagegate serve --grpc-port`: the gRPC door on a free port

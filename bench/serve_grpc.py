@@ -41,7 +41,7 @@ def serving(args: argparse.Namespace) -> Iterator[tuple[str, str, int | None]]:
         yield args.base_url, args.grpc_target, None
         return
 
-    from pagegate.gateway.launcher import ServerProcess, free_port
+    from pagegate.testing.launcher import ServerProcess, free_port
 
     grpc_port = free_port()
     extra = (["--api-key", args.api_key] if args.api_key else []) + ["--disable-uvicorn-access-log"]

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(rest)
     if command == "simulate":
-        from pagegate.core.simulator import main as simulate
+        from pagegate.core.seed.simulator import main as simulate
 
         return simulate(rest) or 0
     if command in ("version", "--version", "-V"):

@@ -31,7 +31,7 @@ from selenium.webdriver.common.by import By
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagegate.core.page_map import MAX_REFCOUNT, rle_decode  # noqa: E402
-from pagegate.gateway.launcher import ServerProcess  # noqa: E402
+from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
 SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--grpc-port", "0", "--disable-uvicorn-access-log",
                "--num-kv-blocks", "480", "--swap-space", "0.02", "--max-num-seqs", "40", "--max-model-len", "1024"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
 
 SERVER_ARGS = server_args("--num-kv-blocks", "256", "--api-key", "client-key")

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
 
 SERVER_ARGS = server_args("--num-kv-blocks", "256", "--max-num-seqs", "32")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
 
 KEYS = ["key-one", "key-two"]

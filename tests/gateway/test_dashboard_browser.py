@@ -22,7 +22,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 

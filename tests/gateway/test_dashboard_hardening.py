@@ -26,9 +26,9 @@ from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.gateway.app import build_app
 from pagegate.gateway.dashboard.feed import DashboardFeed
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
-from pagegate.gateway.launcher import ServerProcess
 from pagegate.gateway.request_id import RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
+from pagegate.testing.launcher import ServerProcess
 
 KEYS = ["key-alpha-0123", "key-beta-4567"]
 ALPHA, BETA = ({"Authorization": f"Bearer {key}"} for key in KEYS)

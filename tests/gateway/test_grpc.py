@@ -35,10 +35,10 @@ from pagegate.clients import (
     ServerError,
 )
 from pagegate.gateway import protocol, schemas
-from pagegate.gateway.launcher import free_port
 from pagegate.gateway.proto import pagegate_pb2 as pb
 from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
 from pagegate.gateway.proto.convert import body_to_request, request_to_body
+from pagegate.testing.launcher import free_port
 from tests.gateway.conftest import KVPages, metric_value
 from tests.gateway.server_args import server_args
 

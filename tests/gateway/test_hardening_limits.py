@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagegate.gateway.cli import build_parser, configs_from_args
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 
 BIG_TEXT = "All work and no play makes Jack a dull boy. " * 230_000  # ~10 MB, under the 16 MiB body limit
 HEALTH_BOUND_S = 2.0  # generous: the real figure comes from bench/health_latency.py

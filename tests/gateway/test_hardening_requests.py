@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
 
 PROMPT = "In the beginning"

@@ -23,7 +23,7 @@ import pytest
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.codec import MAX_BODY_CONTAINERS
 from pagegate.gateway.http_protocol import DEFAULT_BACKLOG, FILE_HEADROOM, MIN_BACKLOG, listen_backlog
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
 
 MAX_CONNECTIONS = 8

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from pagegate.gateway.launcher import ServerProcess, free_port
+from pagegate.testing.launcher import ServerProcess, free_port
 from tests.gateway.server_args import server_args
 
 ARGS = server_args("--num-kv-blocks", "80", "--max-model-len", "1024")

@@ -18,7 +18,7 @@ import schemathesis
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f"}}]

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

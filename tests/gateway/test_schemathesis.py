@@ -24,8 +24,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from pagegate.gateway.launcher import ServerProcess
 from pagegate.gateway.openapi import openapi_document
+from pagegate.testing.launcher import ServerProcess
 from tests.gateway.test_openapi_contract import sse_events, sse_validator
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

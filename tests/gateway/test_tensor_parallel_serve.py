@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from pagegate.gateway.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess
 
 ARGS = ["--tensor-parallel-size", "2", "--device", "cpu", "--grpc-port", "0", "--kv-cache-memory", "64MiB",
         "--distributed-timeout", "20", "--disable-uvicorn-access-log"]

@@ -17,7 +17,7 @@ from pagegate.engine.loading.gguf_loader import GGUFFile
 from pagegate.engine.loading.loader import load_model, weight_bytes
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
-from pagegate.gateway.launcher import free_port
+from pagegate.testing.launcher import free_port
 
 from ..conftest import SavedModel, hf, save_hf_model
 from .gguf_files import write_gguf

@@ -10,13 +10,13 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from bench.kv_router import PageIndex
 from pagegate import LLM, SamplingParams
 from pagegate.config import KVEventsConfig
 from pagegate.core import BlockPool, compute_block_hash
 from pagegate.engine.observe.kv_events import END_OF_REPLAY, encode_batch
 from pagegate.engine.observe.monitor import start_kv_events
-from pagegate.gateway.launcher import free_port
+from pagegate.testing.kv_index import PageIndex
+from pagegate.testing.launcher import free_port
 
 BLOCK = 16
 
@@ -68,7 +68,7 @@ def test_config_takes_vllms_keys_only() -> None:
 
 
 def drain(socket: zmq.Socket, index: PageIndex, seqs: list[int]) -> None:
-    """Apply what the server published; a router keeps only this index (bench/kv_router.py's)."""
+    """Apply what the server published; a router keeps only this index (pagegate/testing/kv_index.py)."""
     while socket.poll(200):
         topic, seq, payload = socket.recv_multipart()
         assert topic == b"kv@pod@model"

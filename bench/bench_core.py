@@ -2,10 +2,10 @@
 
 import pytest
 
-from pagegate.core.allocator import BlockAllocator
+from pagegate.core.seed.allocator import BlockAllocator
+from pagegate.testing.seed_allocator import BlockAllocator as SeedAllocator
 
 from . import core_workloads as w
-from .seed_allocator import BlockAllocator as SeedAllocator
 
 IMPLS = ["pagegate", "seed"]
 ALLOCATORS = {"pagegate": BlockAllocator, "seed": SeedAllocator}  # both behind the seed's API

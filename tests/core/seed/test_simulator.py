@@ -2,7 +2,7 @@ import json
 
 import numpy as np
 
-from pagegate.core.simulator import GIB, Trace, compare, main, seed_trace, simulate_contiguous
+from pagegate.core.seed.simulator import GIB, Trace, compare, main, seed_trace, simulate_contiguous
 
 
 def test_paged_holds_far_more_sequences_on_the_seed_workload():

@@ -6,7 +6,7 @@ Expected values are the seed's where it is right; where it is wrong, the comment
 import pytest
 
 from pagegate.core import BlockPool, BlockTables
-from pagegate.core.allocator import BlockAllocator
+from pagegate.core.seed.allocator import BlockAllocator
 
 
 class SwapManager:

@@ -12,11 +12,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from bench.seed_allocator import BlockAllocator as SeedAllocator
 from pagegate.core import NoFreeBlocksError
-from pagegate.core.allocator import BlockAllocator
+from pagegate.core.seed.allocator import BlockAllocator
+from pagegate.testing.seed_allocator import BlockAllocator as SeedAllocator
 
-from .oracle import PoolModel
+from ..oracle import PoolModel
 
 
 def snapshot(alloc: BlockAllocator) -> tuple:
