@@ -149,6 +149,8 @@ cdef class BlockPool:
     cdef int take_free(self) noexcept:
         """Pop a free page (uncached first, else the least recently freed cached one): refcount 1."""
         cdef int32_t uncached = self.num_blocks, b = self.next[uncached]
+        # NOTE: a page with no cached content goes first (handing it out loses nothing); among cached pages the
+        # one freed longest ago goes: the least likely to be hit again, and the list's head gives it in O(1).
         if b == uncached:
             b = self.next[uncached + 1]
             self.evict(b)
@@ -296,7 +298,9 @@ cdef class BlockPool:
             if self.same_content(block_id, h, parent, t):
                 return h
             self.evict(block_id)  # reused for new content
-        if self.find(h) == -1:  # else: same content cached elsewhere, or a collision: keep the first
+        # NOTE: one page per hash. Same content cached elsewhere, or a colliding one: the first stays and this
+        # page is simply not cached (lookups confirm content, so a collision never serves the wrong page).
+        if self.find(h) == -1:
             self.hashes[block_id] = h
             self.parent_hashes[block_id] = parent
             memcpy(&self.tokens[<size_t>block_id * self.block_size], t, self.block_size * sizeof(int32_t))
@@ -329,6 +333,8 @@ cdef class BlockPool:
             while i < num_full:
                 h = hash_tokens(parent, &t[i * bs], bs) & self.hash_mask
                 b = self.find(h)
+                # NOTE: a hit is confirmed against the stored tokens and parent: hashes are 64 bits (fewer in
+                # tests), and a false hit would silently attend to another prompt's KV. A collision is a miss.
                 if b == -1 or not self.same_content(b, h, parent, &t[i * bs]):
                     break
                 self.ref(b)

@@ -195,6 +195,8 @@ cdef class BlockTables:
         if new_pages + self.needs_copy(seq, k) > self.pool.num_free_blocks:
             raise NoFreeBlocksError(new_pages + self.needs_copy(seq, k), self.pool.num_free_blocks)
         if self.needs_copy(seq, k):
+            # NOTE: copy-on-write only of a shared, partly filled last page: full pages are never written
+            # again, so forks share them for good; the copy is owed to the runner (take_cow_pairs).
             old = r[self.nblocks[seq] - 1]
             copy = self.pool.take_free()
             self.pool.unref(old)

@@ -164,6 +164,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
         """Preempt from the tail until seq's next n tokens fit; False when seq itself had to go."""
         while self.tables.pages_needed(seq.handle, n) > self.pool.num_free_blocks:
+            # NOTE: the victim is the tail of the running list (sorted by sort_key): the least urgent, most
+            # recently arrived sequence, which has the least work to lose and the longest to wait anyway.
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 seq.request.error = (f"the sequence needs more KV pages than the pool's {self.pool.num_blocks} "
@@ -189,7 +191,7 @@ class Scheduler:
             return
         self.tables.free_sequence(victim.handle)
         victim.handle, victim.num_computed, victim.status = NO_PAGES, 0, SeqStatus.WAITING
-        self.waiting.append(victim)  # keeps its arrival time: first in line again
+        self.waiting.append(victim)  # NOTE: it keeps its arrival time, so it is first in line again
 
     def _should_swap(self, victim: Sequence, now: float) -> bool:
         if not self.swap_enabled or victim.recompute_only:
