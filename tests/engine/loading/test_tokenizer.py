@@ -14,7 +14,7 @@ from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecke
 
 from ..conftest import hf
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "pagegate" / "engine" / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "pagegate" / "engine" / "default_model"
 TEXTS = ["Hello world!", " leading space", "  two spaces\n\nnewlines", "emoji 😀🎉 and CJK 你好，世界", "",
          "café naïve — “quotes”", "<|user|>hi<|end|></s><s>", "def f(x):\n    return x * 2", "unseen 🚀 漢字"]
 MULTIBYTE = "Paged 😀🎉👍 attention 你好，世界。日本語 café 한국어 — “done” 🚀 漢字 Ω"  # last 3: unseen
