@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
-from pagegate.kernels import paged_attention  # noqa: E402
+from pagegate.kernels import AttentionOps  # noqa: E402
 from pagegate.kernels.dispatch import cpu_kernel  # noqa: E402
 
 Case = dict[str, Callable[[], torch.Tensor]]  # name -> one decode step
@@ -50,8 +50,8 @@ def make_decode_case(batch: int = 32, context: int | list[int] = 1024, heads: in
     scale = head_dim ** -0.5
 
     def run(backend: str) -> Callable[[], torch.Tensor]:
-        return lambda: paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                       backend=backend)
+        ops = AttentionOps(query.device, backend)  # chosen once, as a model does
+        return lambda: ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
     case = {"gather": run("reference")}
     kernel = cpu_kernel()

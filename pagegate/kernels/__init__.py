@@ -1,8 +1,9 @@
 """Operations on KV page data: write new K/V, paged attention, copy-on-write and swap of pages.
 
 The torch reference runs anywhere and defines correct; Triton kernels serve CUDA tensors.
-PAGEGATE_KERNEL_BACKEND=auto|reference|triton (or `backend=`) forces one; a model reads it once, when built. Importing this
-package never imports triton.
+PAGEGATE_KERNEL_BACKEND=auto|reference|triton (or `backend=`) forces one. A model builds one
+AttentionOps, which reads it once; the module-level functions choose on every call. Importing
+this package never imports triton.
 """
 
 from pagegate.kernels.api import AttentionOps, paged_attention, write_kv

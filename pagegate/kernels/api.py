@@ -10,18 +10,23 @@ from types import ModuleType
 import torch
 
 from pagegate.kernels import reference
-from pagegate.kernels.dispatch import fused_cpu_kernel, resolve_backend
+from pagegate.kernels.dispatch import fused_cpu_kernel, requested_backend, resolve_backend
 
 
 class AttentionOps:
     """write_kv and paged_attention on one device's backend: "triton", or "reference" (where CPU float32
     attention runs the fused Cython kernel under "auto" when it is built)."""
 
-    def __init__(self, device: torch.device, backend: str | None = None) -> None:
-        self.backend = resolve_backend(device, backend)
+    def __init__(self, device: torch.device | str, backend: str | None = None) -> None:
+        device = torch.device(device)
+        choice = requested_backend(backend)  # the one read of PAGEGATE_KERNEL_BACKEND
+        self.backend = resolve_backend(device, choice)
         self._impl: ModuleType = (importlib.import_module("pagegate.kernels.triton_ops") if self.backend == "triton"
                                   else reference)
-        self._fused = fused_cpu_kernel(device, backend)
+        self._fused = fused_cpu_kernel(device, choice)
+
+    def __repr__(self) -> str:
+        return f"AttentionOps(backend={self.backend!r}, fused_cpu={self._fused is not None})"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

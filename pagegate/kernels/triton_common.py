@@ -9,6 +9,9 @@ import triton.language as tl
 from pagegate.kernels.dispatch import triton_interpreted
 
 LOG2_E = 1.4426950408889634  # kernels use exp2, so scores are pre-scaled by log2(e)
+# triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. as these modules are imported:
+# read it then too, not on every launch
+INTERPRETED = triton_interpreted()
 
 
 @triton.jit
@@ -47,7 +50,7 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, d
 def dot_options(cache: torch.Tensor) -> dict:
     """Constexprs that keep dots exact enough: IEEE float32 (not TF32) for float32 caches, and
     float32 dots for bfloat16 under the interpreter, whose bfloat16 tl.dot is broken upstream."""
-    upcast = cache.dtype == torch.bfloat16 and triton_interpreted()
+    upcast = cache.dtype == torch.bfloat16 and INTERPRETED
     return {"DOT_PRECISION": "ieee" if cache.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
 
 

@@ -77,34 +77,3 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
-
-
-def test_attention_ops_choose_once(monkeypatch):
-    """A model's kernels are chosen when it is built: the environment read then, not on every call."""
-    from pagegate.kernels import AttentionOps, reference
-    from tests.kernels.paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch
-
-    auto = AttentionOps(CPU)
-    assert auto.backend == "reference" and auto._fused is dispatch.cpu_kernel()
-    monkeypatch.setenv(BACKEND_ENV, "reference")
-    forced = AttentionOps(CPU)
-    assert forced.backend == "reference" and forced._fused is None
-    calls = []
-    monkeypatch.setattr(dispatch, "requested_backend", lambda *a: calls.append(a) or "reference")
-    batch = make_batch(MIXED_BATCH, 4, 2, 64)
-    for ops in (auto, forced):  # the variable changed after `auto` was built: it keeps its fused kernel
-        out = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                                  batch.query_start_loc, batch.scale)
-        assert_close(out, dense_attention(batch), torch.float32)
-    assert calls == [], "a built AttentionOps looked the backend up again"
-    assert forced._impl is reference
-
-
-def test_attention_ops_under_the_triton_interpreter(monkeypatch):
-    pytest.importorskip("triton")
-    from pagegate.kernels import AttentionOps
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ops = AttentionOps(CPU, "triton")
-    assert ops.backend == "triton" and ops._impl.__name__ == "pagegate.kernels.triton_ops" and ops._fused is None
-
