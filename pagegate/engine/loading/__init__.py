@@ -1,0 +1,1 @@
+"""Loading a model: Hugging Face folders and GGUF files into one layout, their tokenizers, token bounds."""

@@ -1,0 +1,1 @@
+"""Choosing tokens: sampling parameters, the sampler, structured-output grammars and their masks."""
