@@ -4,7 +4,6 @@ KV-cache events routers read, all fed from the engine thread once per step."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
@@ -52,7 +51,7 @@ class EngineMonitor:
 
     def refresh(self, stats: SchedulerStats, now: float | None = None) -> None:
         """Recompute the gauges and the health grade; publish the pool's new KV events."""
-        self.grade, self.reason = self.metrics.update(stats, now if now is not None else time.monotonic())
+        self.grade, self.reason = self.metrics.update(stats, now)  # None: update reads the clock
         if self.kv_events is not None and (events := self.pool.take_events()):
             if not self.kv_events.publish(events):
                 self.metrics.kv_events_dropped.inc()
