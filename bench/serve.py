@@ -5,8 +5,9 @@
     python bench/serve.py --launch --protocol grpc      # pagegate.v1.Generation streams instead of SSE
 
 Requests are token-id prompts (exact lengths) with ignore_eos, so every request produces exactly
---output-len tokens and the offline run (`--offline`: LLM.generate on the same requests, same process
-run, after the server stopped) is directly comparable. Streams are read by a small raw-asyncio HTTP/1.1
+--output-len tokens and the offline run (`--offline`: LLM.generate on the same requests, on this process's
+main thread, alternating with the served rounds) is directly comparable. Server CPU is split into the gateway
+process's and its engine cores'. Streams are read by a small raw-asyncio HTTP/1.1
 client so the load generator costs the shared CPUs as little as possible. Writes JSON and a PNG plot.
 """
 
@@ -20,7 +21,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -286,6 +286,20 @@ def process_cpu_s(pid: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The server's engine-core processes (and tensor-parallel workers below them are theirs)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cores_cpu_s(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    return sum(process_cpu_s(child) or 0.0 for child in children(pid))
+
+
 def cpu_delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
 
@@ -340,15 +354,11 @@ class OfflineRunner:
         self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature)
 
     def run(self, requests: list[BenchRequest]) -> dict[str, Any]:
-        # In a worker thread, as the server's engine loop runs: on a busy CPU, torch's intra-op threads
-        # behave very differently for the main thread (measured up to 10x slower), which would flatter HTTP.
-        outputs: list = []
+        # On this (the main) thread: the engine offline at its best, the baseline the served engine core (which
+        # steps on its own process's main thread) is held to.
         prompts = [r.prompt_token_ids for r in requests]
-        worker = threading.Thread(target=lambda: outputs.extend(self.llm.generate(prompts, self.params,
-                                                                                  use_tqdm=False)))
         started, cpu_before = time.perf_counter(), process_cpu_s()
-        worker.start()
-        worker.join()
+        outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
         duration, cpu = time.perf_counter() - started, cpu_delta(cpu_before, process_cpu_s())
         if len(outputs) != len(requests):
             raise RuntimeError("the offline run failed (see the traceback above)")
@@ -368,7 +378,9 @@ def print_report(summary: dict[str, Any], offline: dict[str, Any] | None) -> Non
         p = summary[name]
         print(f"{name:8s} mean {p['mean']:9.2f}  p50 {p['p50']:9.2f}  p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}")
     if summary.get("server_cpu_s") is not None:
-        print(f"CPU seconds             server {summary['server_cpu_s']:.1f}, load generator "
+        print(f"CPU seconds             gateway {summary['server_cpu_s']:.1f} "
+              f"({summary.get('gateway_cpu_ms_per_token', 0):.2f} ms per output token), engine cores "
+              f"{_fmt(summary.get('core_cpu_s'))}, load generator "
               f"{summary['client_cpu_s']:.1f}" + (f", offline run {offline['cpu_s']:.1f}" if offline else ""))
     if offline:
         print(f"offline LLM.generate    {offline['output_token_throughput']:10.1f} tok/s  "
@@ -470,9 +482,13 @@ def run_rounds(args: argparse.Namespace, requests: list[BenchRequest]) -> list[d
                 offline.run(requests[: args.warmup])
         for index in range(args.rounds):
             server_cpu, client_cpu = process_cpu_s(server_pid) if server_pid else None, process_cpu_s()
+            core_cpu = cores_cpu_s(server_pid)
             results, duration = asyncio.run(run_load(args, base_url, requests))
             summary = summarize(results, duration)
             summary["server_cpu_s"] = cpu_delta(server_cpu, process_cpu_s(server_pid) if server_pid else None)
+            summary["core_cpu_s"] = cpu_delta(core_cpu, cores_cpu_s(server_pid))
+            if summary["server_cpu_s"] is not None and summary["output_tokens"]:
+                summary["gateway_cpu_ms_per_token"] = 1000 * summary["server_cpu_s"] / summary["output_tokens"]
             summary["client_cpu_s"] = cpu_delta(client_cpu, process_cpu_s())
             if offline:
                 summary["offline"] = offline.run(requests)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pagegate"
@@ -28,8 +30,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models")
 LOOP = ("pagegate.engine.engine", "pagegate.engine.async_engine", "pagegate.engine.llm", "pagegate.engine.runner",
         "pagegate.engine.intake", "pagegate.engine.postprocess", "pagegate.engine.scheduler",
-        "pagegate.engine.tp_workers", "pagegate.engine.forward")
-ENGINE_FRONT = ("pagegate.engine.async_engine", "pagegate.engine.llm")  # the only importers of engine.py
+        "pagegate.engine.tp_workers", "pagegate.engine.forward", "pagegate.engine.core_process")
+# the only importers of engine.py
+ENGINE_FRONT = ("pagegate.engine.async_engine", "pagegate.engine.llm", "pagegate.engine.core_process")
 
 _CYTHON_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s|c?import\s+([\w.]+))", re.M)
 
@@ -164,6 +167,23 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
 
 def test_no_upward_imports():
     assert upward_imports(import_graph()) == []
+
+
+def test_the_gateway_never_imports_the_engine_loop():
+    """The engine loop runs in the core process; the gateway reaches it only through frames (core_frames)."""
+    graph = import_graph()
+    reached = [f"{module} -> {target}" for module, targets in sorted(graph.items())
+               if _within(module, ("pagegate.gateway",)) for target in sorted(targets) if _within(target, LOOP)]
+    # under torchrun a rank > 0 process runs `pagegate serve` too, and becomes a worker, never a gateway
+    assert reached == ["pagegate.gateway.cli -> pagegate.engine.tp_workers"]
+
+
+def test_the_gateway_process_never_imports_torch():
+    """So it never starts an OpenMP thread team of its own (one owner of every thread: the core)."""
+    code = ("import sys, pagegate.gateway.cli, pagegate.gateway.core_client, pagegate.gateway.replicas; "
+            "print(sorted(m for m in ('torch', 'pagegate.engine.engine') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_no_private_names_cross_modules():

@@ -87,6 +87,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs of requests that moved."""
+        return [request.output() for request in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """One step; the requests that moved in it (failed ones included), for callers that build their own
+        outputs (the core process sends deltas)."""
         now = time.monotonic()
         batch = self.scheduler.schedule(now)
         failed = [self._fail(seq.request) for seq in batch.failed]
@@ -100,7 +105,7 @@ class Engine:
         moved, sampled = self._sample(sampling, logits, time.monotonic())
         self.monitor.computed(prompt_tokens, sampled)
         self.refresh_stats(now)
-        return failed + [request.output() for request in moved]
+        return failed + moved
 
     def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> tuple[list[Request], int]:
         """Sample every running choice (forking n > 1 prompts first); the requests that moved, tokens sampled."""
@@ -153,10 +158,10 @@ class Engine:
             seq.status = SeqStatus.FINISHED
             self.scheduler.free(seq)
 
-    def _fail(self, request: Request) -> RequestOutput:
+    def _fail(self, request: Request) -> Request:
         log.warning("request %s failed: %s", request.request_id, request.error)
         self.abort(request.request_id)
-        return request.output()
+        return request
 
     # ---- introspection ----------------------------------------------------------------------------------
 

@@ -55,6 +55,9 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over N processes (torch.distributed: gloo on CPU, nccl on CUDA); "
                             "under torchrun, every rank runs `pagegate serve` and rank 0 serves")
+    group.add_argument("--data-parallel-size", "-dp", type=_positive(int), default=1,
+                       help="run N engine cores (processes), each with its own page pool and 1/N of the CPU cores; "
+                            "a request goes to the core with the longest prefix hit, then the fewest pages in use")
     group.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s,
                        help="seconds a tensor-parallel collective may wait before the engine is declared dead")
 
@@ -158,6 +161,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        raise SystemExit("--data-parallel-size with --tensor-parallel-size is not supported: pick one")
     if args.prefix_cache_scope == "key" and not keys:
         raise SystemExit("--prefix-cache-scope key needs --api-key (or $PAGEGATE_API_KEY): without keys there is "
                          "one tenant")
@@ -168,7 +173,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             max_header_bytes=parse_bytes(args.max_header_size),
                             request_read_timeout_s=args.request_timeout,
                             idle_connection_timeout_s=args.idle_connection_timeout,
-                            max_connections=args.max_connections,
+                            max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level,
                             enable_dashboard=not args.disable_dashboard,
                             dashboard_max_viewers=args.dashboard_max_viewers)

@@ -1,5 +1,5 @@
-"""What the gateway uses of an engine, as a Protocol: `AsyncEngine` is the implementation, and mypy
-checks that it keeps fitting. Nothing here imports torch."""
+"""What the gateway uses of an engine, as a Protocol: `CoreClient` (one engine-core process) and `Replicas`
+(data-parallel cores) implement it, and mypy checks that they keep fitting. Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pagegate.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from pagegate.engine.loading.tokenizer import Tokenizer
-    from pagegate.engine.observe.metrics import EngineMetrics
     from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.sampling.structured import StructuredOutputsParams
 
@@ -23,8 +22,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     default_sampling: dict[str, float]  # the folder's generation_config.json, as SamplingParams keywords
-    metrics: EngineMetrics
-    on_dead: Callable[[], None] | None  # called once, from an engine thread, if the engine dies
+    on_dead: Callable[[], None] | None  # called once, on the event loop, if the engine dies
 
     @property
     def is_running(self) -> bool: ...
@@ -52,4 +50,10 @@ class EngineClient(Protocol):
 
     def health(self) -> EngineHealth: ...
 
-    def shutdown(self, timeout: float = 10.0) -> None: ...
+    async def metrics_text(self) -> bytes:
+        """The engine's Prometheus metrics, counted where the engine runs."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Every request aborted, every page freed, every engine process gone."""
+        ...

@@ -16,9 +16,11 @@ from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.limits import check_choices, check_priority
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.sampling.params import SamplingParams
+from pagegate.gateway.core_client import CoreClient
 from pagegate.gateway.engine_client import EngineClient
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
+from pagegate.gateway.replicas import Replicas
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
 
@@ -56,7 +58,7 @@ class EngineHost:
 
     async def _load(self) -> None:
         try:
-            self.engine = engine = await asyncio.to_thread(_construct_engine, self.engine_config)
+            self.engine = engine = await start_engine(self.engine_config, self.config.data_parallel_size)
             engine.on_dead = self._engine_died
             self.model = self._model_context(engine)
             await self._warm_up(engine)
@@ -91,11 +93,11 @@ class EngineHost:
                             engine.compile_grammar if tokenizer is not None else None)
 
     def _engine_died(self) -> None:
-        """From the engine's threads: its loop or a tensor-parallel worker died. /health already says so; the
-        server exits non-zero (a supervisor restarts it) rather than serve 503s for ever."""
+        """An engine core (or one of its tensor-parallel workers) died. /health already says so; the server
+        exits non-zero (a supervisor restarts it) rather than serve 503s for ever."""
         logger.error("the engine died: the server stops")
-        if self._on_fatal is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(self._on_fatal)
+        if self._on_fatal is not None:
+            self._on_fatal()
 
     def drain(self) -> None:
         """Stop taking requests and end every running generation (the server is going down)."""
@@ -110,7 +112,7 @@ class EngineHost:
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)  # a half-built engine still owns a thread and pages
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
+            await self.engine.shutdown()
             stats = self.stats()
             level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
             logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
@@ -249,11 +251,13 @@ class EngineHost:
             logger.debug("abort %s: %s", request_id, exc)
 
 
-def _construct_engine(config: EngineConfig) -> EngineClient:
-    """In a worker thread: importing torch and loading weights must not block /health."""
-    from pagegate.engine.async_engine import AsyncEngine
-
-    return AsyncEngine(config)
+async def start_engine(config: EngineConfig, data_parallel_size: int = 1) -> EngineClient:
+    """The engine cores, each its own process (loading in the background: /health answers meanwhile)."""
+    if data_parallel_size == 1:
+        core = CoreClient(config)
+        await core.start()
+        return core
+    return await Replicas.start(config, data_parallel_size)
 
 
 def serving_line(host: EngineHost) -> str:

@@ -27,7 +27,11 @@ async def metrics(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     if host.engine is None:
         return Response(f"# engine {host.state}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
-    text = generate_latest(host.engine.metrics.registry) + generate_latest(request.app.state.gateway_registry)
+    try:
+        engine_text = await host.engine.metrics_text()
+    except Exception as exc:  # the core is gone: /health says why
+        return Response(f"# engine unavailable: {exc}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
+    text = engine_text + generate_latest(request.app.state.gateway_registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 

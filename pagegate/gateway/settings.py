@@ -25,6 +25,7 @@ class GatewayConfig:
     # Each is a file descriptor: keep `ulimit -n` above.
     max_connections: int = 512
     log_level: str = "info"
+    data_parallel_size: int = 1  # engine cores, each its own process and page pool, behind this gateway
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
     stream_chunk_rate: float = 500.0

@@ -20,6 +20,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: a server's engine cores, their tensor-parallel workers, helpers."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        below = parents.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """A server's engine-core processes (`python -m pagegate.engine.core_process`)."""
+    found = []
+    for pid in descendants(server_pid):
+        try:
+            if b"pagegate.engine.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 class ServerProcess:
     """A real server: started, waited for (/health 200), stopped with SIGTERM; its log kept in a file."""
 

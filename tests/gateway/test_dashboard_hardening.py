@@ -2,8 +2,8 @@
 encoded once for all viewers, a viewer that does not read dropped, a hover query during a long engine step
 answered 503 + Retry-After, other keys' request ids hidden, and no key in the access log.
 
-Most tests run the app under uvicorn on a thread of this process, so that they can hold the engine thread in
-a real call between steps and read the feed's counters on its event loop.
+Most tests run the app under uvicorn on a thread of this process, so that they can read the feed's counters on
+its event loop; a long engine step is the core process held by SIGSTOP.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -206,17 +207,10 @@ def _stuck_viewer(base_url: str) -> Iterator[socket.socket]:
 
 
 def test_a_hover_query_during_a_long_engine_step_gets_503_with_retry_after(served: ThreadedServer) -> None:
-    engine = served.app.state.host.engine
-    started, release = threading.Event(), threading.Event()
-
-    def long_step(_: object) -> None:  # the engine thread runs it between two steps, as it runs a step
-        started.set()
-        release.wait(DEADLINE_S)
-
+    core = served.app.state.host.engine.process.pid  # stopped, the core answers nothing: as in a long step
     served.on_loop(lambda: setattr(served.dashboard, "query_timeout_s", 0.2))  # the wait, not the subject
-    held = engine.call_between_steps(long_step)
+    os.kill(core, signal.SIGSTOP)
     try:
-        assert started.wait(DEADLINE_S)
         deadline = time.monotonic() + DEADLINE_S
         answer = httpx.get(served.base_url + "/dashboard/api/page?id=0", headers=ALPHA, timeout=DEADLINE_S)
         while answer.status_code == 200 and time.monotonic() < deadline:  # a snapshot from before, still fresh
@@ -224,8 +218,7 @@ def test_a_hover_query_during_a_long_engine_step_gets_503_with_retry_after(serve
         assert answer.status_code == 503, answer.text
         assert answer.headers["Retry-After"] == "1" and answer.json()["error"]["code"] == "engine_busy"
     finally:
-        release.set()
-        held.result(DEADLINE_S)
+        os.kill(core, signal.SIGCONT)
         served.on_loop(lambda: setattr(served.dashboard, "query_timeout_s", 1.0))
     after = httpx.get(served.base_url + "/dashboard/api/page?id=0", headers=ALPHA, timeout=DEADLINE_S)
     assert after.status_code == 200 and after.json()["page"] == 0
@@ -257,21 +250,25 @@ def test_a_viewer_sees_only_its_own_keys_request_ids(served: ThreadedServer) -> 
 
 @contextlib.contextmanager
 def _slow_steps(server: ThreadedServer) -> Iterator[None]:
-    """The engine thread pauses a few milliseconds between every two steps, so that the embedded model's
-    generation (thousands of tokens a second) is still running when the test looks at it."""
-    engine, stop = server.app.state.host.engine, threading.Event()
+    """The engine core is stopped a few milliseconds at a time, so that the embedded model's generation
+    (thousands of tokens a second) is still running when the test looks at it."""
+    core, stop = server.app.state.host.engine.process.pid, threading.Event()
 
-    def pause_each_step() -> None:
+    def pause_often() -> None:
         while not stop.is_set():
-            engine.call_between_steps(lambda _: time.sleep(0.005)).result(DEADLINE_S)
+            os.kill(core, signal.SIGSTOP)
+            time.sleep(0.005)
+            os.kill(core, signal.SIGCONT)
+            time.sleep(0.002)
 
-    thread = threading.Thread(target=pause_each_step, daemon=True)
+    thread = threading.Thread(target=pause_often, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join(DEADLINE_S)
+        os.kill(core, signal.SIGCONT)
 
 
 def _get(server: ThreadedServer, path: str, headers: dict[str, str]) -> dict[str, Any]:

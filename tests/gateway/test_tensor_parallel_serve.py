@@ -10,32 +10,10 @@ from pathlib import Path
 import httpx
 import openai
 
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, alive, descendants
 
 ARGS = ["--tensor-parallel-size", "2", "--device", "cpu", "--grpc-port", "0", "--kv-cache-memory", "64MiB",
         "--distributed-timeout", "20", "--disable-uvicorn-access-log"]
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (the spawned workers and multiprocessing's helper)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_sdk_through_two_ranks_and_sigterm_leaves_nothing() -> None:
@@ -48,8 +26,8 @@ def test_sdk_through_two_ranks_and_sigterm_leaves_nothing() -> None:
                                                 messages=[{"role": "user", "content": "Hello"}])
         assert text and "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert "2 rank(s)" in server.log()
-        workers = children(server.process.pid)
-        assert workers
+        workers = descendants(server.process.pid)  # the engine core (rank 0) and the rank-1 worker below it
+        assert len(workers) >= 2
     finally:
         code = server.stop()
     assert code == 0, server.log()
@@ -62,7 +40,8 @@ def test_sdk_through_two_ranks_and_sigterm_leaves_nothing() -> None:
 def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
     server = ServerProcess(ARGS).start()
     try:
-        worker = next(pid for pid in children(server.process.pid)
+        workers = descendants(server.process.pid)
+        worker = next(pid for pid in workers
                       if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -79,5 +58,9 @@ def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
         server.process.wait(30)
         assert server.process.returncode not in (0, None), server.log()
         assert "exited with code" in server.log()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in workers), "a process of the dead engine outlived the server"
     finally:
         server.stop()

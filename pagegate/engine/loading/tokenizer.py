@@ -70,6 +70,16 @@ class Tokenizer:
                      token_id_list(_read_json(folder / "config.json").get("eos_token_id")))
         return cls(HFTokenizer.from_file(str(folder / "tokenizer.json")), config, template, extra_eos)
 
+    def to_wire(self) -> dict[str, Any]:
+        """Everything `from_wire` needs to rebuild this tokenizer in another process (the gateway's)."""
+        return {"backend": self.backend_json(), "special_tokens": self.special_tokens,
+                "chat_template": self.chat_template, "eos_token_ids": self.eos_token_ids}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Tokenizer:
+        return cls(HFTokenizer.from_str(wire["backend"]), dict(wire["special_tokens"]), wire["chat_template"],
+                   wire["eos_token_ids"])
+
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
         """The most input characters one token can stand for (None: no such bound); see token_bounds."""

@@ -1,0 +1,201 @@
+"""The engine core in its own process: `python -m pagegate.engine.core_process`, started by the gateway.
+
+It reads its EngineConfig and two socket addresses from stdin, builds the Engine on its main thread (the only
+thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames the
+gateway sent, step, send one outputs frame per step. It never outlives the gateway.
+
+NOTE: detokenizing and stop strings stay in the core (Engine.postprocessor), unlike vLLM V1's frontend: a stop
+string then ends its sequence in the step that produced it, so its pages are freed at once and no token past it
+is computed; the offline `LLM` and the server share that code path. They cost microseconds per token next to a
+step's milliseconds; the gateway keeps HTTP, validation, tokenizing, chat templates and rendering.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from pagegate.engine.core_frames import (
+    ABORT,
+    ADD,
+    CALL,
+    CPUS_ENV,
+    FAILED,
+    OUTPUTS,
+    READY,
+    REPLY,
+    SHUTDOWN,
+    CoreLoad,
+    CoreSpec,
+    DeltaWriter,
+    error_to_wire,
+    pack,
+    params_from_wire,
+    unpack,
+)
+from pagegate.engine.engine import Engine
+from pagegate.engine.pool_snapshot import take_snapshot
+
+log = logging.getLogger("pagegate.core")
+
+_PR_SET_PDEATHSIG = 1
+IDLE_POLL_MS = 500  # an idle core wakes this often to check that its gateway is still there
+
+
+class CoreLoop:
+    """Frames in, steps, frames out; the Engine is used from this thread only."""
+
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+        self.deltas = DeltaWriter()
+        self.seqs_taken = 0
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.engine.has_unfinished()
+            took = self._take_frames(0 if busy else IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if self.engine.has_unfinished():
+                moved = self.engine.step_requests()
+                self._send([OUTPUTS, [self.deltas.delta(r) for r in moved], self._load()])
+            elif took:  # aborts freed pages, or an add failed: the gateway's counts must see it
+                self._send([OUTPUTS, [], self._load()])
+            elif os.getppid() != self.parent_pid:
+                log.error("the gateway is gone: the engine core stops")
+                break
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+
+    def _take_frames(self, timeout_ms: int) -> bool:
+        if not self.inbox.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                frame = unpack(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            self._handle(frame)
+
+    def _handle(self, frame: list[Any]) -> None:
+        kind = frame[0]
+        if kind == ADD:
+            self._add(*frame[1:])
+        elif kind == ABORT:
+            for request_id in frame[1]:
+                self.engine.abort(request_id)
+                self.deltas.forget(request_id)
+        elif kind == CALL:
+            self._answer(frame[1], frame[2])
+        elif kind == SHUTDOWN:
+            self.stopping = True
+
+    def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: dict[str, Any], priority: int,
+             cache_salt: str | None) -> None:
+        try:
+            sampling = params_from_wire(params)
+            self.seqs_taken += sampling.n
+            request = self.engine.intake.make_request(request_id, token_ids, sampling, priority, cache_salt)
+            request.prompt = prompt
+            self.engine.add(request)
+        except Exception as error:  # that request fails, not the core
+            self._send([OUTPUTS, [[request_id, True, error_to_wire(error), 0, None, []]], self._load()])
+
+    def _answer(self, call_id: int, name: str) -> None:
+        try:
+            result: Any = {"snapshot": self._snapshot, "metrics": self._metrics}[name]()
+            self._send([REPLY, call_id, True, result])
+        except Exception as error:
+            log.exception("call %s failed", name)
+            self._send([REPLY, call_id, False, f"{type(error).__name__}: {error}"])
+
+    def _snapshot(self) -> dict[str, Any]:
+        return take_snapshot(self.engine).to_wire()
+
+    def _metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.engine.metrics.registry)
+
+    def _load(self) -> list[Any]:
+        engine, scheduler = self.engine, self.engine.scheduler
+        return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
+                        self.seqs_taken).to_wire()
+
+    def _send(self, frame: list[Any]) -> None:
+        self.outbox.send(pack(frame))
+
+
+def ready_info(engine: Engine) -> dict[str, Any]:
+    """What the gateway needs to validate, tokenize and render without a model of its own."""
+    return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size, "eos_token_ids": list(engine.eos_token_ids),
+            "default_sampling": engine.runner.generation.sampling_overrides(),
+            "tokenizer": engine.tokenizer.to_wire() if engine.tokenizer is not None else None,
+            "load": CoreLoad(engine.stats(), engine.health(), 0, engine.scheduler.free_slots).to_wire()}
+
+
+def _never_outlive(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the gateway died before prctl took effect
+        os._exit(1)
+
+
+def serve(spec: CoreSpec) -> int:
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(spec.inbox)
+    outbox.connect(spec.outbox)
+    try:
+        engine = Engine(spec.config)
+    except Exception as error:
+        log.debug("the engine failed to start", exc_info=True)
+        outbox.send(pack([FAILED, type(error).__name__, str(error)]))
+        outbox.close(linger=2000)
+        return 1
+    if engine.runner.workers is not None:  # a dead rank: end here, the gateway sees the exit and fails streams
+        engine.runner.workers.on_death = _worker_died
+    loop = CoreLoop(engine, inbox, outbox, spec.parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
+    outbox.send(pack([READY, ready_info(engine)]))
+    loop.run()
+    engine.close()
+    outbox.close(linger=1000)
+    inbox.close(linger=0)
+    return 0
+
+
+def _worker_died(message: str) -> None:
+    log.error("a tensor-parallel worker died (%s): the engine core stops", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def main() -> None:
+    spec: CoreSpec = pickle.load(sys.stdin.buffer)
+    _never_outlive(spec.parent_pid)
+    if cpus := os.environ.get(CPUS_ENV):  # before the first parallel region: OpenMP's threads inherit it
+        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the gateway leads the stop
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    code = serve(spec)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: _exit skips interpreter teardown, where gloo's and OpenMP's C++ threads could still be destroyed
+    # joinable ("terminate called without an active exception", exit -6) after a clean stop.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""One engine-core process, seen from the gateway: it starts the process, sends it requests and aborts over
+ZMQ, and turns its per-step delta frames back into each stream's cumulative outputs. Implements EngineClient;
+nothing here imports torch (the gateway process never starts an OpenMP thread team).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pagegate.config import EngineConfig
+from pagegate.engine.core_frames import (
+    ABORT,
+    CALL,
+    FAILED,
+    OUTPUTS,
+    READY,
+    REPLY,
+    SHUTDOWN,
+    CoreLoad,
+    CoreSpec,
+    OutputAssembler,
+    add_frame,
+    error_from_wire,
+    pack,
+    unpack,
+)
+from pagegate.engine.errors import EngineDeadError, InvalidParamError, ModelLoadError
+from pagegate.engine.limits import check_context, check_token_ids
+from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pool_snapshot import PoolSnapshot
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
+
+log = logging.getLogger("pagegate.gateway")
+
+STOP_TIMEOUT_S = 15.0  # a core that does not exit after `shutdown` in this long is killed
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, index: int = 0, env: dict[str, str] | None = None) -> None:
+        self.config, self.index, self._env = config, index, env
+        self.on_dead: Callable[[], None] | None = None
+        self.dead_error: BaseException | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self._streams: dict[str, asyncio.Queue[list[Any] | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._seqs_sent = 0
+        self._stopping = False
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.grammars: GrammarCompiler | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the core and wait until its model is loaded; ModelLoadError (or another) if it cannot start."""
+        loop = asyncio.get_running_loop()
+        self._dir = tempfile.mkdtemp(prefix="pagegate-core-")
+        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._context = zmq.asyncio.Context()
+        self._sender: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+        self._sender.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads everything each step
+        self._sender.bind(inbox)
+        self._receiver = self._context.socket(zmq.PULL)
+        self._receiver.setsockopt(zmq.RCVHWM, 0)
+        self._receiver.bind(outbox)
+        spec = CoreSpec(self.config, inbox, outbox, os.getpid(), logging.getLevelName(logging.getLogger().level))
+        self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.core_process"], stdin=subprocess.PIPE,
+                                        env=self._env)
+        assert self.process.stdin is not None
+        self.process.stdin.write(pickle.dumps(spec))
+        self.process.stdin.close()
+        self._ready = loop.create_future()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        info = await self._ready
+        self._take_info(info)
+
+    def _take_info(self, info: dict[str, Any]) -> None:
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.default_sampling: dict[str, float] = info["default_sampling"]
+        self.eos_token_ids: list[int] = info["eos_token_ids"]
+        self.tokenizer = Tokenizer.from_wire(info["tokenizer"]) if info["tokenizer"] is not None else None
+        self.load = CoreLoad.from_wire(info["load"])
+        if self.tokenizer is not None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    async def _watch(self) -> None:
+        """The core's exit, seen at once through a pidfd (a thread's waitpid where there is none)."""
+        process = self.process
+        assert process is not None
+        try:
+            fd = os.pidfd_open(process.pid)
+        except (AttributeError, OSError):
+            await asyncio.to_thread(process.wait)
+        else:
+            exited = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_reader(fd, exited.set)
+            try:
+                await exited.wait()
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        code = process.wait()
+        if self._ready is not None and not self._ready.done():  # its last frame (`failed`) may be in flight
+            await asyncio.wait([self._ready], timeout=1.0)
+        if not self._stopping:
+            self._die(EngineDeadError(f"the engine core exited with code {code}"))
+
+    def _die(self, error: BaseException) -> None:
+        first = self.dead_error is None
+        if first:
+            log.error("engine core %d: %s", self.index, error)
+        self.dead_error = self.dead_error or error
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        if first and self._ready is not None and self._ready.done() and self.on_dead is not None:
+            self.on_dead()
+
+    async def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Ask the core to stop (it aborts every request, freeing every page) and wait for it to exit."""
+        self._stopping = True
+        process = self.process
+        if process is not None and process.poll() is None:
+            self._send([SHUTDOWN])
+            try:
+                await asyncio.wait_for(asyncio.to_thread(process.wait), timeout)
+            except TimeoutError:
+                log.error("engine core %d did not stop in %.0f s: killed", self.index, timeout)
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        for task in self._tasks:
+            task.cancel()
+        self._sender.close(linger=0)
+        self._receiver.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and not self._stopping and self.process is not None
+
+    # ---- frames from the core --------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            frame = unpack(await self._receiver.recv())
+            kind = frame[0]
+            if kind == OUTPUTS:
+                for delta in frame[1]:
+                    stream = self._streams.get(delta[0])
+                    if stream is not None:
+                        stream.put_nowait(delta)
+                self.load = CoreLoad.from_wire(frame[2])
+            elif kind == REPLY:
+                future = self._calls.pop(frame[1], None)
+                if future is not None and not future.done():
+                    future.set_result(frame[3]) if frame[2] else future.set_exception(RuntimeError(frame[3]))
+            elif kind == READY and self._ready is not None:
+                self._ready.set_result(frame[1])
+            elif kind == FAILED and self._ready is not None and not self._ready.done():
+                name, message = frame[1], frame[2]
+                error = ModelLoadError(message) if name == "ModelLoadError" else RuntimeError(f"{name}: {message}")
+                self._ready.set_exception(error)
+
+    def _send(self, frame: list[Any]) -> None:
+        self._sender.send(pack(frame), zmq.NOBLOCK)
+
+    async def _call(self, name: str) -> Any:
+        """A question the core answers between two steps."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send([CALL, call_id, name])
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as they come; leaving the loop early aborts the request."""
+        self._check_alive()
+        text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
+        check_context(len(token_ids), params.max_tokens, self.max_model_len)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._seqs_sent += params.n
+        self._send(add_frame(request_id, text, token_ids, params, priority, cache_salt))
+        assembler = OutputAssembler(request_id, text, token_ids)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item[2] is not None:
+                    finished = True
+                    raise error_from_wire(item[2])
+                output = assembler.apply(item)
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary (InvalidParamError)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParamError("this model has no tokenizer: send the prompt as token ids", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            check_token_ids(token_ids, self.vocab_size, "prompt")
+        if not token_ids:
+            raise InvalidParamError("the prompt is empty", "prompt")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """The core frees the request's pages before its next step."""
+        if self.is_running:
+            self._send([ABORT, [request_id]])
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Check a constraint here, before the request is admitted (InvalidParamError when it is bad); the core
+        compiles its own matcher from the same source."""
+        if self.grammars is None:
+            raise InvalidParamError("this model has no tokenizer, so it cannot constrain its output",
+                                    "structured_outputs")
+        self.grammars.matcher(structured)
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+
+    # ---- counts ----------------------------------------------------------------------------------
+
+    def queue_load(self) -> tuple[int, int]:
+        """(sequences waiting, counting those still in flight to the core; running slots free)."""
+        in_flight = self._seqs_sent - self.load.seqs_taken
+        return in_flight + self.load.waiting_seqs, self.load.free_slots
+
+    def stats(self) -> EngineStats:
+        return self.load.stats
+
+    def health(self) -> EngineHealth:
+        return replace(self.load.health, engine_running=self.is_running)
+
+    async def pool_snapshot(self) -> PoolSnapshot:
+        return PoolSnapshot.from_wire(await self._call("snapshot"))
+
+    async def metrics_text(self) -> bytes:
+        """The core's Prometheus registry, rendered in the core."""
+        return bytes(await self._call("metrics"))

@@ -1,0 +1,210 @@
+"""`--data-parallel-size N`: N engine cores behind one gateway, each its own process, page pool and share of
+the CPU cores. A request goes to the core with the longest prefix hit, then the fewest pages in use."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import fields, replace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagegate.config import EngineConfig
+from pagegate.engine.core_frames import CPUS_ENV
+from pagegate.engine.observe.metrics import HEALTH_GRADES
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pool_snapshot import PoolSnapshot
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.gateway.core_client import CoreClient
+
+
+class PrefixIndex:
+    """Per core, the chained hashes of the full prompt blocks sent there, least recently sent first, at most as
+    many as the core has pages: a cheap guess at what each core's prefix cache holds.
+
+    NOTE: a guess made in the gateway, with no round trip: a core may have evicted a block since, and then the
+    request only loses its hit, never correctness."""
+
+    def __init__(self, num_cores: int, block_size: int, capacity: int) -> None:
+        self.block_size, self.capacity = block_size, capacity
+        self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_cores)]
+
+    def chain(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
+        size, parent, chain = self.block_size, hash(salt), []
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = hash((parent, tuple(token_ids[start:start + size])))
+            chain.append(parent)
+        return chain
+
+    def hits(self, core: int, chain: list[int]) -> int:
+        blocks, hit = self.blocks[core], 0
+        while hit < len(chain) and chain[hit] in blocks:
+            hit += 1
+        return hit
+
+    def record(self, core: int, chain: list[int]) -> None:
+        blocks = self.blocks[core]
+        for block in chain:
+            blocks[block] = None
+            blocks.move_to_end(block)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+
+class Replicas:
+    """EngineClient over several CoreClients."""
+
+    def __init__(self, cores: list[CoreClient], block_size: int) -> None:
+        self.cores = cores
+        first = cores[0]
+        self.model_name, self.tokenizer, self.max_model_len = first.model_name, first.tokenizer, first.max_model_len
+        self.vocab_size, self.default_sampling = first.vocab_size, first.default_sampling
+        self.on_dead: Callable[[], None] | None = None
+        for core in cores:
+            core.on_dead = self._core_died
+        self.prefixes = PrefixIndex(len(cores), block_size, first.stats().num_blocks)
+        self._unstarted_pages = [0] * len(cores)  # prompt pages routed whose prefill has not shown in the counts
+        self._owner: dict[str, CoreClient] = {}
+
+    @classmethod
+    async def start(cls, config: EngineConfig, size: int) -> Replicas:
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // size)
+        cores = []
+        for index in range(size):
+            mine = cpus[index * share:(index + 1) * share] or cpus[-share:]
+            env = {**os.environ, "OMP_NUM_THREADS": str(len(mine)), CPUS_ENV: ",".join(map(str, mine))}
+            cores.append(CoreClient(core_config(config, index), index, env))
+        results = await asyncio.gather(*(core.start() for core in cores), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(core.shutdown() for core in cores), return_exceptions=True)
+            raise errors[0]
+        return cls(cores, config.cache.block_size)
+
+    def _core_died(self) -> None:
+        if self.on_dead is not None:
+            self.on_dead()
+
+    # ---- routing -----------------------------------------------------------------------------------
+
+    def route(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """The core with the longest prefix hit, then the fewest pages in use (counting prefills on their way)."""
+        chain = self.prefixes.chain(token_ids, cache_salt)
+        index = max(range(len(self.cores)),
+                    key=lambda i: (self.prefixes.hits(i, chain), -self._pages_in_use(i), -i))
+        self.prefixes.record(index, chain)
+        return index
+
+    def _pages_in_use(self, index: int) -> int:
+        return self.cores[index].stats().used_blocks + self._unstarted_pages[index]
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        token_ids = self.cores[0].token_ids(prompt)
+        index = self.route(token_ids, cache_salt)
+        core = self.cores[index]
+        pages = -(-len(token_ids) // self.prefixes.block_size)
+        self._unstarted_pages[index] += pages
+        self._owner[request_id] = core
+        try:
+            async for output in core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt):
+                if pages:
+                    self._unstarted_pages[index] -= pages
+                    pages = 0
+                yield output
+        finally:
+            self._unstarted_pages[index] -= pages
+            self._owner.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        core = self._owner.get(request_id)
+        if core is not None:
+            core.abort(request_id)
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        self.cores[0].compile_grammar(structured)
+
+    # ---- counts ------------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return all(core.is_running for core in self.cores)
+
+    def queue_load(self) -> tuple[int, int]:
+        loads = [core.queue_load() for core in self.cores]
+        return sum(w for w, _ in loads), sum(f for _, f in loads)
+
+    def stats(self) -> EngineStats:
+        return sum_stats([core.stats() for core in self.cores])
+
+    def health(self) -> EngineHealth:
+        """The worst core's health, with the counts of all."""
+        healths = [core.health() for core in self.cores]
+        worst = max(healths, key=lambda h: HEALTH_GRADES.index(h.grade) if h.grade in HEALTH_GRADES else 0)
+        stats = self.stats()
+        return replace(worst, kv_cache_usage=stats.kv_cache_usage, waiting=stats.waiting, running=stats.running,
+                       swapped=stats.swapped, swaps_in_window=sum(h.swaps_in_window for h in healths),
+                       engine_running=self.is_running)
+
+    async def pool_snapshot(self) -> PoolSnapshot:
+        """The first core's pool (page ids are per pool, so pools are not merged)."""
+        return await self.cores[0].pool_snapshot()
+
+    async def metrics_text(self) -> bytes:
+        texts = await asyncio.gather(*(core.metrics_text() for core in self.cores))
+        return merge_metrics(texts)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(core.shutdown() for core in self.cores))
+
+
+def core_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Core `index`'s config: its own KV-event endpoints (tcp ports + index, ipc paths suffixed)."""
+    events = config.kv_events
+    if index == 0 or events is None or not events.enable_kv_cache_events:
+        return config
+    replay = _nth_endpoint(events.replay_endpoint, index) if events.replay_endpoint else None
+    return replace(config, kv_events=replace(events, endpoint=_nth_endpoint(events.endpoint, index),
+                                             replay_endpoint=replay))
+
+
+def _nth_endpoint(endpoint: str, index: int) -> str:
+    port = re.search(r":(\d+)$", endpoint)
+    if endpoint.startswith("tcp://") and port:
+        return f"{endpoint[:port.start()]}:{int(port.group(1)) + index}"
+    return f"{endpoint}-{index}"
+
+
+def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
+    totals = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)}
+    totals["kv_cache_usage"] = totals["used_blocks"] / totals["num_blocks"] if totals["num_blocks"] else 0.0
+    return EngineStats(**totals)
+
+
+def merge_metrics(texts: Sequence[bytes]) -> bytes:
+    """The cores' expositions as one, each sample labelled `engine="<index>"` (vLLM's label for the same)."""
+    merged: dict[str, Metric] = {}
+    for index, text in enumerate(texts):
+        for family in text_string_to_metric_families(text.decode()):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                         family.unit))
+            into.samples.extend(s._replace(labels={**s.labels, "engine": str(index)}) for s in family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(merged.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self.metrics
