@@ -3,10 +3,12 @@
     python -m bench.peers.served [--model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rounds 3]
 
 Both servers get the same threads; llama-server runs with --cont-batching and -np = streams (one server per
-stream count), pagegate once with --max-num-seqs 64. Every stream sends the same 128 random token ids and reads
-128 tokens (ignore_eos). Rounds alternate pagegate and llama-server; each figure is the median over rounds:
+stream count), pagegate once with --max-num-seqs 64. Every stream sends 128 random token ids, new ones each
+round (so neither server's prompt cache hits), and reads 128 tokens (ignore_eos). Rounds alternate pagegate and
+llama-server on the same prompts; each figure is the median over rounds:
 output tok/s, TTFT p50/p99, the servers' peak RSS, and pagegate's gateway CPU per output token (from /proc: what
-the seam between gateway and engine core costs). Prints a Markdown table and writes bench/results/served.json.
+the seam between gateway and engine core costs). Writes the table to docs/peers-served.md. On CPUs with AMX,
+llama-server runs with --no-repack (its repacking crashes on Q4_1 there).
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ def peak_rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-async def one_stream(client: openai.AsyncOpenAI, prompt: list[int]) -> tuple[float, int]:
-    """(seconds to the first token, tokens read) of one streamed completion."""
+async def one_stream(client: openai.AsyncOpenAI, model: str, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, chunks read) of one streamed completion."""
     started, first, tokens = time.perf_counter(), None, 0
-    stream = await client.completions.create(model="m", prompt=prompt, max_tokens=GEN, temperature=0, stream=True,
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=GEN, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -69,8 +71,9 @@ async def one_stream(client: openai.AsyncOpenAI, prompt: list[int]) -> tuple[flo
 async def load(base_url: str, prompts: list[list[int]]) -> dict[str, float]:
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600,
                                   http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=256))) as client:
+        model = (await client.models.list()).data[0].id
         started = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+        results = await asyncio.gather(*(one_stream(client, model, p) for p in prompts))
         duration = time.perf_counter() - started
     ttfts = sorted(t for t, _ in results)
     # a chunk can carry more than one token; ignore_eos makes every stream end at GEN
@@ -129,14 +132,15 @@ def run(model: Path, rounds: int, threads: int, no_repack: bool) -> dict[int, di
     try:
         vocab = gguf_vocab_size(model)
         for streams in STREAMS:
-            prompts = [rng.integers(10, vocab, PROMPT).tolist() for _ in range(streams)]
             process, theirs = start_llama_server(model, threads, streams, no_repack)
             try:
                 sides = {"pagegate": ours, "llama-server": theirs}
-                for served in sides.values():  # warm-up, not counted
-                    asyncio.run(load(served.base_url, prompts[:2]))
+                warm_up = [rng.integers(10, vocab, PROMPT).tolist() for _ in range(2)]
+                for served in sides.values():  # not counted
+                    asyncio.run(load(served.base_url, warm_up))
                 samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
                 for index in range(rounds):
+                    prompts = [rng.integers(10, vocab, PROMPT).tolist() for _ in range(streams)]
                     for side, served in sides.items():
                         samples[side].append(measure(served, prompts))
                         row = samples[side][-1]
@@ -171,13 +175,15 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=SMOLLM2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-repack", action="store_true",
-                        help="llama.cpp without weight repacking (its repacking crashes on Q4_1 on some Intel CPUs)")
     args = parser.parse_args()
     llamacpp.build()
-    results = run(args.model, args.rounds, args.threads, args.no_repack)
+    no_repack = llamacpp.repack_crashes()
+    results = run(args.model, args.rounds, args.threads, no_repack)
     text = table(results, args.model, args.threads, args.rounds)
     print(text)
+    note = " llama-server ran with --no-repack (AMX CPU)." if no_repack else ""
+    Path("docs/peers-served.md").write_text(f"Made by `python -m bench.peers.served --rounds {args.rounds}`.{note}\n\n"
+                                            + text)
     out = Path("bench/results/served.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
