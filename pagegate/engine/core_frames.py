@@ -83,18 +83,19 @@ def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params:
 @dataclass(frozen=True, slots=True)
 class CoreLoad:
     """Sent with every outputs frame: the core's counts after the step, what admission control weighs (waiting
-    sequences counting n choices each, running slots free) and how many sequences the core has taken from the
-    gateway so far (the rest are still in flight)."""
+    sequences counting n choices each, running slots free), and how many sequences the core has taken from the
+    gateway so far and how many aborts' sequences it has dropped (the rest are still in flight)."""
 
     stats: EngineStats
     health: EngineHealth
     waiting_seqs: int = 0
     free_slots: int = 0
     seqs_taken: int = 0
+    seqs_aborted: int = 0
 
     def to_wire(self) -> list[Any]:
         return [[getattr(self.stats, n) for n in _STATS_FIELDS], [getattr(self.health, n) for n in _HEALTH_FIELDS],
-                self.waiting_seqs, self.free_slots, self.seqs_taken]
+                self.waiting_seqs, self.free_slots, self.seqs_taken, self.seqs_aborted]
 
     @classmethod
     def from_wire(cls, wire: list[Any]) -> CoreLoad:

@@ -55,7 +55,7 @@ class CoreLoop:
     def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.deltas = DeltaWriter()
-        self.seqs_taken = 0
+        self.seqs_taken = self.seqs_aborted = 0
         self.stopping = False
 
     def run(self) -> None:
@@ -90,9 +90,10 @@ class CoreLoop:
         if kind == ADD:
             self._add(*frame[1:])
         elif kind == ABORT:
-            for request_id in frame[1]:
+            for request_id, num_seqs in frame[1]:  # counted even when the request had already ended
                 self.engine.abort(request_id)
                 self.deltas.forget(request_id)
+                self.seqs_aborted += num_seqs
         elif kind == CALL:
             self._answer(frame[1], frame[2])
         elif kind == SHUTDOWN:
@@ -128,7 +129,7 @@ class CoreLoop:
     def _load(self) -> list[Any]:
         engine, scheduler = self.engine, self.engine.scheduler
         return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
-                        self.seqs_taken).to_wire()
+                        self.seqs_taken, self.seqs_aborted).to_wire()
 
     def _send(self, frame: list[Any]) -> None:
         self.outbox.send(pack(frame))

@@ -61,7 +61,8 @@ class CoreClient:
         self._streams: dict[str, asyncio.Queue[list[Any] | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
-        self._seqs_sent = 0
+        self._seqs_sent = self._abort_seqs_sent = 0
+        self._open_seqs: dict[str, int] = {}  # request id -> its sequences, while its stream is open
         self._stopping = False
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -214,6 +215,7 @@ class CoreClient:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
+        self._open_seqs[request_id] = params.n
         self._seqs_sent += params.n
         self._send(add_frame(request_id, text, token_ids, params, priority, cache_salt))
         assembler = OutputAssembler(request_id, text, token_ids)
@@ -234,6 +236,7 @@ class CoreClient:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+            self._open_seqs.pop(request_id, None)
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids, checked against the vocabulary (InvalidParamError)."""
@@ -249,9 +252,11 @@ class CoreClient:
         return token_ids
 
     def abort(self, request_id: str) -> None:
-        """The core frees the request's pages before its next step."""
+        """The core frees the request's pages before its next step; admission counts them free already."""
         if self.is_running:
-            self._send([ABORT, [request_id]])
+            num_seqs = self._open_seqs.pop(request_id, 0)
+            self._abort_seqs_sent += num_seqs
+            self._send([ABORT, [[request_id, num_seqs]]])
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Check a constraint here, before the request is admitted (InvalidParamError when it is bad); the core
@@ -268,9 +273,11 @@ class CoreClient:
     # ---- counts ----------------------------------------------------------------------------------
 
     def queue_load(self) -> tuple[int, int]:
-        """(sequences waiting, counting those still in flight to the core; running slots free)."""
-        in_flight = self._seqs_sent - self.load.seqs_taken
-        return in_flight + self.load.waiting_seqs, self.load.free_slots
+        """(sequences waiting, counting those still on their way to the core; running slots free, counting those
+        of aborts on their way: an aborted sequence frees a waiting place or a running slot)."""
+        load = self.load
+        waiting = (self._seqs_sent - load.seqs_taken) + load.waiting_seqs - (self._abort_seqs_sent - load.seqs_aborted)
+        return max(waiting, 0), load.free_slots + max(-waiting, 0)
 
     def stats(self) -> EngineStats:
         return self.load.stats

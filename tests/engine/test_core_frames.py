@@ -10,8 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.core_frames import (CoreLoad, DeltaWriter, OutputAssembler, error_from_wire, error_to_wire,
-                                         pack, params_from_wire, params_to_wire, unpack)
+from pagegate.engine.core_frames import (
+    CoreLoad,
+    DeltaWriter,
+    OutputAssembler,
+    error_from_wire,
+    error_to_wire,
+    pack,
+    params_from_wire,
+    params_to_wire,
+    unpack,
+)
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 
@@ -81,5 +90,5 @@ def test_errors_keep_their_kind_and_counts_their_fields(engine) -> None:
     invalid = error_from_wire(unpack(pack(error_to_wire(InvalidParamError("too long", "max_tokens", "too_long")))))
     assert isinstance(invalid, InvalidParamError) and invalid.param == "max_tokens" and invalid.code == "too_long"
     assert isinstance(error_from_wire(error_to_wire("no pages left")), RequestFailedError)
-    load = CoreLoad(engine.stats(), engine.health(), 3, 5, 11)
+    load = CoreLoad(engine.stats(), engine.health(), 3, 5, 11, 2)
     assert CoreLoad.from_wire(unpack(pack(load.to_wire()))) == load
