@@ -1,4 +1,5 @@
-"""The frames between the gateway and an engine-core process: msgpack lists, `[kind, ...]`.
+"""The frames between the gateway and an engine-core process: msgpack lists, `[kind, ...]`, each behind its
+4-byte length on one Unix stream socket (a socketpair the core inherits).
 
 Gateway -> core: `add`, `abort`, `call` (a question answered between two steps), `shutdown`.
 Core -> gateway: `ready` (what the gateway needs to know of the model), `outputs` (one frame per step: what
@@ -7,6 +8,9 @@ each request that moved gained in it, then the core's counts), `reply`, `failed`
 NOTE: outputs cross as deltas (the new token ids, text and logprobs of each choice), not cumulative lists: a
 frame's size and its encoding stay O(batch), however long the generations get. The gateway's assembler appends
 them into the cumulative `RequestOutput`s that renderers read. Nothing here imports torch.
+
+NOTE: a socketpair, not ZMQ: each side's own thread writes and reads the socket, so a frame wakes no I/O thread
+(ZMQ runs one per process), and on a 2-core machine every wake-up steals time from the core's OpenMP team.
 """
 
 from __future__ import annotations
@@ -43,13 +47,38 @@ def unpack(data: bytes) -> list[Any]:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias and top logprobs: int keys
 
 
+def framed(frame: list[Any]) -> bytes:
+    """A frame as it goes on the socket: its length, then its msgpack bytes."""
+    payload = pack(frame)
+    return len(payload).to_bytes(4, "big") + payload
+
+
+class FrameReader:
+    """Bytes off the socket in, whole frames out (a frame may arrive in pieces, several in one read)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[list[Any]]:
+        buffer = self._buffer
+        buffer += data
+        frames, start = [], 0
+        while len(buffer) - start >= 4:
+            end = start + 4 + int.from_bytes(buffer[start:start + 4], "big")
+            if end > len(buffer):
+                break
+            frames.append(unpack(bytes(buffer[start + 4:end])))
+            start = end
+        del buffer[:start]
+        return frames
+
+
 @dataclass(frozen=True)
 class CoreSpec:
     """What the gateway hands a core on its stdin."""
 
     config: EngineConfig
-    inbox: str  # the gateway's PUSH socket: requests, aborts, calls
-    outbox: str  # the gateway's PULL socket: outputs, replies
+    socket_fd: int  # the core's end of the socketpair
     parent_pid: int
     log_level: str = "INFO"
 
@@ -149,6 +178,10 @@ class DeltaWriter:
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+
+    def is_new(self, request: Request) -> bool:
+        """Nothing of it was sent yet: its first token should not wait."""
+        return request.request_id not in self._sent
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The engine core in its own process: `python -m pagegate.engine.core_process`, started by the gateway.
 
-It reads its EngineConfig and two socket addresses from stdin, builds the Engine on its main thread (the only
-thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames the
-gateway sent, step, send one outputs frame per step. It never outlives the gateway.
+It reads its EngineConfig and the number of its socket from stdin, builds the Engine on its main thread (the
+only thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames
+the gateway sent, step, send one outputs frame per step. It never outlives the gateway.
 
 NOTE: detokenizing and stop strings stay in the core (Engine.postprocessor), unlike vLLM V1's frontend: a stop
 string then ends its sequence in the step that produced it, so its pages are freed at once and no token past it
@@ -16,11 +16,12 @@ import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
+import socket
 import sys
-from typing import Any
-
-import zmq
+import time
+from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.core_frames import (
     ABORT,
@@ -35,28 +36,37 @@ from pagegate.engine.core_frames import (
     CoreLoad,
     CoreSpec,
     DeltaWriter,
+    FrameReader,
     error_to_wire,
-    pack,
+    framed,
     params_from_wire,
-    unpack,
 )
 from pagegate.engine.engine import Engine
 from pagegate.engine.pool_snapshot import take_snapshot
 
+if TYPE_CHECKING:
+    from pagegate.engine.sequence import Request
+
 log = logging.getLogger("pagegate.core")
 
 _PR_SET_PDEATHSIG = 1
-IDLE_POLL_MS = 500  # an idle core wakes this often to check that its gateway is still there
+OUTPUT_INTERVAL_S = 0.01  # outputs frames at most this often, except the urgent ones (CoreLoop._flush)
+IDLE_POLL_MS = 500  # an idle core wakes this often (SIGTERM sets `stopping` between two polls)
 
 
 class CoreLoop:
-    """Frames in, steps, frames out; the Engine is used from this thread only."""
+    """Frames in, steps, frames out; the Engine and the socket are used from this thread only."""
 
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
-        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+        self.engine, self.sock = engine, sock
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
+        self.reader = FrameReader()
         self.deltas = DeltaWriter()
         self.seqs_taken = self.seqs_aborted = 0
         self.stopping = False
+        self.unsent: dict[str, Request] = {}  # requests that moved since the last outputs frame
+        self.last_sent = 0.0
 
     def run(self) -> None:
         while not self.stopping:
@@ -65,25 +75,42 @@ class CoreLoop:
             if self.stopping:
                 break
             if self.engine.has_unfinished():
-                moved = self.engine.step_requests()
-                self._send([OUTPUTS, [self.deltas.delta(r) for r in moved], self._load()])
-            elif took:  # aborts freed pages, or an add failed: the gateway's counts must see it
-                self._send([OUTPUTS, [], self._load()])
-            elif os.getppid() != self.parent_pid:
-                log.error("the gateway is gone: the engine core stops")
-                break
+                urgent = False
+                for request in self.engine.step_requests():
+                    self.unsent[request.request_id] = request
+                    urgent = urgent or request.finished or request.error is not None or self.deltas.is_new(request)
+                self._flush(urgent)
+            elif took or self.unsent:  # aborts freed pages, or an add failed: the gateway's counts must see it
+                self._flush(True)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
 
+    def _flush(self, urgent: bool) -> None:
+        """One outputs frame for what moved since the last, unless the last went out under OUTPUT_INTERVAL_S ago
+        and nothing is urgent (a first token, a finish, a failure, an idle engine).
+
+        NOTE: a small model steps every ~2 ms; a frame a step would cost the gateway (HTTP, JSON, SSE per chunk)
+        CPU that the core's OpenMP threads are waiting for on a small machine. Coalesced, a stream gets its tokens
+        a few at a time every 10 ms: no later than a reader notices, and time to first token is unchanged."""
+        now = time.monotonic()
+        if not urgent and self.engine.has_unfinished() and now - self.last_sent < OUTPUT_INTERVAL_S:
+            return
+        self._send([OUTPUTS, [self.deltas.delta(r) for r in self.unsent.values()], self._load()])
+        self.unsent.clear()
+        self.last_sent = now
+
     def _take_frames(self, timeout_ms: int) -> bool:
-        if not self.inbox.poll(timeout_ms):
-            return False
-        while True:
-            try:
-                frame = unpack(self.inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return True
-            self._handle(frame)
+        took = False
+        while self.poller.poll(timeout_ms):
+            data = self.sock.recv(1 << 20)
+            if not data:
+                log.error("the gateway is gone: the engine core stops")
+                self.stopping = True
+                return took
+            for frame in self.reader.feed(data):
+                self._handle(frame)
+            took, timeout_ms = True, 0
+        return took
 
     def _handle(self, frame: list[Any]) -> None:
         kind = frame[0]
@@ -93,6 +120,7 @@ class CoreLoop:
             for request_id, num_seqs in frame[1]:  # counted even when the request had already ended
                 self.engine.abort(request_id)
                 self.deltas.forget(request_id)
+                self.unsent.pop(request_id, None)
                 self.seqs_aborted += num_seqs
         elif kind == CALL:
             self._answer(frame[1], frame[2])
@@ -132,7 +160,7 @@ class CoreLoop:
                         self.seqs_taken, self.seqs_aborted).to_wire()
 
     def _send(self, frame: list[Any]) -> None:
-        self.outbox.send(pack(frame))
+        self.sock.sendall(framed(frame))
 
 
 def ready_info(engine: Engine) -> dict[str, Any]:
@@ -152,26 +180,21 @@ def _never_outlive(parent_pid: int) -> None:
 
 
 def serve(spec: CoreSpec) -> int:
-    context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inbox.connect(spec.inbox)
-    outbox.connect(spec.outbox)
+    sock = socket.socket(fileno=spec.socket_fd)
     try:
         engine = Engine(spec.config)
     except Exception as error:
         log.debug("the engine failed to start", exc_info=True)
-        outbox.send(pack([FAILED, type(error).__name__, str(error)]))
-        outbox.close(linger=2000)
+        sock.sendall(framed([FAILED, type(error).__name__, str(error)]))
         return 1
     if engine.runner.workers is not None:  # a dead rank: end here, the gateway sees the exit and fails streams
         engine.runner.workers.on_death = _worker_died
-    loop = CoreLoop(engine, inbox, outbox, spec.parent_pid)
+    loop = CoreLoop(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
-    outbox.send(pack([READY, ready_info(engine)]))
+    sock.sendall(framed([READY, ready_info(engine)]))
     loop.run()
     engine.close()
-    outbox.close(linger=1000)
-    inbox.close(linger=0)
+    sock.close()
     return 0
 
 

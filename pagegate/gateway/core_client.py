@@ -1,5 +1,5 @@
-"""One engine-core process, seen from the gateway: it starts the process, sends it requests and aborts over
-ZMQ, and turns its per-step delta frames back into each stream's cumulative outputs. Implements EngineClient;
+"""One engine-core process, seen from the gateway: it starts the process, sends it requests and aborts over a
+socketpair, and turns its per-step delta frames back into each stream's cumulative outputs. Implements EngineClient;
 nothing here imports torch (the gateway process never starts an OpenMP thread team).
 """
 
@@ -10,16 +10,12 @@ import itertools
 import logging
 import os
 import pickle
-import shutil
+import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from pagegate.config import EngineConfig
 from pagegate.engine.core_frames import (
@@ -32,11 +28,11 @@ from pagegate.engine.core_frames import (
     SHUTDOWN,
     CoreLoad,
     CoreSpec,
+    FrameReader,
     OutputAssembler,
     add_frame,
     error_from_wire,
-    pack,
-    unpack,
+    framed,
 )
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, ModelLoadError
 from pagegate.engine.limits import check_context, check_token_ids
@@ -52,6 +48,17 @@ log = logging.getLogger("pagegate.gateway")
 STOP_TIMEOUT_S = 15.0  # a core that does not exit after `shutdown` in this long is killed
 
 
+class _CoreProtocol(asyncio.Protocol):
+    """The gateway's end of the socketpair: each whole frame to `take`, on the event loop."""
+
+    def __init__(self, take: Callable[[list[Any]], None]) -> None:
+        self.take, self.reader = take, FrameReader()
+
+    def data_received(self, data: bytes) -> None:
+        for frame in self.reader.feed(data):
+            self.take(frame)
+
+
 class CoreClient:
     def __init__(self, config: EngineConfig, index: int = 0, env: dict[str, str] | None = None) -> None:
         self.config, self.index, self._env = config, index, env
@@ -65,6 +72,8 @@ class CoreClient:
         self._open_seqs: dict[str, int] = {}  # request id -> its sequences, while its stream is open
         self._stopping = False
         self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._load_wire: list[Any] = []
+        self._load: CoreLoad | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.grammars: GrammarCompiler | None = None
 
@@ -73,23 +82,17 @@ class CoreClient:
     async def start(self) -> None:
         """Start the core and wait until its model is loaded; ModelLoadError (or another) if it cannot start."""
         loop = asyncio.get_running_loop()
-        self._dir = tempfile.mkdtemp(prefix="pagegate-core-")
-        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._context = zmq.asyncio.Context()
-        self._sender: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-        self._sender.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads everything each step
-        self._sender.bind(inbox)
-        self._receiver = self._context.socket(zmq.PULL)
-        self._receiver.setsockopt(zmq.RCVHWM, 0)
-        self._receiver.bind(outbox)
-        spec = CoreSpec(self.config, inbox, outbox, os.getpid(), logging.getLevelName(logging.getLogger().level))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spec = CoreSpec(self.config, theirs.fileno(), os.getpid(), logging.getLevelName(logging.getLogger().level))
         self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.core_process"], stdin=subprocess.PIPE,
-                                        env=self._env)
+                                        env=self._env, pass_fds=(theirs.fileno(),))
+        theirs.close()
         assert self.process.stdin is not None
         self.process.stdin.write(pickle.dumps(spec))
         self.process.stdin.close()
+        self._transport, _ = await loop.create_connection(lambda: _CoreProtocol(self._take), sock=ours)
         self._ready = loop.create_future()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        self._tasks = [loop.create_task(self._watch())]
         info = await self._ready
         self._take_info(info)
 
@@ -100,7 +103,7 @@ class CoreClient:
         self.default_sampling: dict[str, float] = info["default_sampling"]
         self.eos_token_ids: list[int] = info["eos_token_ids"]
         self.tokenizer = Tokenizer.from_wire(info["tokenizer"]) if info["tokenizer"] is not None else None
-        self.load = CoreLoad.from_wire(info["load"])
+        self._load_wire, self._load = info["load"], None
         if self.tokenizer is not None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
@@ -156,10 +159,7 @@ class CoreClient:
                 await asyncio.to_thread(process.wait)
         for task in self._tasks:
             task.cancel()
-        self._sender.close(linger=0)
-        self._receiver.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._transport.close()
 
     @property
     def is_running(self) -> bool:
@@ -167,29 +167,27 @@ class CoreClient:
 
     # ---- frames from the core --------------------------------------------------------------------
 
-    async def _read(self) -> None:
-        while True:
-            frame = unpack(await self._receiver.recv())
-            kind = frame[0]
-            if kind == OUTPUTS:
-                for delta in frame[1]:
-                    stream = self._streams.get(delta[0])
-                    if stream is not None:
-                        stream.put_nowait(delta)
-                self.load = CoreLoad.from_wire(frame[2])
-            elif kind == REPLY:
-                future = self._calls.pop(frame[1], None)
-                if future is not None and not future.done():
-                    future.set_result(frame[3]) if frame[2] else future.set_exception(RuntimeError(frame[3]))
-            elif kind == READY and self._ready is not None:
-                self._ready.set_result(frame[1])
-            elif kind == FAILED and self._ready is not None and not self._ready.done():
-                name, message = frame[1], frame[2]
-                error = ModelLoadError(message) if name == "ModelLoadError" else RuntimeError(f"{name}: {message}")
-                self._ready.set_exception(error)
+    def _take(self, frame: list[Any]) -> None:
+        kind = frame[0]
+        if kind == OUTPUTS:
+            for delta in frame[1]:
+                stream = self._streams.get(delta[0])
+                if stream is not None:
+                    stream.put_nowait(delta)
+            self._load_wire, self._load = frame[2], None
+        elif kind == REPLY:
+            future = self._calls.pop(frame[1], None)
+            if future is not None and not future.done():
+                future.set_result(frame[3]) if frame[2] else future.set_exception(RuntimeError(frame[3]))
+        elif kind == READY and self._ready is not None:
+            self._ready.set_result(frame[1])
+        elif kind == FAILED and self._ready is not None and not self._ready.done():
+            name, message = frame[1], frame[2]
+            error = ModelLoadError(message) if name == "ModelLoadError" else RuntimeError(f"{name}: {message}")
+            self._ready.set_exception(error)
 
     def _send(self, frame: list[Any]) -> None:
-        self._sender.send(pack(frame), zmq.NOBLOCK)
+        self._transport.write(framed(frame))  # buffered by the transport: the event loop never blocks on it
 
     async def _call(self, name: str) -> Any:
         """A question the core answers between two steps."""
@@ -271,6 +269,13 @@ class CoreClient:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
 
     # ---- counts ----------------------------------------------------------------------------------
+
+    @property
+    def load(self) -> CoreLoad:
+        """The core's latest counts (decoded when read: most frames' are never looked at)."""
+        if self._load is None:
+            self._load = CoreLoad.from_wire(self._load_wire)
+        return self._load
 
     def queue_load(self) -> tuple[int, int]:
         """(sequences waiting, counting those still on their way to the core; running slots free, counting those
