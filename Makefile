@@ -32,10 +32,16 @@ test: $(STAMP) $(SMOLLM2)
 bench: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
 
-# pagegate vs llama.cpp (built once from the llama-cpp-python sdist into .cache/peers) -> docs/peers.{md,png}
+# pagegate vs llama.cpp (built once from the llama-cpp-python sdist into .cache/peers) -> docs/peers.{md,png};
+# then the served engine against itself offline (main thread), and `pagegate serve` against `llama-server`
 bench-peers: $(STAMP) $(SMOLLM2)
 	command -v cmake >/dev/null || (apt-get update && apt-get install -y cmake)
 	$(PY) -m bench.peers.compare --models default,smollm2,llama100m $(ARGS)
+	$(PY) bench/serve.py --launch --offline --num-prompts 1 --concurrency 1 --output-len 1024 --rounds 7 \
+		--png '' --out bench/results/served-vs-offline-default.json
+	$(PY) bench/serve.py --launch --offline --num-prompts 1 --concurrency 1 --output-len 256 --rounds 7 \
+		--model $(SMOLLM2) --png '' --out bench/results/served-vs-offline-smollm2.json
+	$(PY) -m bench.peers.served --rounds 3
 
 lint: $(STAMP)
 	$(PY) -m ruff check pagegate tests bench scripts
