@@ -2,7 +2,8 @@
 
 It reads its EngineConfig and the number of its socket from stdin, builds the Engine on its main thread (the
 only thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames
-the gateway sent, step, send one outputs frame per step. It never outlives the gateway.
+the gateway sent, step, send what moved (a frame a step, or one per OUTPUT_INTERVAL_S when steps are faster).
+It never outlives the gateway.
 
 NOTE: detokenizing and stop strings stay in the core (Engine.postprocessor), unlike vLLM V1's frontend: a stop
 string then ends its sequence in the step that produced it, so its pages are freed at once and no token past it

@@ -129,6 +129,11 @@ def check_killed_core(replicas: ServerProcess, core: int) -> None:
         os.kill(core, signal.SIGKILL)  # idle cores tie on load: a new prompt goes to core 0
         rest = list(lines)  # must end, never hang
     assert any('"error"' in line for line in rest), rest[-5:]
+    try:
+        health = httpx.get(replicas.base_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        health = 0  # already gone: the server exits as soon as it sees the core die
+    assert health != 200
     replicas.process.wait(DEADLINE_S)
     assert replicas.process.returncode not in (0, None)
     assert "exited with code" in replicas.log()
