@@ -110,7 +110,7 @@ class EngineHost:
     async def stop(self) -> None:
         self.drain()
         if self._load_task is not None and not self._load_task.done():
-            await asyncio.shield(self._load_task)  # a half-built engine still owns a thread and pages
+            await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         if self.engine is not None:
             await self.engine.shutdown()
             stats = self.stats()
