@@ -1,6 +1,6 @@
 """pagegate against llama.cpp on the same CPU: decode, prefill and 64 parallel requests, as ratios.
 
-    python -m bench.peers.compare [--rounds 3] [--models default,smollm2,llama100m] [--threads 2]
+    python -m bench.peers.compare [--rounds 3] [--models default,smollm2,smollm2-q4km,llama100m] [--threads 2]
 
 Both sides get the same thread count. A round measures pagegate, then llama.cpp, for every figure; rounds
 alternate so that drift on a shared machine lands on both; each figure is the median over rounds. pagegate is
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bench.peers import llamacpp
+from bench.peers.roofline import read_bandwidth_gbs, roofline_tok_s
 from pagegate import LLM, SamplingParams
 from pagegate.engine.loading.loader import DEFAULT_MODEL
 
@@ -54,10 +55,13 @@ def prepare(name: str) -> tuple[str | None, Path]:
         return None, llamacpp.convert(DEFAULT_MODEL, llamacpp.CACHE / "gguf" / "default_model.gguf")
     if name == "smollm2":
         return str(SMOLLM2), SMOLLM2
+    if name == "smollm2-q4km":  # the K-quant most downloads use, made from the Q4_1 file (only speed is judged)
+        gguf = llamacpp.quantize(SMOLLM2, llamacpp.CACHE / "gguf" / "SmolLM2-135M-Instruct.Q4_K_M.gguf")
+        return str(gguf), gguf
     if name == "llama100m":
         folder = random_llama(llamacpp.CACHE / "models" / "llama-100m")
         return str(folder), llamacpp.convert(folder, llamacpp.CACHE / "gguf" / "llama-100m.gguf")
-    raise SystemExit(f"unknown model {name!r}: default, smollm2 or llama100m")
+    raise SystemExit(f"unknown model {name!r}: default, smollm2, smollm2-q4km or llama100m")
 
 
 def parallel_prompt_lens(seed: int = 0) -> list[int]:
@@ -117,8 +121,8 @@ def llamacpp_round(gguf: Path, threads: int) -> dict[str, float]:
     return figures
 
 
-def measure(name: str, rounds: int, threads: int) -> dict[str, dict[str, float]]:
-    """{"pagegate" | "llama.cpp": {figure: median tok/s}} for one model."""
+def measure(name: str, rounds: int, threads: int, bandwidth_gbs: float) -> dict[str, dict[str, float]]:
+    """{"pagegate" | "llama.cpp": {figure: median tok/s}, "roofline": {"decode": tok/s}} for one model."""
     pagegate_model, gguf = prepare(name)
     runner = PagegateRunner(pagegate_model)
     sides: dict[str, Callable[[], dict[str, float]]] = {
@@ -131,17 +135,23 @@ def measure(name: str, rounds: int, threads: int) -> dict[str, dict[str, float]]
             samples[side].append(run())
             print(f"{name} round {i + 1} {side}: " + ", ".join(f"{f} {v:.1f}" for f, v in samples[side][-1].items()),
                   flush=True)
-    return {side: {f: statistics.median(s[f] for s in rows) for f in FIGURES} for side, rows in samples.items()}
+    medians = {side: {f: statistics.median(s[f] for s in rows) for f in FIGURES} for side, rows in samples.items()}
+    return {**medians, "roofline": {"decode": roofline_tok_s(gguf, bandwidth_gbs)}}
 
 
-def table(results: dict[str, dict[str, dict[str, float]]], threads: int, rounds: int) -> str:
-    """Markdown: per model and figure, pagegate / llama.cpp with both tok/s figures."""
+def table(results: dict[str, dict[str, dict[str, float]]], threads: int, rounds: int, bandwidth_gbs: float) -> str:
+    """Markdown: per model and figure, pagegate / llama.cpp with both tok/s figures; decode also as a share of
+    the roofline (read bandwidth / weight bytes per token)."""
     lines = [f"pagegate / llama.cpp, {threads} threads each, median of {rounds} alternating rounds "
-             "(ratio, then pagegate and llama.cpp tok/s).", "",
-             "| model | " + " | ".join(FIGURES.values()) + " |", "|---" * (len(FIGURES) + 1) + "|"]
+             f"(ratio, then pagegate and llama.cpp tok/s). Decode roofline: {bandwidth_gbs:.1f} GB/s read bandwidth "
+             f"({threads} threads) / the weight bytes a token reads; the share of it each side reaches.", "",
+             "| model | " + " | ".join(FIGURES.values()) + " | decode roofline tok/s (pagegate / llama.cpp share) |",
+             "|---" * (len(FIGURES) + 2) + "|"]
     for name, sides in results.items():
         cells = [f"{sides['pagegate'][f] / sides['llama.cpp'][f]:.2f}× ({sides['pagegate'][f]:.0f} / "
                  f"{sides['llama.cpp'][f]:.0f})" for f in FIGURES]
+        roof = sides["roofline"]["decode"]
+        cells.append(f"{roof:.0f} ({sides['pagegate']['decode'] / roof:.0%} / {sides['llama.cpp']['decode'] / roof:.0%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -176,8 +186,10 @@ def main() -> None:
     built = llamacpp.build()
     if built:
         print(f"built llama.cpp in {built:.0f} s")
-    results = {name: measure(name, args.rounds, args.threads) for name in args.models.split(",")}
-    text = table(results, args.threads, args.rounds)
+    bandwidth = read_bandwidth_gbs(args.threads)
+    print(f"read bandwidth, {args.threads} threads: {bandwidth:.1f} GB/s", flush=True)
+    results = {name: measure(name, args.rounds, args.threads, bandwidth) for name in args.models.split(",")}
+    text = table(results, args.threads, args.rounds, bandwidth)
     print(text)
     DOCS.mkdir(exist_ok=True)
     (DOCS / "peers.md").write_text(f"Made by `python -m bench.peers.compare --rounds {args.rounds} "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 CACHE = Path(".cache/peers")
 SDIST = "llama-cpp-python"
-TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -87,6 +87,18 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32", cache: Path = CACH
     converter = [sys.executable, str(Path(__file__).with_name("convert_gguf.py")), str(source)]
     subprocess.run([*converter, pre_tokenizer(model_dir), str(model_dir), "--outfile", str(partial),
                     "--outtype", outtype], check=True)
+    partial.rename(out)
+    return out
+
+
+def quantize(source: Path, out: Path, kind: str = "Q4_K_M") -> Path:
+    """`source` requantized to `kind` by llama.cpp's own llama-quantize (once)."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".part")
+    subprocess.run([str(binary("llama-quantize")), "--allow-requantize", str(source), str(partial), kind], check=True,
+                   capture_output=True)
     partial.rename(out)
     return out
 
