@@ -286,18 +286,13 @@ def process_cpu_s(pid: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    """The server's engine-core processes (and tensor-parallel workers below them are theirs)."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def cores_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds of every process below the server: its engine cores and their tensor-parallel workers."""
     if pid is None:
         return None
-    return sum(process_cpu_s(child) or 0.0 for child in children(pid))
+    from pagegate.testing.launcher import descendants
+
+    return sum(process_cpu_s(child) or 0.0 for child in descendants(pid))
 
 
 def cpu_delta(before: float | None, after: float | None) -> float | None:

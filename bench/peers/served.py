@@ -28,8 +28,8 @@ import numpy as np
 import openai
 
 from bench.peers import llamacpp
-from bench.serve import children, process_cpu_s
-from pagegate.testing.launcher import ServerProcess, free_port
+from bench.serve import process_cpu_s
+from pagegate.testing.launcher import ServerProcess, descendants, free_port
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 PROMPT, GEN = 128, 128
@@ -127,7 +127,7 @@ def run(model: Path, rounds: int, threads: int, no_repack: bool) -> dict[int, di
     pagegate = ServerProcess(["--model", str(model), "--max-num-seqs", "64", "--max-queue", "-1", "--grpc-port", "0",
                               "--disable-uvicorn-access-log", "--disable-dashboard"]).start()
     gateway_pid = pagegate.process.pid
-    ours = Served(pagegate.base_url + "/v1", lambda: [gateway_pid, *children(gateway_pid)], gateway_pid)
+    ours = Served(pagegate.base_url + "/v1", lambda: [gateway_pid, *descendants(gateway_pid)], gateway_pid)
     results: dict[int, dict[str, dict[str, float]]] = {}
     try:
         vocab = gguf_vocab_size(model)

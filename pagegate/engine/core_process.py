@@ -96,7 +96,7 @@ class CoreLoop:
         now = time.monotonic()
         if not urgent and self.engine.has_unfinished() and now - self.last_sent < OUTPUT_INTERVAL_S:
             return
-        self._send([OUTPUTS, [self.deltas.delta(r) for r in self.unsent.values()], self._load()])
+        self._send([OUTPUTS, [self.deltas.delta(r) for r in self.unsent.values()], self.load()])
         self.unsent.clear()
         self.last_sent = now
 
@@ -137,7 +137,7 @@ class CoreLoop:
             request.prompt = prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core
-            self._send([OUTPUTS, [[request_id, True, error_to_wire(error), 0, None, []]], self._load()])
+            self._send([OUTPUTS, [[request_id, True, error_to_wire(error), 0, None, []]], self.load()])
 
     def _answer(self, call_id: int, name: str) -> None:
         try:
@@ -155,7 +155,7 @@ class CoreLoop:
 
         return generate_latest(self.engine.metrics.registry)
 
-    def _load(self) -> list[Any]:
+    def load(self) -> list[Any]:
         engine, scheduler = self.engine, self.engine.scheduler
         return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
                         self.seqs_taken, self.seqs_aborted).to_wire()
@@ -164,13 +164,14 @@ class CoreLoop:
         self.sock.sendall(framed(frame))
 
 
-def ready_info(engine: Engine) -> dict[str, Any]:
+def ready_info(loop: CoreLoop) -> dict[str, Any]:
     """What the gateway needs to validate, tokenize and render without a model of its own."""
+    engine = loop.engine
     return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
             "vocab_size": engine.model_config.vocab_size, "eos_token_ids": list(engine.eos_token_ids),
             "default_sampling": engine.runner.generation.sampling_overrides(),
             "tokenizer": engine.tokenizer.to_wire() if engine.tokenizer is not None else None,
-            "load": CoreLoad(engine.stats(), engine.health(), 0, engine.scheduler.free_slots).to_wire()}
+            "load": loop.load()}
 
 
 def _never_outlive(parent_pid: int) -> None:
@@ -192,7 +193,7 @@ def serve(spec: CoreSpec) -> int:
         engine.runner.workers.on_death = _worker_died
     loop = CoreLoop(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
-    sock.sendall(framed([READY, ready_info(engine)]))
+    sock.sendall(framed([READY, ready_info(loop)]))
     loop.run()
     engine.close()
     sock.close()

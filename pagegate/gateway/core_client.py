@@ -74,7 +74,7 @@ class CoreClient:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._load_wire: list[Any] = []
         self._load: CoreLoad | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watcher: asyncio.Task[None] | None = None
         self.grammars: GrammarCompiler | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class CoreClient:
         self.process.stdin.close()
         self._transport, _ = await loop.create_connection(lambda: _CoreProtocol(self._take), sock=ours)
         self._ready = loop.create_future()
-        self._tasks = [loop.create_task(self._watch())]
+        self._watcher = loop.create_task(self._watch())
         info = await self._ready
         self._take_info(info)
 
@@ -157,8 +157,8 @@ class CoreClient:
                 log.error("engine core %d did not stop in %.0f s: killed", self.index, timeout)
                 process.kill()
                 await asyncio.to_thread(process.wait)
-        for task in self._tasks:
-            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         self._transport.close()
 
     @property

@@ -47,6 +47,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    """Wait until none of `pids` runs (or the timeout); the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
 def core_pids(server_pid: int) -> list[int]:
     """A server's engine-core processes (`python -m pagegate.engine.core_process`)."""
     found = []

@@ -14,7 +14,7 @@ import openai
 import zmq
 
 from pagegate.testing.kv_index import PageIndex
-from pagegate.testing.launcher import ServerProcess, alive, core_pids, descendants, free_port
+from pagegate.testing.launcher import ServerProcess, core_pids, descendants, free_port, wait_gone
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
@@ -24,13 +24,6 @@ DEADLINE_S = 60.0
 
 def mapped_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
-
-
-def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [pid for pid in pids if alive(pid)]
 
 
 def engine_sample(text: str, name: str, engine: int) -> float:

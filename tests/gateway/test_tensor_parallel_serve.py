@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from pagegate.testing.launcher import ServerProcess, alive, descendants
+from pagegate.testing.launcher import ServerProcess, descendants, wait_gone
 
 ARGS = ["--tensor-parallel-size", "2", "--device", "cpu", "--grpc-port", "0", "--kv-cache-memory", "64MiB",
         "--distributed-timeout", "20", "--disable-uvicorn-access-log"]
@@ -31,10 +31,7 @@ def test_sdk_through_two_ranks_and_sigterm_leaves_nothing() -> None:
     finally:
         code = server.stop()
     assert code == 0, server.log()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in workers)
+    assert wait_gone(workers, 10) == []
 
 
 def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
@@ -58,9 +55,6 @@ def test_a_dead_worker_fails_health_and_the_server_exits_non_zero() -> None:
         server.process.wait(30)
         assert server.process.returncode not in (0, None), server.log()
         assert "exited with code" in server.log()
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in workers), "a process of the dead engine outlived the server"
+        assert wait_gone(workers, 10) == [], "a process of the dead engine outlived the server"
     finally:
         server.stop()
