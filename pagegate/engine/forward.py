@@ -8,15 +8,20 @@ import torch
 from pagegate.engine.kv_cache import PagedKVCache
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.layers import AttentionMetadata
+from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import StepInputs
 
 
 @torch.inference_mode()
-def forward(model: CausalLM, kv_cache: PagedKVCache, step: StepInputs) -> torch.Tensor:
-    """Swap out, copy on write, swap in, then hidden states [T, hidden] of the step's tokens."""
+def forward(model: CausalLM, kv_cache: PagedKVCache, step: StepInputs,
+            native: NativeDecoder | None = None) -> torch.Tensor:
+    """Swap out, copy on write, swap in, then hidden states [T, hidden] of the step's tokens (on the native
+    decoder when there is one and it takes the step)."""
     kv_cache.swap_out(step.swap_out)
     kv_cache.copy(step.copies)
     kv_cache.swap_in(step.swap_in)
+    if native is not None and native.takes(step):
+        return native.forward(step)
     device = model.device
 
     def tensor(array: np.ndarray) -> torch.Tensor:

@@ -12,6 +12,7 @@ from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockTables
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.scheduler import ScheduledBatch
@@ -54,6 +55,8 @@ class ModelRunner:
         m, cache = self.model, config.cache
         self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
                                      m.dtype, self.device, self.num_cpu_blocks)
+        self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
+        log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
 
     def _size_kv_cache(self) -> tuple[int, int]:
         """Device and CPU pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which
@@ -100,9 +103,9 @@ class ModelRunner:
                           batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
         if self.workers is not None:
             self.workers.channel.send(step)
-        hidden = forward(self.model, self.kv_cache, step)
+        hidden = forward(self.model, self.kv_cache, step, self.native)
         last = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)]
-        return self.model.compute_logits(hidden[last])
+        return (self.native or self.model).compute_logits(hidden[last])
 
     def close(self, graceful: bool = True) -> None:
         """End the tensor-parallel workers."""

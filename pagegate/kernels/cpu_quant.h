@@ -1,9 +1,33 @@
-/* The C of pagegate/kernels/cpu_quant.pyx: included by the Cython module, readable by C tools. */
+/* The C of pagegate/kernels/cpu_quant.pyx: GGUF block formats decoded to float32, and the float
+   matmul over them. Included by the Cython modules, readable by C tools. */
 #ifndef PAGEGATE_CPU_QUANT_H
 #define PAGEGATE_CPU_QUANT_H
 
 #include <stdint.h>
 #include <string.h>
+
+/* ggml's type ids. A row of K weights is K / 32 sub-blocks of 32; the K-quants group 8 of them
+   into a 256-weight super-block that shares one header. */
+enum { PGQ_F32 = 0, PGQ_F16 = 1, PGQ_Q4_0 = 2, PGQ_Q4_1 = 3, PGQ_Q5_0 = 6, PGQ_Q5_1 = 7, PGQ_Q8_0 = 8,
+       PGQ_Q4_K = 12, PGQ_Q5_K = 13, PGQ_Q6_K = 14 };
+
+static inline int pgq_is_k_quant(int qtype) { return qtype >= PGQ_Q4_K; }
+static inline int pgq_block_elems(int qtype) { return pgq_is_k_quant(qtype) ? 256 : 32; }
+static inline int pgq_block_bytes(int qtype) {
+    switch (qtype) {
+        case PGQ_F32: return 128;
+        case PGQ_F16: return 64;
+        case PGQ_Q4_0: return 18;
+        case PGQ_Q4_1: return 20;
+        case PGQ_Q5_0: return 22;
+        case PGQ_Q5_1: return 24;
+        case PGQ_Q8_0: return 34;
+        case PGQ_Q4_K: return 144;
+        case PGQ_Q5_K: return 176;
+        case PGQ_Q6_K: return 210;
+        default: return 0;
+    }
+}
 
 static float pgq_half_table[65536];  /* float16 bits -> float32, filled once at import */
 
@@ -25,47 +49,106 @@ static inline float pgq_half(const uint8_t *p) {
     memcpy(&h, p, 2);
     return pgq_half_table[h];
 }
+static inline uint32_t pgq_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
 
-/* One block's 32 weights as float32, exactly as ggml defines them. */
-static inline void pgq_decode(int qtype, const uint8_t *block, float *w) {
-    if (qtype == 0) {
-        memcpy(w, block, 128);
-        return;
-    }
-    if (qtype == 1) {
-        for (int j = 0; j < 32; j++) w[j] = pgq_half(block + 2 * j);
-        return;
-    }
-    const float d = pgq_half(block);
-    if (qtype == 8) {
-        const int8_t *q = (const int8_t *)(block + 2);
-        for (int j = 0; j < 32; j++) w[j] = d * (float)q[j];
-    } else if (qtype == 2) {
-        const uint8_t *q = block + 2;
-        for (int j = 0; j < 16; j++) w[j] = d * (float)((int)(q[j] & 15) - 8);
-        for (int j = 0; j < 16; j++) w[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+/* Sub-block j (0..7) of a Q4_K/Q5_K super-block: its 6-bit scale and min, packed in 12 bytes. */
+static inline void pgq_scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
     } else {
-        const float m = pgq_half(block + 2);
-        const uint8_t *q = block + 4;
-        for (int j = 0; j < 16; j++) w[j] = d * (float)(q[j] & 15) + m;
-        for (int j = 0; j < 16; j++) w[j + 16] = d * (float)(q[j] >> 4) + m;
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
 
-/* out[r * out_stride] = x_r . w for the rows x_r = x + r * k of one weight row w (its blocks). */
-static void pgq_row_plain(int qtype, const uint8_t *blocks, int block_bytes, int k,
-                          const float *x, int rows, float *out, int64_t out_stride) {
+/* The bytes of sub-block b of a row: its own block, or the super-block holding it. */
+static inline const uint8_t *pgq_block_of(int qtype, const uint8_t *row, int64_t b) {
+    return row + (pgq_is_k_quant(qtype) ? b / 8 : b) * pgq_block_bytes(qtype);
+}
+
+/* Sub-block b of a row as 32 float32 weights, with exactly the operations of gguf's dequantize
+   (this file is built with -ffp-contract=off: no fused multiply-add changes a rounding). */
+static void pgq_decode(int qtype, const uint8_t *row, int64_t b, float *w) {
+    const uint8_t *blk = pgq_block_of(qtype, row, b);
+    const int j = (int)(b % 8);
+    switch (qtype) {
+        case PGQ_F32: memcpy(w, blk, 128); return;
+        case PGQ_F16: for (int l = 0; l < 32; l++) w[l] = pgq_half(blk + 2 * l); return;
+        case PGQ_Q8_0: {
+            const float d = pgq_half(blk);
+            for (int l = 0; l < 32; l++) w[l] = d * (float)((const int8_t *)(blk + 2))[l];
+            return;
+        }
+        case PGQ_Q4_0: case PGQ_Q4_1: {
+            const float d = pgq_half(blk), m = qtype == PGQ_Q4_1 ? pgq_half(blk + 2) : 0.0f;
+            const uint8_t *q = blk + (qtype == PGQ_Q4_1 ? 4 : 2);
+            for (int l = 0; l < 32; l++) {
+                const int u = l < 16 ? q[l] & 15 : q[l - 16] >> 4;
+                w[l] = qtype == PGQ_Q4_1 ? d * (float)u + m : d * (float)(u - 8);
+            }
+            return;
+        }
+        case PGQ_Q5_0: case PGQ_Q5_1: {
+            const int one = qtype == PGQ_Q5_1;
+            const float d = pgq_half(blk), m = one ? pgq_half(blk + 2) : 0.0f;
+            const uint32_t qh = pgq_u32(blk + (one ? 4 : 2));
+            const uint8_t *q = blk + (one ? 8 : 6);
+            for (int l = 0; l < 32; l++) {
+                const int u = (l < 16 ? q[l] & 15 : q[l - 16] >> 4) | (int)((qh >> l) & 1) << 4;
+                w[l] = one ? d * (float)u + m : d * (float)(u - 16);
+            }
+            return;
+        }
+        case PGQ_Q4_K: case PGQ_Q5_K: {
+            int scale, min;
+            pgq_scale_min_k4(j, blk + 4, &scale, &min);
+            const float d = pgq_half(blk) * (float)scale, dm = pgq_half(blk + 2) * (float)min;
+            const int five = qtype == PGQ_Q5_K;
+            const uint8_t *qh = blk + 16, *q = blk + (five ? 48 : 16) + 32 * (j / 2);
+            for (int l = 0; l < 32; l++) {
+                const int u = ((j & 1) ? q[l] >> 4 : q[l] & 15) | (five ? ((qh[l] >> j) & 1) << 4 : 0);
+                w[l] = d * (float)u - dm;
+            }
+            return;
+        }
+        case PGQ_Q6_K: {
+            const int n = j / 4, t = j % 4;
+            const uint8_t *ql = blk + 64 * n + 32 * (t & 1), *qh = blk + 128 + 32 * n;
+            const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
+            const float d = pgq_half(blk + 208);
+            for (int l = 0; l < 32; l++) {
+                const int u = ((ql[l] >> (4 * (t >> 1))) & 15) | ((qh[l] >> (2 * t)) & 3) << 4;
+                w[l] = (d * (float)scales[l / 16]) * (float)(u - 32);
+            }
+            return;
+        }
+    }
+}
+
+/* out[r * out_stride] = x_r . w for the rows x_r = x + r * k of one weight row (exact weights,
+   float32 arithmetic: the oracle the integer dot products of cpu_qdot.h are checked against). */
+static void pgq_row_plain(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
+                          int64_t out_stride) {
     float w[32], acc[16] = {0};
-    for (int b = 0; b < k / 32; b++) {
-        pgq_decode(qtype, blocks + (int64_t)b * block_bytes, w);
+    for (int64_t b = 0; b < k / 32; b++) {
+        pgq_decode(qtype, row, b, w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + (int64_t)r * k + b * 32;
             float s = 0.0f;
-            for (int j = 0; j < 32; j++) s += w[j] * xb[j];
+            for (int l = 0; l < 32; l++) s += w[l] * xb[l];
             acc[r] += s;
         }
     }
     for (int r = 0; r < rows; r++) out[r * out_stride] = acc[r];
+}
+
+static void pgq_dequantize_row_plain(int qtype, const uint8_t *row, int k, float *out) {
+    for (int64_t b = 0; b < k / 32; b++) pgq_decode(qtype, row, b, out + b * 32);
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -76,41 +159,48 @@ PGQ_AVX2 static inline __m256 pgq_bytes_to_float(__m128i bytes, int is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 }
 
-/* One block's 32 weights as four AVX2 vectors, the same values as pgq_decode (no fused multiply-add). */
-PGQ_AVX2 static inline void pgq_decode_avx2(int qtype, const uint8_t *block, __m256 *w) {
-    if (qtype == 0) {
-        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)block + 8 * i);
-    } else if (qtype == 1) {
-        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
-    } else if (qtype == 8) {
-        const __m256 d = _mm256_set1_ps(pgq_half(block));
+/* Sub-block b as four AVX2 vectors, the same values as pgq_decode (no fused multiply-add); the
+   formats without a vector decoder here go through pgq_decode. */
+PGQ_AVX2 static inline void pgq_decode_avx2(int qtype, const uint8_t *row, int64_t b, __m256 *w) {
+    const uint8_t *blk = pgq_block_of(qtype, row, b);
+    if (qtype == PGQ_F32) {
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)blk + 8 * i);
+    } else if (qtype == PGQ_F16) {
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * i)));
+    } else if (qtype == PGQ_Q8_0) {
+        const __m256 d = _mm256_set1_ps(pgq_half(blk));
         for (int i = 0; i < 4; i++)
-            w[i] = _mm256_mul_ps(d, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * i)), 1));
-    } else {
-        const __m256 d = _mm256_set1_ps(pgq_half(block));
-        const __m128i low4 = _mm_set1_epi8(15), bytes = _mm_loadu_si128((const __m128i *)(block + (qtype == 3 ? 4 : 2)));
+            w[i] = _mm256_mul_ps(d, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)), 1));
+    } else if (qtype == PGQ_Q4_0 || qtype == PGQ_Q4_1) {
+        const __m256 d = _mm256_set1_ps(pgq_half(blk));
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (qtype == PGQ_Q4_1 ? 4 : 2)));
         const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
         const __m128i nibbles[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        if (qtype == 3) {
-            const __m256 m = _mm256_set1_ps(pgq_half(block + 2));
+        if (qtype == PGQ_Q4_1) {
+            const __m256 m = _mm256_set1_ps(pgq_half(blk + 2));
             for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(d, pgq_bytes_to_float(nibbles[i], 0)), m);
         } else {
             const __m256 eight = _mm256_set1_ps(8.0f);
             for (int i = 0; i < 4; i++)
                 w[i] = _mm256_mul_ps(d, _mm256_sub_ps(pgq_bytes_to_float(nibbles[i], 0), eight));
         }
+    } else {
+        float plain[32];
+        pgq_decode(qtype, row, b, plain);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps(plain + 8 * i);
     }
 }
 
-/* pgq_row_plain with AVX2: each block decoded once, folded into two accumulators a row so
+/* pgq_row_plain with AVX2: each sub-block decoded once, folded into two accumulators a row so
    consecutive FMAs do not wait on each other. */
-PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
-                                  const float *x, int rows, float *out, int64_t out_stride) {
+PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const float *x, int rows,
+                                  float *out, int64_t out_stride) {
     __m256 acc[2 * 16];
     for (int i = 0; i < 2 * rows; i++) acc[i] = _mm256_setzero_ps();
-    for (int b = 0; b < k / 32; b++) {
+    for (int64_t b = 0; b < k / 32; b++) {
         __m256 w[4];
-        pgq_decode_avx2(qtype, blocks + (int64_t)b * block_bytes, w);
+        pgq_decode_avx2(qtype, row, b, w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + (int64_t)r * k + b * 32;
             acc[2 * r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[2 * r]);
@@ -128,35 +218,30 @@ PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_by
     }
 }
 
-PGQ_AVX2 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
-                                             float *out) {
-    for (int b = 0; b < k / 32; b++) {
+PGQ_AVX2 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {
+    for (int64_t b = 0; b < k / 32; b++) {
         __m256 w[4];
-        pgq_decode_avx2(qtype, blocks + (int64_t)b * block_bytes, w);
+        pgq_decode_avx2(qtype, row, b, w);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, w[i]);
     }
 }
-static int pgq_use_avx2(void) {
+static int pgq_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #else
-static void pgq_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k,
-                         const float *x, int rows, float *out, int64_t out_stride) {}
-static void pgq_dequantize_row_avx2(int qtype, const uint8_t *blocks, int block_bytes, int k, float *out) {}
-static int pgq_use_avx2(void) { return 0; }
+static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
+                         int64_t out_stride) {}
+static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {}
+static int pgq_has_avx2(void) { return 0; }
 #endif
 
-static void pgq_dequantize_row_plain(int qtype, const uint8_t *blocks, int block_bytes, int k, float *out) {
-    for (int b = 0; b < k / 32; b++) pgq_decode(qtype, blocks + (int64_t)b * block_bytes, out + b * 32);
-}
-
-typedef void (*pgq_row_fn)(int, const uint8_t *, int, int, const float *, int, float *, int64_t);
-typedef void (*pgq_dequantize_fn)(int, const uint8_t *, int, int, float *);
+typedef void (*pgq_row_fn)(int, const uint8_t *, int, const float *, int, float *, int64_t);
+typedef void (*pgq_dequantize_fn)(int, const uint8_t *, int, float *);
 static pgq_row_fn pgq_row = pgq_row_plain;
 static pgq_dequantize_fn pgq_dequantize_row = pgq_dequantize_row_plain;
-static void pgq_init(void) {
+static void pgq_init_float(void) {
     for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
-    if (pgq_use_avx2()) {
+    if (pgq_has_avx2()) {
         pgq_row = pgq_row_avx2;
         pgq_dequantize_row = pgq_dequantize_row_avx2;
     }

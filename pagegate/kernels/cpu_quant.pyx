@@ -1,54 +1,88 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Weight-only quantized matmul on CPU over GGUF blocks kept as they are in the file.
 
-A weight [N, K] is N rows of K / 32 blocks, each block 32 weights in ggml's layout:
-Q8_0 (float16 d, 32 int8: w = d q), Q4_0 (float16 d, 16 bytes of nibbles: w = d (q - 8)) and
-Q4_1 (float16 d, float16 m, nibbles: w = d q + m); low nibbles hold weights 0..15 of the
-block, high nibbles 16..31. A block decodes to exactly the float32 values gguf's dequantize gives.
+A weight [N, K] is N rows of K / 32 sub-blocks of 32 weights in ggml's layouts: Q8_0, Q4_0, Q4_1,
+Q5_0 and Q5_1 (one block per 32 weights), Q4_K, Q5_K and Q6_K (a 256-weight super-block with its
+sub-blocks' scales), and the float rows F32 and F16. A sub-block decodes to exactly the float32
+values gguf's dequantize gives.
 
-`matmul` decodes each block once per call and folds it into every input row (few rows: decode
-steps, where reading the weights is the whole cost and they are 4-8x smaller than float32).
-`dequantize` writes whole float32 rows, for the caller's GEMM when many rows share the weights.
+`matmul` decodes each sub-block once per call and folds it into every input row in float32: the
+exact product with the dequantized weights (the oracle). `matmul_q8` is llama.cpp's arithmetic:
+the inputs rounded to int8 once per call (Q8: 32 values, one scale), integer dot products with the
+weights' own integers (cpu_qdot.h). `dequantize` writes whole float32 rows, for the caller's GEMM
+when many rows share the weights.
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, int64_t, uint8_t
 
 import torch
 
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8  # ggml's type ids
-BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q8_0: 34}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
+BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
+               Q6_K: 210}
+BLOCK_ELEMS = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else 32 for t in BLOCK_BYTES}
+INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
 cdef enum:
-    BLOCK = 32
     MAX_ROWS = 16  # input rows matmul takes at once (accumulators on the stack)
+    GROUP = 4  # weight rows one integer kernel call takes
 
-cdef extern from "cpu_quant.h":
+cdef extern from "cpu_qdot.h":
+    ctypedef struct pgq_act:
+        int64_t k
+        int m
+        int8_t *q
+        float *d
+        float *s
     void pgq_init() noexcept nogil
-    void pgq_row(int qtype, const uint8_t *blocks, int block_bytes, int k, const float *x, int rows,
-                 float *out, int64_t out_stride) noexcept nogil
-    void pgq_dequantize_row(int qtype, const uint8_t *blocks, int block_bytes, int k, float *out) noexcept nogil
+    int pgq_set_isa(const char *name) noexcept nogil
+    const char *pgq_isa
+    void pgq_row(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
+                 int64_t out_stride) noexcept nogil
+    void pgq_dequantize_row(int qtype, const uint8_t *row, int k, float *out) noexcept nogil
+    void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) noexcept nogil
+    void pgq_qdot(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a, float *out,
+                  int64_t out_stride) noexcept nogil
 
 pgq_init()
 
 
+def isa() -> str:
+    """The instruction set matmul_q8 runs on: "vnni", "avx2" or "portable"."""
+    return pgq_isa.decode()
+
+
+def set_isa(name: str) -> bool:
+    """Run matmul_q8 on the named instruction set if this CPU has it (tests force each one)."""
+    return bool(pgq_set_isa(name.encode()))
+
+
 def _check(blocks, int qtype, int k):
     if qtype not in BLOCK_BYTES:
-        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, Q4_0, Q4_1, Q8_0")
-    if k % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
-        raise ValueError("blocks must be a contiguous uint8 [N, K / 32 * block bytes] tensor, K a multiple of 32")
-    if blocks.shape[1] != k // BLOCK * BLOCK_BYTES[qtype]:
-        raise ValueError(f"blocks have {blocks.shape[1]} bytes a row; K={k} needs {k // BLOCK * BLOCK_BYTES[qtype]}")
+        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                         "Q8_0, Q4_K, Q5_K, Q6_K")
+    if k % BLOCK_ELEMS[qtype] or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be a contiguous uint8 [N, K / {BLOCK_ELEMS[qtype]} * block bytes] tensor, "
+                         f"K a multiple of {BLOCK_ELEMS[qtype]}")
+    row_bytes = k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
+    if blocks.shape[1] != row_bytes:
+        raise ValueError(f"blocks have {blocks.shape[1]} bytes a row; K={k} needs {row_bytes}")
+
+
+def _float_input(x):
+    x = x.contiguous()
+    if x.dtype != torch.float32:
+        raise ValueError("x must be float32")
+    return x
 
 
 def matmul(x, blocks, int qtype):
     """x [M, K] float32 @ W.T for W [N, K] given as its blocks: [M, N] float32."""
     cdef int k = x.shape[1]
     _check(blocks, qtype, k)
-    x = x.contiguous()
-    if x.dtype != torch.float32:
-        raise ValueError("x must be float32")
+    x = _float_input(x)
     cdef int64_t n = blocks.shape[0], m = x.shape[0], start, row
-    cdef int rows, block_bytes = BLOCK_BYTES[qtype]
+    cdef int rows
     out = torch.empty((m, n), dtype=torch.float32)
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef const float *xp = <const float *><size_t>x.data_ptr()
@@ -57,7 +91,7 @@ def matmul(x, blocks, int qtype):
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         for row in prange(n, nogil=True, schedule="static"):
-            pgq_row(qtype, w + row * row_bytes, block_bytes, k, xp + start * k, rows, op + start * n + row, n)
+            pgq_row(qtype, w + row * row_bytes, k, xp + start * k, rows, op + start * n + row, n)
     return out
 
 
@@ -72,7 +106,36 @@ def dequantize(blocks, int qtype, int k, rows=None):
     cdef const int64_t *idp = <const int64_t *><size_t>ids.data_ptr()
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
-    cdef int block_bytes = BLOCK_BYTES[qtype]
     for i in prange(count, nogil=True, schedule="static"):
-        pgq_dequantize_row(qtype, w + idp[i] * row_bytes, block_bytes, k, op + i * k)
+        pgq_dequantize_row(qtype, w + idp[i] * row_bytes, k, op + i * k)
+    return out
+
+
+def matmul_q8(x, blocks, int qtype):
+    """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32."""
+    cdef int k = x.shape[1]
+    _check(blocks, qtype, k)
+    if qtype not in INTEGER_TYPES:
+        raise ValueError(f"ggml type {qtype} is a float format; use matmul")
+    x = _float_input(x)
+    cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], start, r, g
+    out = torch.empty((m, n), dtype=torch.float32)
+    q8 = torch.empty(min(m, MAX_ROWS) * k, dtype=torch.int8)
+    scales = torch.empty(min(m, MAX_ROWS) * (k // 32) * 3, dtype=torch.float32)
+    cdef pgq_act act
+    act.k = k
+    act.q = <int8_t *><size_t>q8.data_ptr()
+    act.d = <float *><size_t>scales.data_ptr()
+    act.s = act.d + min(m, MAX_ROWS) * (k // 32)
+    cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
+    cdef const float *xp = <const float *><size_t>x.data_ptr()
+    cdef float *op = <float *><size_t>out.data_ptr()
+    cdef int64_t groups = (n + GROUP - 1) // GROUP
+    for start in range(0, m, MAX_ROWS):
+        act.m = min(MAX_ROWS, m - start)
+        for r in range(act.m):
+            pgq_quantize_row(xp + (start + r) * k, &act, r, 0, k // 32)
+        for g in prange(groups, nogil=True, schedule="static"):
+            pgq_qdot(qtype, w + g * GROUP * row_bytes, row_bytes, min(GROUP, n - g * GROUP), &act,
+                     op + start * n + g * GROUP, n)
     return out

@@ -51,6 +51,11 @@ def quant_kernel() -> ModuleType | None:
     return _extension("cpu_quant")
 
 
+def decode_kernel() -> ModuleType | None:
+    """The native decode-step extension (cpu_decode), or None."""
+    return _extension("cpu_decode")
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()

@@ -1,0 +1,69 @@
+"""The native decode step: a Llama-family model's small steps (decodes, a few tokens) run as one C call
+(pagegate.kernels.cpu_decode) instead of a few hundred torch ops. The torch forward stays the oracle:
+larger steps (prefill) run there, and the "reference" kernel backend keeps every step there."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagegate.engine.kv_cache import PagedKVCache
+from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.llama import DecoderModel
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.engine.parallel import StepInputs
+from pagegate.kernels.dispatch import decode_kernel, requested_backend
+
+F32 = 0  # ggml's type id of float32 rows
+
+
+def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """A linear layer or embedding as (ggml type, its weight's bytes [N, row bytes], bias)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(module, QuantLinear | QuantEmbedding):
+        return module.qtype, module.blocks, bias
+    weight = module.weight.detach()
+    return F32, weight.view(torch.uint8), None if bias is None else bias.detach()
+
+
+class NativeDecoder:
+    """`forward` of the steps it `takes`, and `compute_logits`, over the model's own weights and pages."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
+        kernel = decode_kernel()
+        assert kernel is not None
+        decoder, config = model.model, model.config
+        first = decoder.layers[0].self_attn
+        dims = (config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                config.intermediate_size, config.rms_norm_eps, first.attn.scale)
+        layers = [(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                   _rows(layer.self_attn.qkv_proj), _rows(layer.self_attn.o_proj), _rows(layer.mlp.gate_up_proj),
+                   _rows(layer.mlp.down_proj), k_cache, v_cache, layer.self_attn.attn.sliding_window)
+                  for layer, (k_cache, v_cache) in zip(decoder.layers, kv_cache.layers, strict=True)]
+        self.max_tokens: int = kernel.MAX_TOKENS
+        self.kernel_model = kernel.DecodeModel(dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(),
+                                               _rows(decoder.embed_tokens), _rows(model.lm_head), layers)
+
+    @classmethod
+    def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> NativeDecoder | None:
+        """The native decoder of `model`, or None where it does not apply: the extension is not built, the
+        backend is not "auto", or the model is not a float32 Llama-family decoder on one CPU rank."""
+        if (decode_kernel() is None or requested_backend() != "auto" or model.device.type != "cpu"
+                or model.dtype != torch.float32 or model.tp.size != 1 or type(model.model) is not DecoderModel
+                or kv_cache.layers[0][0].dtype != torch.float32):
+            return None
+        try:
+            return cls(model, kv_cache)
+        except ValueError:  # a shape the C does not take (head size, group, odd widths): torch runs it
+            return None
+
+    def takes(self, step: StepInputs) -> bool:
+        return 0 < len(step.input_ids) <= self.max_tokens
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's tokens."""
+        return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                                         step.seq_lens, step.query_start_loc)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.kernel_model.logits(hidden)

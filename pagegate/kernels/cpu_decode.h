@@ -1,0 +1,284 @@
+/* The C of pagegate/kernels/cpu_decode.pyx: a whole forward pass of a Llama-family decoder over a
+   few tokens (decode steps) in one OpenMP parallel region. The threads walk the layers together;
+   each op is split over them with `omp for` (its implied barrier is the only synchronisation), so a
+   step costs no Python, no tensor allocation and no thread start per op. */
+#ifndef PAGEGATE_CPU_DECODE_H
+#define PAGEGATE_CPU_DECODE_H
+
+#include <math.h>
+#include <stdint.h>
+#include "cpu_paged.h"
+#include "cpu_qdot.h"
+
+#define PGD_MAX_TOKENS PGQ_MAX_M  /* tokens a step may hold */
+#define PGD_MAX_GROUP 16          /* query heads per KV head */
+#define PGD_MAX_HEAD_DIM 256
+#define PGD_KEY_TILE 128          /* keys per online-softmax step */
+#define PGD_PREFETCH_BYTES 16384
+
+/* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias. */
+typedef struct {
+    int qtype;
+    const uint8_t *data;
+    int64_t row_bytes, n, k;
+    const float *bias;
+} pgd_linear;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    pgd_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  /* [pages, block_size, kv_heads, head_dim] float32 */
+    int window;                /* 0: none */
+} pgd_layer;
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_sin;  /* [positions, 2 * head_dim]: cos (twice), then signed sin */
+    const float *final_norm;
+    pgd_linear embed, lm_head;  /* embed: vocab rows of hidden weights */
+    const pgd_layer *layers;
+} pgd_model;
+
+typedef struct {
+    int tokens, seqs;
+    const int64_t *positions, *slots;  /* slot -1: not written */
+    const int32_t *block_tables;
+    int64_t table_width;
+    const int32_t *seq_lens, *query_start;
+} pgd_step;
+
+/* Per-step buffers, sized by the caller for PGD_MAX_TOKENS tokens. `normed` holds the input of the
+   next matmul, T rows of its K values (contiguous); act its Q8 (act.k is set per matmul by each
+   thread on its own copy). */
+typedef struct {
+    float *normed;  /* [T, max(hidden, intermediate, heads * head_dim)] */
+    float *qkv;     /* [T, q + 2 kv] */
+    float *gate_up; /* [T, 2 intermediate] */
+    pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, max K / 16] */
+    int token_seq[PGD_MAX_TOKENS];
+} pgd_buffers;
+
+static inline int pgd_integer(const pgd_linear *l) { return l->qtype != PGQ_F32 && l->qtype != PGQ_F16; }
+
+/* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, rows split over the threads:
+   x (T rows of l->k floats) for float weights, its Q8 act (filled by the caller) for integer blocks. */
+static void pgd_matmul(const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
+                       int64_t out_stride, int accumulate) {
+    const int64_t groups = (l->n + PGQ_GROUP - 1) / PGQ_GROUP;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * PGQ_GROUP;
+        const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
+        const uint8_t *w = l->data + first * l->row_bytes;
+        float part[PGD_MAX_TOKENS * PGQ_GROUP];
+        if (pgd_integer(l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
+        else
+            for (int i = 0; i < rows; i++)
+                pgq_row(l->qtype, w + i * l->row_bytes, (int)l->k, x, tokens, part + i, PGQ_GROUP);
+        for (int r = 0; r < tokens; r++)
+            for (int i = 0; i < rows; i++) {
+                float *o = out + r * out_stride + first + i;
+                const float v = part[r * PGQ_GROUP + i] + (l->bias ? l->bias[first + i] : 0.0f);
+                *o = accumulate ? *o + v : v;
+            }
+    }
+}
+
+/* The Q8 of x's rows (T rows of act->k), when `next` is in integer blocks. */
+static void pgd_quantize(const pgd_linear *next, const float *x, const pgq_act *act, int tokens) {
+    if (!pgd_integer(next)) return;
+    const int64_t nb = act->k / 32;
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * nb; item++)
+        pgq_quantize_row(x + (item / nb) * act->k, act, (int)(item / nb), item % nb, item % nb + 1);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, as torch's rms_norm. */
+static void pgd_rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inverse = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * inverse * w[i];
+}
+
+static void pgd_norm_rows(const pgd_model *m, const float *x, const float *w, int tokens, float *out) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tokens; t++)
+        pgd_rms_norm(x + (int64_t)t * m->hidden, w, m->hidden, m->eps, out + (int64_t)t * m->hidden);
+}
+
+/* Neox RoPE of one head in place: x -> x cos + roll(x, D / 2) sin' (the table's signed sin). */
+static void pgd_rope(float *x, const float *cos_sin, int d) {
+    float rolled[PGD_MAX_HEAD_DIM];
+    for (int i = 0; i < d; i++) rolled[i] = x[(i + d / 2) % d];
+    for (int i = 0; i < d; i++) x[i] = x[i] * cos_sin[i] + rolled[i] * cos_sin[d + i];
+}
+
+/* Rotate q and k of every token, and write its k and v into their cache slot. */
+static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *qkv) {
+    const int d = m->head_dim, heads = m->num_heads + m->num_kv_heads;
+    const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = (int64_t)m->num_kv_heads * d;
+    #pragma omp for schedule(static)
+    for (int item = 0; item < s->tokens * heads; item++) {
+        const int t = item / heads, h = item % heads;
+        float *head = qkv + t * width + (int64_t)h * d;
+        pgd_rope(head, m->cos_sin + s->positions[t] * 2 * d, d);
+        if (h < m->num_heads || s->slots[t] < 0) continue;
+        const int64_t at = s->slots[t] * slot_stride + (int64_t)(h - m->num_heads) * d;
+        memcpy(layer->k_cache + at, head, d * sizeof(float));
+        memcpy(layer->v_cache + at, head + (int64_t)m->num_kv_heads * d, d * sizeof(float));
+    }
+}
+
+/* Token t's query heads of KV head g over the keys its position sees (causal, windowed), with an
+   online softmax over tiles of keys; the result goes to out_t's heads. */
+static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int t, int seq, int g,
+                       const float *qkv_t, float *out_t) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
+    const int q_len = s->query_start[seq + 1] - s->query_start[seq];
+    const int pos = s->seq_lens[seq] - q_len + (t - s->query_start[seq]);
+    const int first = layer->window > 0 && pos - layer->window + 1 > 0 ? pos - layer->window + 1 : 0;
+    const int32_t *table = s->block_tables + seq * s->table_width;
+    const int64_t slot_stride = (int64_t)m->num_kv_heads * d;
+    const int ahead = PGD_PREFETCH_BYTES / (d * (int)sizeof(float)) > 4 ? PGD_PREFETCH_BYTES / (d * (int)sizeof(float)) : 4;
+    const float *query_row[PGD_MAX_GROUP];
+    int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE];
+    float acc[PGD_MAX_GROUP * PGD_MAX_HEAD_DIM], probs[PGD_MAX_GROUP * PGD_KEY_TILE];
+    float row_max[PGD_MAX_GROUP], row_sum[PGD_MAX_GROUP];
+    for (int r = 0; r < group; r++) {
+        query_row[r] = qkv_t + (int64_t)(g * group + r) * d;
+        head_offset[r] = (int64_t)g * d;
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * group * d);
+    for (int start = first; start <= pos; start += PGD_KEY_TILE) {
+        const int n = pos + 1 - start < PGD_KEY_TILE ? pos + 1 - start : PGD_KEY_TILE;
+        for (int j = 0; j < n; j++) {
+            const int key = start + j;
+            slot[j] = ((int64_t)table[key / bs] * bs + key % bs) * slot_stride;
+        }
+        pg_score_tile(layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
+        for (int r = 0; r < group; r++) {
+            float *p = probs + r * PGD_KEY_TILE, tile_max = -INFINITY, total = 0.0f;
+            pg_scale(p, m->scale, n);
+            for (int j = 0; j < n; j++) tile_max = fmaxf(tile_max, p[j]);
+            const float new_max = fmaxf(row_max[r], tile_max), correction = expf(row_max[r] - new_max);
+            if (correction != 1.0f) pg_scale(acc + r * d, correction, d);
+            for (int j = 0; j < n; j++) {
+                p[j] = expf(p[j] - new_max);
+                total += p[j];
+            }
+            row_sum[r] = row_sum[r] * correction + total;
+            row_max[r] = new_max;
+        }
+        pg_accumulate_tile(layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
+    }
+    for (int r = 0; r < group; r++) {
+        float *dst = out_t + (int64_t)(g * group + r) * d;
+        const float inverse = 1.0f / row_sum[r];
+        for (int i = 0; i < d; i++) dst[i] = acc[r * d + i] * inverse;
+    }
+}
+
+/* silu(gate) * up of every token into out [T, intermediate]. */
+static void pgd_swiglu(const pgd_model *m, int tokens, const float *gate_up, float *out) {
+    const int64_t n = m->intermediate;
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tokens; t++)
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gate_up[t * 2 * n + i];
+            out[t * n + i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * n + n + i];
+        }
+}
+
+/* One decoder layer over the step's tokens, x [T, hidden] the residual stream; act is this
+   thread's copy of b->act. */
+static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *x,
+                              pgd_buffers *b, pgq_act *act) {
+    const int tokens = s->tokens;
+    const int64_t q_width = (int64_t)m->num_heads * m->head_dim;
+    const int64_t qkv_width = q_width + 2 * (int64_t)m->num_kv_heads * m->head_dim;
+    act->k = m->hidden;
+    pgd_norm_rows(m, x, layer->attn_norm, tokens, b->normed);
+    pgd_quantize(&layer->qkv, b->normed, act, tokens);
+    pgd_matmul(&layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
+    pgd_rope_and_write(m, layer, s, b->qkv);
+    #pragma omp for schedule(dynamic)
+    for (int item = 0; item < tokens * m->num_kv_heads; item++) {
+        const int t = item / m->num_kv_heads;
+        pgd_attend(m, layer, s, t, b->token_seq[t], item % m->num_kv_heads, b->qkv + t * qkv_width,
+                   b->normed + t * q_width);
+    }
+    act->k = q_width;
+    pgd_quantize(&layer->o, b->normed, act, tokens);
+    pgd_matmul(&layer->o, b->normed, act, tokens, x, m->hidden, 1);
+    act->k = m->hidden;
+    pgd_norm_rows(m, x, layer->ffn_norm, tokens, b->normed);
+    pgd_quantize(&layer->gate_up, b->normed, act, tokens);
+    pgd_matmul(&layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
+    act->k = m->intermediate;
+    pgd_swiglu(m, tokens, b->gate_up, b->normed);
+    pgd_quantize(&layer->down, b->normed, act, tokens);
+    pgd_matmul(&layer->down, b->normed, act, tokens, x, m->hidden, 1);
+}
+
+/* The decoder over the step's tokens on `threads` threads: x [T, hidden] ends as the final norm's
+   output of their embeddings (looked up here from ids). */
+static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *ids, float *x, pgd_buffers *b,
+                        int threads) {
+    const int tokens = s->tokens;
+    for (int seq = 0; seq < s->seqs; seq++)
+        for (int t = s->query_start[seq]; t < s->query_start[seq + 1]; t++) b->token_seq[t] = seq;
+    #pragma omp parallel num_threads(threads)
+    {
+        pgq_act act = b->act;
+        act.m = tokens;
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++)
+            pgq_dequantize_row(m->embed.qtype, m->embed.data + ids[t] * m->embed.row_bytes, m->hidden,
+                               x + (int64_t)t * m->hidden);
+        for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, &m->layers[l], s, x, b, &act);
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++) {
+            float *row = x + (int64_t)t * m->hidden;
+            pgd_rms_norm(row, m->final_norm, m->hidden, m->eps, row);
+        }
+    }
+}
+
+/* logits [rows, vocab] of the final hidden states x [rows <= PGD_MAX_TOKENS, hidden]. */
+static void pgd_logits(const pgd_model *m, const float *x, int rows, float *logits, pgd_buffers *b, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        pgq_act act = b->act;
+        act.m = rows;
+        act.k = m->hidden;
+        pgd_quantize(&m->lm_head, x, &act, rows);
+        pgd_matmul(&m->lm_head, x, &act, rows, logits, m->lm_head.n, 0);
+    }
+}
+
+/* 0 when every token's position, slot and pages lie inside the model's tables and the cache. */
+static int pgd_check(const pgd_model *m, const pgd_step *s, const int64_t *ids, int64_t num_pages,
+                     int64_t max_positions) {
+    if (s->tokens < 1 || s->tokens > PGD_MAX_TOKENS || s->seqs < 1 || s->query_start[0] != 0
+        || s->query_start[s->seqs] != s->tokens)
+        return 1;
+    for (int t = 0; t < s->tokens; t++)
+        if (ids[t] < 0 || ids[t] >= m->embed.n || s->positions[t] < 0 || s->positions[t] >= max_positions || s->slots[t] >= num_pages * m->block_size)
+            return 2;
+    for (int seq = 0; seq < s->seqs; seq++) {
+        const int q_len = s->query_start[seq + 1] - s->query_start[seq];
+        const int64_t pages = ((int64_t)s->seq_lens[seq] + m->block_size - 1) / m->block_size;
+        if (q_len < 0 || q_len > s->seq_lens[seq] || pages > s->table_width) return 3;
+        for (int64_t p = 0; p < pages; p++) {
+            const int32_t page = s->block_tables[seq * s->table_width + p];
+            if (page < 0 || page >= num_pages) return 4;
+        }
+    }
+    return 0;
+}
+
+#endif /* PAGEGATE_CPU_DECODE_H */

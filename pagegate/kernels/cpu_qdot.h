@@ -1,0 +1,235 @@
+/* Integer dot products of GGUF blocks with activations quantized once per matmul, as llama.cpp
+   computes them: x is rounded to int8 per 32 values with one float scale (Q8), every weight
+   sub-block is unpacked to 32 unsigned bytes u with w = d * u + c (d per 16 values for Q6_K), and
+       w . x = d * dx * sum(u * q) + c * dx * sum(q),
+   so a sub-block costs one integer dot product and one float multiply-add. The integer sums are
+   exact; only the float scales and their order of addition round. Four weight rows go through
+   together so each loaded activation block serves all four.
+
+   Three builds of the kernels: AVX-512 VNNI on 256-bit vectors (vpdpbusd), AVX2 (vpmaddubsw)
+   and portable C; the CPU picks one when
+   the module loads, and pgq_set_isa forces one (the tests run all three). */
+#ifndef PAGEGATE_CPU_QDOT_H
+#define PAGEGATE_CPU_QDOT_H
+
+#include <math.h>
+#include <stdint.h>
+#include "cpu_quant.h"
+
+#define PGQ_GROUP 4   /* weight rows a kernel call takes */
+#define PGQ_MAX_M 16  /* activation rows a kernel call takes */
+
+/* Activations in Q8: m rows of k values; per 32-block b of row r (index r * k / 32 + b): the
+   scale d, and s[2 * i + h] = d * the sum of half h's 16 int8 values. */
+typedef struct {
+    int64_t k;
+    int m;
+    int8_t *q;
+    float *d;
+    float *s;
+} pgq_act;
+
+/* Row r of x (k floats) into the Q8 of a, blocks [first, last) of it. */
+static void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) {
+    const int64_t nb = a->k / 32;
+    for (int64_t b = first; b < last; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = a->q + r * a->k + b * 32;
+        int sum[2] = {0, 0};
+        for (int l = 0; l < 32; l++) {
+            q[l] = (int8_t)lrintf(xb[l] * id);
+            sum[l / 16] += q[l];
+        }
+        const int64_t i = r * nb + b;
+        a->d[i] = d;
+        a->s[2 * i] = d * (float)sum[0];
+        a->s[2 * i + 1] = d * (float)sum[1];
+    }
+}
+
+/* Sub-block b of a row as 32 unsigned bytes u with w = d[h] * u + c[h] for half h (Q8_0: the
+   int8 values themselves, c = -128 d: u is q + 128, which the kernels form). */
+static inline void pgq_unpack(int qtype, const uint8_t *row, int64_t b, uint8_t *u, float *d, float *c) {
+    const uint8_t *blk = pgq_block_of(qtype, row, b);
+    const int j = (int)(b % 8);
+    switch (qtype) {
+        case PGQ_Q8_0:
+            d[0] = pgq_half(blk);
+            c[0] = -128.0f * d[0];
+            for (int l = 0; l < 32; l++) u[l] = (uint8_t)(blk[2 + l] ^ 0x80);
+            break;
+        case PGQ_Q4_0: case PGQ_Q4_1: case PGQ_Q5_0: case PGQ_Q5_1: {
+            const int one = qtype == PGQ_Q4_1 || qtype == PGQ_Q5_1, five = qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1;
+            d[0] = pgq_half(blk);
+            c[0] = one ? pgq_half(blk + 2) : (five ? -16.0f : -8.0f) * d[0];
+            const uint32_t qh = five ? pgq_u32(blk + (one ? 4 : 2)) : 0;
+            const uint8_t *q = blk + (one ? 4 : 2) + (five ? 4 : 0);
+            for (int l = 0; l < 32; l++)
+                u[l] = (uint8_t)((l < 16 ? q[l] & 15 : q[l - 16] >> 4) | ((qh >> l) & 1) << 4);
+            break;
+        }
+        case PGQ_Q4_K: case PGQ_Q5_K: {
+            int scale, min;
+            pgq_scale_min_k4(j, blk + 4, &scale, &min);
+            d[0] = pgq_half(blk) * (float)scale;
+            c[0] = -pgq_half(blk + 2) * (float)min;
+            const int five = qtype == PGQ_Q5_K;
+            const uint8_t *qh = blk + 16, *q = blk + (five ? 48 : 16) + 32 * (j / 2);
+            for (int l = 0; l < 32; l++)
+                u[l] = (uint8_t)(((j & 1) ? q[l] >> 4 : q[l] & 15) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+            break;
+        }
+        case PGQ_Q6_K: {
+            const int n = j / 4, t = j % 4;
+            const uint8_t *ql = blk + 64 * n + 32 * (t & 1), *qh = blk + 128 + 32 * n;
+            const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
+            const float dd = pgq_half(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                d[h] = dd * (float)scales[h];
+                c[h] = -32.0f * d[h];
+            }
+            for (int l = 0; l < 32; l++)
+                u[l] = (uint8_t)(((ql[l] >> (4 * (t >> 1))) & 15) | ((qh[l] >> (2 * t)) & 3) << 4);
+            return;
+        }
+        default:
+            d[0] = c[0] = 0.0f;
+    }
+    d[1] = d[0];
+    c[1] = c[0];
+}
+
+/* out[r * out_stride + i] = row i . x_r for the `rows` (<= PGQ_GROUP) weight rows at w, w + row_bytes, ... */
+static void pgq_qdot_plain(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
+                           float *out, int64_t out_stride) {
+    const int64_t nb = a->k / 32;
+    float acc[PGQ_MAX_M * PGQ_GROUP] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        for (int i = 0; i < rows; i++) {
+            uint8_t u[32];
+            float d[2], c[2];
+            pgq_unpack(qtype, w + i * row_bytes, b, u, d, c);
+            for (int r = 0; r < a->m; r++) {
+                const int8_t *q = a->q + r * a->k + b * 32;
+                const int64_t x = r * nb + b;
+                int sum[2] = {0, 0};
+                for (int l = 0; l < 32; l++) sum[l / 16] += u[l] * q[l];
+                acc[r * PGQ_GROUP + i] += a->d[x] * (d[0] * (float)sum[0] + d[1] * (float)sum[1])
+                                          + c[0] * a->s[2 * x] + c[1] * a->s[2 * x + 1];
+            }
+        }
+    }
+    for (int r = 0; r < a->m; r++)
+        for (int i = 0; i < rows; i++) out[r * out_stride + i] = acc[r * PGQ_GROUP + i];
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define PGQ_INLINE static inline __attribute__((always_inline))
+
+/* 32 bytes: 0x10 where bit l of bits is set, else 0 (llama.cpp's bytes_from_bits_32). */
+PGQ_AVX2 PGQ_INLINE __m256i pgq_bits_to_16s(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+PGQ_AVX2 PGQ_INLINE __m256i pgq_nibbles_16(const uint8_t *q) {  /* 16 bytes: low nibbles, then high */
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+}
+PGQ_AVX2 PGQ_INLINE __m256i pgq_bits_at(__m256i v, int shift, int mask) {  /* (v >> shift) & mask per byte */
+    return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8((char)mask));
+}
+
+/* pgq_unpack as one vector, qtype a constant where it is inlined. d is the per-lane scale (lanes
+   0-3 hold values 0-15, lanes 4-7 values 16-31); Q8_0 comes back as its int8 values (c unused). */
+PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row, int64_t b, __m256 *d, float *c) {
+    const uint8_t *blk = pgq_block_of(qtype, row, b);
+    const int j = (int)(b % 8);
+    if (qtype == PGQ_Q8_0) {
+        *d = _mm256_set1_ps(pgq_half(blk));
+        c[0] = c[1] = -128.0f * pgq_half(blk);
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    if (qtype == PGQ_Q4_0 || qtype == PGQ_Q4_1 || qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1) {
+        const int one = qtype == PGQ_Q4_1 || qtype == PGQ_Q5_1, five = qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1;
+        const float dd = pgq_half(blk);
+        *d = _mm256_set1_ps(dd);
+        c[0] = c[1] = one ? pgq_half(blk + 2) : (five ? -16.0f : -8.0f) * dd;
+        const __m256i u = pgq_nibbles_16(blk + (one ? 4 : 2) + (five ? 4 : 0));
+        return five ? _mm256_or_si256(u, pgq_bits_to_16s(pgq_u32(blk + (one ? 4 : 2)))) : u;
+    }
+    if (qtype == PGQ_Q4_K || qtype == PGQ_Q5_K) {
+        int scale, min;
+        pgq_scale_min_k4(j, blk + 4, &scale, &min);
+        *d = _mm256_set1_ps(pgq_half(blk) * (float)scale);
+        c[0] = c[1] = -pgq_half(blk + 2) * (float)min;
+        const int five = qtype == PGQ_Q5_K;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j / 2)));
+        const __m256i u = pgq_bits_at(q, 4 * (j & 1), 15);
+        if (!five) return u;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        return _mm256_or_si256(u, _mm256_slli_epi16(pgq_bits_at(qh, j, 1), 4));
+    }
+    /* Q6_K */
+    const int n = j / 4, t = j % 4;
+    const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
+    const float dd = pgq_half(blk + 208), d0 = dd * (float)scales[0], d1 = dd * (float)scales[1];
+    *d = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
+    c[0] = -32.0f * d0;
+    c[1] = -32.0f * d1;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+    return _mm256_or_si256(pgq_bits_at(ql, 4 * (t >> 1), 15), _mm256_slli_epi16(pgq_bits_at(qh, 2 * t, 3), 4));
+}
+
+PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+#define PGQ_ISA avx2
+#define PGQ_TARGET PGQ_AVX2
+#define PGQ_DOT(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
+#include "cpu_qdot_isa.h"
+
+#define PGQ_ISA vnni
+#define PGQ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define PGQ_DOT(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q)
+#include "cpu_qdot_isa.h"
+
+static int pgq_has_vnni(void) {
+    return pgq_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+           && __builtin_cpu_supports("avx512bw");
+}
+#else
+static void pgq_qdot_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
+                          float *out, int64_t out_stride) {}
+static void pgq_qdot_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
+                          float *out, int64_t out_stride) {}
+static int pgq_has_vnni(void) { return 0; }
+#endif
+
+typedef void (*pgq_qdot_fn)(int, const uint8_t *, int64_t, int, const pgq_act *, float *, int64_t);
+static pgq_qdot_fn pgq_qdot = pgq_qdot_plain;
+static const char *pgq_isa = "portable";
+
+/* Use the named kernels ("vnni", "avx2", "portable") if this CPU runs them; returns whether it does. */
+static int pgq_set_isa(const char *name) {
+    if (!strcmp(name, "vnni") && pgq_has_vnni()) { pgq_qdot = pgq_qdot_vnni; pgq_isa = "vnni"; return 1; }
+    if (!strcmp(name, "avx2") && pgq_has_avx2()) { pgq_qdot = pgq_qdot_avx2; pgq_isa = "avx2"; return 1; }
+    if (!strcmp(name, "portable")) { pgq_qdot = pgq_qdot_plain; pgq_isa = "portable"; return 1; }
+    return 0;
+}
+static void pgq_init(void) {
+    pgq_init_float();
+    if (!pgq_set_isa("vnni")) (void)(pgq_set_isa("avx2") || pgq_set_isa("portable"));
+}
+
+#endif /* PAGEGATE_CPU_QDOT_H */
