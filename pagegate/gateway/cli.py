@@ -50,7 +50,8 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--quantization", "-q", choices=["gguf", "none"], default=None,
-                       help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks (default on CPU); "
+                       help="gguf: keep a GGUF's F16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights in their blocks "
+                            "(default on CPU); "
                             "none: dequantize every weight to --dtype")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over N processes (torch.distributed: gloo on CPU, nccl on CUDA); "

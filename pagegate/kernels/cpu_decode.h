@@ -34,6 +34,7 @@ typedef struct {
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
+    int exact;             /* 1: integer blocks too take float32 inputs (the torch path's arithmetic) */
     const float *cos_sin;  /* [positions, 2 * head_dim]: cos (twice), then signed sin */
     const float *final_norm;
     pgd_linear embed, lm_head;  /* embed: vocab rows of hidden weights */
@@ -59,11 +60,14 @@ typedef struct {
     int token_seq[PGD_MAX_TOKENS];
 } pgd_buffers;
 
-static inline int pgd_integer(const pgd_linear *l) { return l->qtype != PGQ_F32 && l->qtype != PGQ_F16; }
+/* Whether l takes its input in Q8: integer blocks, unless the model runs exact. */
+static inline int pgd_q8(const pgd_model *m, const pgd_linear *l) {
+    return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16;
+}
 
 /* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, rows split over the threads:
    x (T rows of l->k floats) for float weights, its Q8 act (filled by the caller) for integer blocks. */
-static void pgd_matmul(const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
+static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
                        int64_t out_stride, int accumulate) {
     const int64_t groups = (l->n + PGQ_GROUP - 1) / PGQ_GROUP;
     #pragma omp for schedule(static)
@@ -72,7 +76,7 @@ static void pgd_matmul(const pgd_linear *l, const float *x, const pgq_act *act, 
         const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
         const uint8_t *w = l->data + first * l->row_bytes;
         float part[PGD_MAX_TOKENS * PGQ_GROUP];
-        if (pgd_integer(l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
+        if (pgd_q8(m, l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
         else
             for (int i = 0; i < rows; i++)
                 pgq_row(l->qtype, w + i * l->row_bytes, (int)l->k, x, tokens, part + i, PGQ_GROUP);
@@ -86,8 +90,9 @@ static void pgd_matmul(const pgd_linear *l, const float *x, const pgq_act *act, 
 }
 
 /* The Q8 of x's rows (T rows of act->k), when `next` is in integer blocks. */
-static void pgd_quantize(const pgd_linear *next, const float *x, const pgq_act *act, int tokens) {
-    if (!pgd_integer(next)) return;
+static void pgd_quantize(const pgd_model *m, const pgd_linear *next, const float *x, const pgq_act *act,
+                         int tokens) {
+    if (!pgd_q8(m, next)) return;
     const int64_t nb = act->k / 32;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * nb; item++)
@@ -202,8 +207,8 @@ static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const 
     const int64_t qkv_width = q_width + 2 * (int64_t)m->num_kv_heads * m->head_dim;
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->attn_norm, tokens, b->normed);
-    pgd_quantize(&layer->qkv, b->normed, act, tokens);
-    pgd_matmul(&layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
+    pgd_quantize(m, &layer->qkv, b->normed, act, tokens);
+    pgd_matmul(m, &layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
     pgd_rope_and_write(m, layer, s, b->qkv);
     #pragma omp for schedule(dynamic)
     for (int item = 0; item < tokens * m->num_kv_heads; item++) {
@@ -212,16 +217,16 @@ static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const 
                    b->normed + t * q_width);
     }
     act->k = q_width;
-    pgd_quantize(&layer->o, b->normed, act, tokens);
-    pgd_matmul(&layer->o, b->normed, act, tokens, x, m->hidden, 1);
+    pgd_quantize(m, &layer->o, b->normed, act, tokens);
+    pgd_matmul(m, &layer->o, b->normed, act, tokens, x, m->hidden, 1);
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->ffn_norm, tokens, b->normed);
-    pgd_quantize(&layer->gate_up, b->normed, act, tokens);
-    pgd_matmul(&layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
+    pgd_quantize(m, &layer->gate_up, b->normed, act, tokens);
+    pgd_matmul(m, &layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
     act->k = m->intermediate;
     pgd_swiglu(m, tokens, b->gate_up, b->normed);
-    pgd_quantize(&layer->down, b->normed, act, tokens);
-    pgd_matmul(&layer->down, b->normed, act, tokens, x, m->hidden, 1);
+    pgd_quantize(m, &layer->down, b->normed, act, tokens);
+    pgd_matmul(m, &layer->down, b->normed, act, tokens, x, m->hidden, 1);
 }
 
 /* The decoder over the step's tokens on `threads` threads: x [T, hidden] ends as the final norm's
@@ -255,8 +260,8 @@ static void pgd_logits(const pgd_model *m, const float *x, int rows, float *logi
         pgq_act act = b->act;
         act.m = rows;
         act.k = m->hidden;
-        pgd_quantize(&m->lm_head, x, &act, rows);
-        pgd_matmul(&m->lm_head, x, &act, rows, logits, m->lm_head.n, 0);
+        pgd_quantize(m, &m->lm_head, x, &act, rows);
+        pgd_matmul(m, &m->lm_head, x, &act, rows, logits, m->lm_head.n, 0);
     }
 }
 
@@ -267,7 +272,8 @@ static int pgd_check(const pgd_model *m, const pgd_step *s, const int64_t *ids, 
         || s->query_start[s->seqs] != s->tokens)
         return 1;
     for (int t = 0; t < s->tokens; t++)
-        if (ids[t] < 0 || ids[t] >= m->embed.n || s->positions[t] < 0 || s->positions[t] >= max_positions || s->slots[t] >= num_pages * m->block_size)
+        if (ids[t] < 0 || ids[t] >= m->embed.n || s->positions[t] < 0 || s->positions[t] >= max_positions
+            || s->slots[t] >= num_pages * m->block_size)
             return 2;
     for (int seq = 0; seq < s->seqs; seq++) {
         const int q_len = s->query_start[seq + 1] - s->query_start[seq];

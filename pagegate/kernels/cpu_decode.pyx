@@ -35,6 +35,7 @@ cdef extern from "cpu_decode.h":
     ctypedef struct pgd_model:
         int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size
         float eps, scale
+        int exact
         const float *cos_sin
         const float *final_norm
         pgd_linear embed, lm_head
@@ -112,7 +113,8 @@ cdef class DecodeModel:
 
     dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale); linears are
     (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes]; each layer is (attn_norm, ffn_norm, qkv, o, gate_up, down,
-    k_cache, v_cache, window) with caches float32 [pages, block_size, kv_heads, head_dim]."""
+    k_cache, v_cache, window) with caches float32 [pages, block_size, kv_heads, head_dim]. `exact`
+    gives integer blocks float32 inputs too: the torch path's arithmetic, for tests."""
 
     cdef pgd_model model
     cdef pgd_layer *layers
@@ -123,7 +125,7 @@ cdef class DecodeModel:
     def __cinit__(self):
         self.layers = NULL
 
-    def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers):
+    def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False):
         hidden, heads, kv_heads, head_dim, intermediate, eps, scale = dims
         if not layers or heads % kv_heads or heads // kv_heads > PGD_MAX_GROUP or head_dim > PGD_MAX_HEAD_DIM \
                 or head_dim % 2 or hidden % 32 or intermediate % 32 or heads * head_dim % 32:
@@ -133,6 +135,7 @@ cdef class DecodeModel:
         cdef int64_t widest, t
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = len(layers), hidden, heads, kv_heads
         m.head_dim, m.intermediate, m.eps, m.scale = head_dim, intermediate, eps, scale
+        m.exact = bool(exact)
         self.max_positions = cos_sin.shape[0]
         m.cos_sin = <const float *>_address(cos_sin, torch.float32, (self.max_positions, 2 * head_dim), "cos_sin")
         m.final_norm = <const float *>_address(final_norm, torch.float32, (hidden,), "final norm")

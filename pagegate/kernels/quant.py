@@ -1,5 +1,5 @@
 """Matmuls on pagegate's CPU kernel (pagegate.kernels.cpu_quant): weights kept in GGUF blocks
-(Q4_0, Q4_1, Q8_0, F16), and float32 linear layers with few input rows (decode steps), where
+(F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), and float32 linear layers with few input rows (decode steps), where
 streaming the weight on every core beats the BLAS's single-threaded matrix-vector product."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _required_kernel() -> ModuleType:
 
 
 def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [M, K] @ W.T, W [N, K] given as its blocks [N, K / 32 * block bytes]; float32 inside."""
+    """x [M, K] @ W.T, W [N, K] given as its blocks [N, K / block values * block bytes]; float32 inside."""
     kernel = _required_kernel()
     x32 = x.float()
     if x32.shape[0] <= FUSED_MAX_ROWS:

@@ -1,4 +1,5 @@
-"""A real instruct model from its GGUF file: greedy parity with transformers and sensible answers."""
+"""A real instruct model from its GGUF file: greedy parity with transformers (the torch path), the native
+decode step within a small log-probability gap of it (Q8 activations), and sensible answers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.loading.loader import weight_bytes
+from pagegate.kernels import cpu_decode
 
 from .conftest import hf
 
@@ -28,6 +30,14 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf: Path) -> LLM:
     return LLM(str(smollm2_gguf), device="cpu", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def smollm2_torch(smollm2_gguf: Path) -> LLM:
+    """Every step on the torch forward: the exact weights in float32, as transformers computes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
+        return LLM(str(smollm2_gguf), device="cpu", max_model_len=1024, kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +62,12 @@ def top2_gap(model: torch.nn.Module, ids: list[int]) -> tuple[float, list[int]]:
     return float(best.values[0] - best.values[1]), best.indices.tolist()
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(smollm2_llm: LLM, hf_smollm2: torch.nn.Module) -> None:
+def test_greedy_matches_transformers_on_the_same_gguf(smollm2_torch: LLM, hf_smollm2: torch.nn.Module) -> None:
     """Identical tokens, or a divergence where transformers' own top two logits are a float near-tie."""
-    tokenizer = smollm2_llm.get_tokenizer()
+    tokenizer = smollm2_torch.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    ours = [o.outputs[0].token_ids for o in smollm2_torch.generate(prompts, params, use_tqdm=False)]
     identical = 0
     for prompt, mine in zip(prompts, ours, strict=True):
         theirs = hf_greedy(hf_smollm2, prompt)
@@ -70,8 +80,30 @@ def test_greedy_matches_transformers_on_the_same_gguf(smollm2_llm: LLM, hf_smoll
     assert identical >= len(PROMPTS) // 2
 
 
+@pytest.mark.parametrize("isa", [isa for isa in ("vnni", "avx2", "portable") if cpu_decode.set_isa(isa)])
+def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: LLM,
+                                                         hf_smollm2: torch.nn.Module) -> None:
+    """Each token the native step picks is within 0.31 nats (llama.cpp's own gap on a real model) of the best
+    one by transformers' log-probabilities after the same tokens; a wrong kernel lands many nats away."""
+    assert smollm2_llm.engine.runner.native is not None
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2 if isa == "portable" else None]]
+    params = SamplingParams(temperature=0, max_tokens=6 if isa == "portable" else MAX_TOKENS, ignore_eos=True)
+    try:
+        assert cpu_decode.set_isa(isa)
+        ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        cpu_decode.set_isa(next(i for i in ("vnni", "avx2", "portable") if cpu_decode.set_isa(i)))
+    for prompt, mine in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            logprobs = hf_smollm2(torch.tensor([prompt + mine[:-1]])).logits[0, len(prompt) - 1:].log_softmax(-1)
+        gaps = logprobs.max(-1).values - logprobs[torch.arange(len(mine)), torch.tensor(mine)]
+        assert float(gaps.max()) < 0.31, (tokenizer.decode(prompt), gaps.tolist())
+
+
 def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # not "What is the capital of France?": its first token is a near-tie (0.08 nats) that Q8 activations flip
+    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
     output = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert "Paris" in output.text
     assert output.finish_reason == "stop"  # <|im_end|> is an end-of-turn token

@@ -1,4 +1,6 @@
-"""The quantized matmul (pagegate.kernels.cpu_quant) against gguf's own dequantization, in float64."""
+"""The quantized matmuls (pagegate.kernels.cpu_quant) against gguf's own dequantization, in float64: the
+exact one (`matmul`) and llama.cpp's arithmetic (`matmul_q8`: activations in Q8, integer dot products) on
+every instruction set this CPU has, the portable C included."""
 
 import numpy as np
 import pytest
@@ -11,23 +13,44 @@ from hypothesis import strategies as st
 from pagegate.kernels import cpu_quant
 from pagegate.kernels.quant import FUSED_MAX_ROWS, linear, quantized_matmul
 
-TYPES = [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256 weights a super-block; gguf-py decodes them but cannot encode
+INTEGER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS]
+TYPES = [Q.F32, Q.F16, *INTEGER]
+HALF_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a super-block's float16 scales
+ISAS = [isa for isa in ("vnni", "avx2", "portable") if cpu_quant.set_isa(isa)]
+cpu_quant.set_isa(ISAS[0])
 
 
 def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks, the float32 weights they stand for) of a random [n, k] weight."""
-    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    blocks = quantize(weights, qtype)
+    """(blocks, the float32 weights they stand for) of a random [n, k] weight; K-quants as random bytes
+    with float16 scales of a trained model's size."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        blocks = rng.integers(0, 256, (n, k // 256, cpu_quant.BLOCK_BYTES[qtype]), dtype=np.uint8)
+        for at in HALF_SCALES[qtype]:
+            blocks[:, :, at:at + 2] = rng.uniform(0.002, 0.02, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+        blocks = blocks.reshape(n, -1)
+    else:
+        blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     dequantized = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
     return torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)), dequantized
 
 
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as matmul_q8 rounds it: per 32 values, int8 steps of max|x| / 127 (ties to even)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()
+    steps = torch.where(scale > 0, blocks / scale, 0).float().round()
+    return (steps.double() * scale).reshape(x.shape)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_dequantize_is_exactly_ggufs(qtype: Q) -> None:
-    blocks, weights = quantized(qtype, 37, 96)
-    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), 96), weights)
+    k = 512 if qtype in K_QUANTS else 96
+    blocks, weights = quantized(qtype, 37, k)
+    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), k), weights)
     rows = torch.tensor([5, 0, 36, 5])
-    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), 96, rows), weights[rows])
+    assert torch.equal(cpu_quant.dequantize(blocks, int(qtype), k, rows), weights[rows])
 
 
 @settings(max_examples=40, deadline=None)
@@ -35,7 +58,7 @@ def test_dequantize_is_exactly_ggufs(qtype: Q) -> None:
        blocks_per_row=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_matmul_matches_the_dequantized_weights(qtype: Q, m: int, n: int, blocks_per_row: int, seed: int) -> None:
     """Both paths (fused decode for few rows, float tiles + GEMM for many) give x @ W.T."""
-    k = 32 * blocks_per_row
+    k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, weights = quantized(qtype, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     expected = (x.double() @ weights.double().t()).float()
@@ -51,7 +74,32 @@ def test_bfloat16_inputs_come_back_in_bfloat16() -> None:
     torch.testing.assert_close(out.float(), x.float() @ weights.t(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("qtype, k, match", [(Q.Q4_K, 256, "no CPU kernel"), (Q.Q4_1, 48, "multiple of 32"),
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(INTEGER), m=st.integers(1, 20), n=st.integers(1, 11), blocks_per_row=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_matmul_q8_is_q8_activations_times_the_exact_weights(qtype: Q, m: int, n: int, blocks_per_row: int,
+                                                            seed: int) -> None:
+    """The integer sums are exact: on every instruction set the result is the float64 product of the rounded
+    activations with the dequantized weights, but for float32 roundings of the scales."""
+    k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
+    blocks, weights = quantized(qtype, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    expected = (q8(x) @ weights.double().t()).float()
+    tolerance = 1e-5 * float((q8(x).abs() @ weights.double().abs().t()).max())
+    try:
+        for isa in ISAS:
+            assert cpu_quant.set_isa(isa)
+            torch.testing.assert_close(cpu_quant.matmul_q8(x, blocks, int(qtype)), expected, rtol=0, atol=tolerance)
+    finally:
+        cpu_quant.set_isa(ISAS[0])
+
+
+def test_the_fastest_instruction_set_is_chosen() -> None:
+    assert cpu_quant.isa() == ISAS[0]
+    assert not cpu_quant.set_isa("sse1")
+
+
+@pytest.mark.parametrize("qtype, k, match", [(Q.Q2_K, 256, "no CPU kernel"), (Q.Q4_1, 48, "multiple of 32"),
                                              (Q.Q8_0, 64, "bytes a row")])
 def test_bad_blocks_are_refused(qtype: Q, k: int, match: str) -> None:
     blocks = torch.zeros(4, 40, dtype=torch.uint8)

@@ -27,9 +27,12 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
 
 
 class NativeDecoder:
-    """`forward` of the steps it `takes`, and `compute_logits`, over the model's own weights and pages."""
+    """`forward` of the steps it `takes`, and `compute_logits`, over the model's own weights and pages.
 
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
+    Layers in integer blocks take Q8 inputs, as llama.cpp's do; `exact` keeps them in float32 (the torch
+    path's arithmetic, so the two agree token for token)."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, exact: bool = False) -> None:
         kernel = decode_kernel()
         assert kernel is not None
         decoder, config = model.model, model.config
@@ -42,7 +45,7 @@ class NativeDecoder:
                   for layer, (k_cache, v_cache) in zip(decoder.layers, kv_cache.layers, strict=True)]
         self.max_tokens: int = kernel.MAX_TOKENS
         self.kernel_model = kernel.DecodeModel(dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(),
-                                               _rows(decoder.embed_tokens), _rows(model.lm_head), layers)
+                                               _rows(decoder.embed_tokens), _rows(model.lm_head), layers, exact)
 
     @classmethod
     def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> NativeDecoder | None:

@@ -1,4 +1,5 @@
-"""Layers whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0, F16) and are decoded as they are used."""
+"""Layers whose weights stay in GGUF blocks (F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and are decoded
+as they are used."""
 
 from __future__ import annotations
 

@@ -82,9 +82,13 @@ def test_quantized_weights_are_within_one_step_of_the_originals(qtype: Q, levels
         assert (error <= step + 1e-6).all(), name
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q, tmp_path: Path) -> None:
-    """Q/K rows reordered, packed q/k/v and gate/up, biases and a tied embedding, all read from blocks."""
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda q: q.name)
+def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q/K rows reordered, packed q/k/v and gate/up, biases and a tied embedding, all read from blocks (on the
+    torch path: the native decoder's Q8 arithmetic is checked against it in tests/engine/models/test_native.py)."""
+    monkeypatch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
     config = hf().Qwen2Config(**{**WIDE, "tie_word_embeddings": True})
     saved = save_hf_model(tmp_path / "qwen2", config, seed=12)
     for arch, model in (("llama", wide_model_of(tmp_path)), ("qwen2", saved.hf_model)):

@@ -1,0 +1,106 @@
+"""The native decode step (pagegate.engine.models.native) against the torch forward, its oracle: token for token
+where the arithmetic is the same (float32 weights; blocks in exact mode), on every block type the loader keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagegate import LLM, SamplingParams
+from pagegate.engine.models.native import NativeDecoder
+from pagegate.kernels import cpu_decode
+
+from ..conftest import SavedModel, hf, save_hf_model
+from ..loading.gguf_files import write_gguf
+
+# decode steps of several sequences at once, prompts of one token to past the Mistral fixture's window
+PROMPTS = [[5, 17, 99, 3], [200, 1, 45, 45, 45, 80, 7, 9, 11, 13, 15], [12], list(range(30, 60))]
+PAGES = 16  # of 16 tokens: the tiny models' 256 positions
+WIDE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)  # K-quants need rows of 256
+
+
+def greedy(model: str | Path, native: str, monkeypatch: pytest.MonkeyPatch, max_tokens: int = 12,
+           prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    """Greedy tokens with decode steps on `native`: "q8" (the server's choice), "exact", or "torch"."""
+    with monkeypatch.context() as patch:
+        if native == "torch":
+            patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
+        llm = LLM(str(model), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert (runner.native is None) == (native == "torch")
+    if native == "exact":
+        runner.native = NativeDecoder(runner.model, runner.kv_cache, exact=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("fixture", ["llama_model", "head_dim_model", "mistral_model", "qwen2_model"])
+def test_float32_models_decode_token_for_token(fixture: str, request: pytest.FixtureRequest,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Biases, a head size that is not hidden / heads, a sliding window, tied embeddings."""
+    path = request.getfixturevalue(fixture).path
+    assert greedy(path, "q8", monkeypatch, 20) == greedy(path, "torch", monkeypatch, 20)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
+    return save_hf_model(tmp_path_factory.mktemp("wide"), hf().LlamaConfig(**WIDE), seed=21)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda q: q.name)
+def test_block_types_decode_token_for_token_in_exact_mode(qtype: Q, wide_model: SavedModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
+    assert greedy(path, "exact", monkeypatch) == greedy(path, "torch", monkeypatch)
+
+
+def test_the_torch_path_takes_what_the_native_one_does_not(llama_model: SavedModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps past MAX_TOKENS (a long prompt's prefill) run on torch, and the native decode steps after them
+    read the pages torch wrote."""
+    long_prompt = [list(range(3, 3 + 2 * cpu_decode.MAX_TOKENS + 5))]
+    assert greedy(llama_model.path, "q8", monkeypatch, prompts=long_prompt) == \
+        greedy(llama_model.path, "torch", monkeypatch, prompts=long_prompt)
+
+
+@pytest.fixture(scope="module")
+def decoder(llama_model: SavedModel) -> NativeDecoder:
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=PAGES)
+    assert llm.engine.runner.native is not None
+    return llm.engine.runner.native
+
+
+class TestBadSteps:
+    """The C checks every index it follows: a bad step is a ValueError, not a read outside the pages."""
+
+    @staticmethod
+    def step(**changes: np.ndarray) -> list[np.ndarray]:
+        arrays = dict(ids=np.array([5], np.int64), positions=np.array([0], np.int64), slots=np.array([0], np.int64),
+                      tables=np.zeros((1, 4), np.int32), seq_lens=np.array([1], np.int32),
+                      starts=np.array([0, 1], np.int32))
+        return list({**arrays, **changes}.values())
+
+    def test_a_good_step_runs(self, decoder: NativeDecoder) -> None:
+        hidden = decoder.kernel_model.forward(*self.step())
+        assert hidden.shape == (1, 64) and torch.isfinite(hidden).all()
+        assert decoder.compute_logits(hidden).shape == (1, 256)
+
+    @pytest.mark.parametrize("changes, match", [
+        (dict(ids=np.array([256], np.int64)), "out of range"),
+        (dict(positions=np.array([10**6], np.int64)), "out of range"),
+        (dict(slots=np.array([PAGES * 16], np.int64)), "out of range"),
+        (dict(tables=np.full((1, 4), PAGES, np.int32)), "outside the cache"),
+        (dict(seq_lens=np.array([100], np.int32)), "block table"),
+        (dict(starts=np.array([0, 2], np.int32)), "tokens"),
+        (dict(ids=np.zeros(0, np.int64)), "tokens"),
+        (dict(positions=np.zeros(2, np.int64)), "disagree"),
+    ])
+    def test_a_bad_step_is_refused(self, decoder: NativeDecoder, changes: dict, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            decoder.kernel_model.forward(*self.step(**changes))
