@@ -65,6 +65,22 @@ static inline int pgd_q8(const pgd_model *m, const pgd_linear *l) {
     return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16;
 }
 
+/* out[r * out_stride] = x_r . w for one float row w of any length (F32 rows need not be whole blocks). */
+static void pgd_row(const pgd_linear *l, const uint8_t *w, const float *x, int tokens, float *out, int64_t out_stride) {
+    const int k = (int)l->k, whole = k & ~31;
+    if (whole == k) {
+        pgq_row(l->qtype, w, k, x, tokens, out, out_stride);
+        return;
+    }
+    for (int r = 0; r < tokens; r++) {
+        const float *xr = x + (int64_t)r * k, *wf = (const float *)w;
+        float tail = 0.0f;
+        pgq_row(l->qtype, w, whole, xr, 1, out + r * out_stride, out_stride);
+        for (int i = whole; i < k; i++) tail += wf[i] * xr[i];
+        out[r * out_stride] += tail;
+    }
+}
+
 /* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, rows split over the threads:
    x (T rows of l->k floats) for float weights, its Q8 act (filled by the caller) for integer blocks. */
 static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
@@ -79,7 +95,7 @@ static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, 
         if (pgd_q8(m, l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
         else
             for (int i = 0; i < rows; i++)
-                pgq_row(l->qtype, w + i * l->row_bytes, (int)l->k, x, tokens, part + i, PGQ_GROUP);
+                pgd_row(l, w + i * l->row_bytes, x, tokens, part + i, PGQ_GROUP);
         for (int r = 0; r < tokens; r++)
             for (int i = 0; i < rows; i++) {
                 float *o = out + r * out_stride + first + i;
@@ -241,9 +257,11 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
         pgq_act act = b->act;
         act.m = tokens;
         #pragma omp for schedule(static)
-        for (int t = 0; t < tokens; t++)
-            pgq_dequantize_row(m->embed.qtype, m->embed.data + ids[t] * m->embed.row_bytes, m->hidden,
-                               x + (int64_t)t * m->hidden);
+        for (int t = 0; t < tokens; t++) {
+            const uint8_t *row = m->embed.data + ids[t] * m->embed.row_bytes;
+            if (m->embed.qtype == PGQ_F32) memcpy(x + (int64_t)t * m->hidden, row, m->hidden * sizeof(float));
+            else pgq_dequantize_row(m->embed.qtype, row, m->hidden, x + (int64_t)t * m->hidden);
+        }
         for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, &m->layers[l], s, x, b, &act);
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {

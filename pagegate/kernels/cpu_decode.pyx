@@ -96,13 +96,14 @@ cdef size_t _address(t, dtype, shape, what) except? 0:
 
 
 cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
-    """(qtype, rows, bias): rows uint8 [n, row bytes], float rows (F32, F16) viewed as bytes or blocks."""
+    """(qtype, rows, bias): rows uint8 [n, row bytes], float rows (F32, F16) viewed as bytes or blocks;
+    F32 rows may be of any length, the others are whole blocks."""
     qtype, rows, bias = spec
-    if qtype not in BLOCK_BYTES or k % BLOCK_ELEMS[qtype]:
+    if qtype not in BLOCK_BYTES or (qtype != 0 and k % BLOCK_ELEMS[qtype]):
         raise ValueError(f"{what}: ggml type {qtype} does not fit rows of {k}")
     cdef pgd_linear l
     l.qtype, l.n, l.k = qtype, n, k
-    l.row_bytes = k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
+    l.row_bytes = k * BLOCK_BYTES[qtype] // BLOCK_ELEMS[qtype]
     l.data = <const uint8_t *>_address(rows, torch.uint8, (n, l.row_bytes), f"{what} weight")
     l.bias = NULL if bias is None else <const float *>_address(bias, torch.float32, (n,), f"{what} bias")
     return l
@@ -128,7 +129,7 @@ cdef class DecodeModel:
     def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False):
         hidden, heads, kv_heads, head_dim, intermediate, eps, scale = dims
         if not layers or heads % kv_heads or heads // kv_heads > PGD_MAX_GROUP or head_dim > PGD_MAX_HEAD_DIM \
-                or head_dim % 2 or hidden % 32 or intermediate % 32 or heads * head_dim % 32:
+                or head_dim % 2:
             raise ValueError(f"the native decoder does not take {dims} over {len(layers)} layers")
         cdef pgd_model *m = &self.model
         cdef pgd_layer *layer

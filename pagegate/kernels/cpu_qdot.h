@@ -151,23 +151,23 @@ PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row,
     const uint8_t *blk = pgq_block_of(qtype, row, b);
     const int j = (int)(b % 8);
     if (qtype == PGQ_Q8_0) {
-        *d = _mm256_set1_ps(pgq_half(blk));
-        c[0] = c[1] = -128.0f * pgq_half(blk);
+        *d = _mm256_set1_ps(pgq_half_f16c(blk));
+        c[0] = c[1] = -128.0f * pgq_half_f16c(blk);
         return _mm256_loadu_si256((const __m256i *)(blk + 2));
     }
     if (qtype == PGQ_Q4_0 || qtype == PGQ_Q4_1 || qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1) {
         const int one = qtype == PGQ_Q4_1 || qtype == PGQ_Q5_1, five = qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1;
-        const float dd = pgq_half(blk);
+        const float dd = pgq_half_f16c(blk);
         *d = _mm256_set1_ps(dd);
-        c[0] = c[1] = one ? pgq_half(blk + 2) : (five ? -16.0f : -8.0f) * dd;
+        c[0] = c[1] = one ? pgq_half_f16c(blk + 2) : (five ? -16.0f : -8.0f) * dd;
         const __m256i u = pgq_nibbles_16(blk + (one ? 4 : 2) + (five ? 4 : 0));
         return five ? _mm256_or_si256(u, pgq_bits_to_16s(pgq_u32(blk + (one ? 4 : 2)))) : u;
     }
     if (qtype == PGQ_Q4_K || qtype == PGQ_Q5_K) {
         int scale, min;
         pgq_scale_min_k4(j, blk + 4, &scale, &min);
-        *d = _mm256_set1_ps(pgq_half(blk) * (float)scale);
-        c[0] = c[1] = -pgq_half(blk + 2) * (float)min;
+        *d = _mm256_set1_ps(pgq_half_f16c(blk) * (float)scale);
+        c[0] = c[1] = -pgq_half_f16c(blk + 2) * (float)min;
         const int five = qtype == PGQ_Q5_K;
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j / 2)));
         const __m256i u = pgq_bits_at(q, 4 * (j & 1), 15);
@@ -178,7 +178,7 @@ PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row,
     /* Q6_K */
     const int n = j / 4, t = j % 4;
     const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
-    const float dd = pgq_half(blk + 208), d0 = dd * (float)scales[0], d1 = dd * (float)scales[1];
+    const float dd = pgq_half_f16c(blk + 208), d0 = dd * (float)scales[0], d1 = dd * (float)scales[1];
     *d = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
     c[0] = -32.0f * d0;
     c[1] = -32.0f * d1;

@@ -15,6 +15,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
     const int64_t nb = a->k / 32;
     __m256 acc[PGQ_MAX_M * PGQ_GROUP];
     float corr[PGQ_MAX_M * PGQ_GROUP];
+    #pragma GCC unroll 64
     for (int i = 0; i < m * PGQ_GROUP; i++) {
         acc[i] = _mm256_setzero_ps();
         corr[i] = 0.0f;
@@ -23,12 +24,15 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
         __m256i u[PGQ_GROUP];
         __m256 d[PGQ_GROUP];
         float c[PGQ_GROUP][2];
+        #pragma GCC unroll 4
         for (int i = 0; i < rows; i++) u[i] = pgq_unpack_avx2(qtype, w + i * row_bytes, b, &d[i], c[i]);
+        #pragma GCC unroll 16
         for (int r = 0; r < m; r++) {
             const int64_t x = r * nb + b;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + x * 32));
             const __m256 dx = _mm256_set1_ps(a->d[x]);
             const float s0 = a->s[2 * x], s1 = a->s[2 * x + 1];
+            #pragma GCC unroll 4
             for (int i = 0; i < rows; i++) {
                 __m256i dot;
                 if (qtype == PGQ_Q8_0) {  /* |w| . (q with w's sign): no correction term */
@@ -42,7 +46,9 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
             }
         }
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < m; r++)
+        #pragma GCC unroll 4
         for (int i = 0; i < rows; i++)
             out[r * out_stride + i] = pgq_hsum(acc[r * PGQ_GROUP + i]) + corr[r * PGQ_GROUP + i];
 }
