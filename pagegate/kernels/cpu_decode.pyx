@@ -13,6 +13,8 @@ from libc.stdlib cimport free, malloc
 
 import torch
 
+from pagegate.kernels.cpu_quant import BLOCK_BYTES, BLOCK_ELEMS
+
 cdef extern from "cpu_decode.h":
     ctypedef struct pgq_act:
         int64_t k
@@ -70,8 +72,6 @@ cdef extern from "cpu_decode.h":
 pgq_init()
 
 MAX_TOKENS = PGD_MAX_TOKENS  # tokens one forward takes
-BLOCK_BYTES = {0: 128, 1: 64, 2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}  # per 32 or 256
-BLOCK_ELEMS = {t: 256 if t >= 12 else 32 for t in BLOCK_BYTES}
 _STEP_ERRORS = {1: "the step needs 1 to {} tokens in sequences that cover them".format(PGD_MAX_TOKENS),
                 2: "a token id, position or cache slot is out of range",
                 3: "a sequence's length or page count does not fit its block table",

@@ -31,15 +31,15 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
             const int64_t x = r * nb + b;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + x * 32));
             const __m256 dx = _mm256_set1_ps(a->d[x]);
-            const float s0 = a->s[2 * x], s1 = a->s[2 * x + 1];
+            const float s0 = a->s[2 * x], s1 = a->s[2 * x + 1], s01 = s0 + s1;
             #pragma GCC unroll 4
             for (int i = 0; i < rows; i++) {
                 __m256i dot;
                 if (qtype == PGQ_Q8_0) {  /* |w| . (q with w's sign): no correction term */
                     dot = PGQ_DOT(_mm256_sign_epi8(u[i], u[i]), _mm256_sign_epi8(q, u[i]));
                 } else {
-                    dot = PGQ_DOT(u[i], q);
-                    corr[r * PGQ_GROUP + i] += c[i][0] * s0 + c[i][1] * s1;
+                    dot = PGQ_DOT(u[i], q);  /* one offset a sub-block but for Q6_K's two halves */
+                    corr[r * PGQ_GROUP + i] += qtype == PGQ_Q6_K ? c[i][0] * s0 + c[i][1] * s1 : c[i][0] * s01;
                 }
                 acc[r * PGQ_GROUP + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[i], dx),
                                                          acc[r * PGQ_GROUP + i]);

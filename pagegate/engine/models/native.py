@@ -13,6 +13,7 @@ from pagegate.engine.models.llama import DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
+from pagegate.kernels.quant import FUSED_MAX_ROWS
 
 F32 = 0  # ggml's type id of float32 rows
 
@@ -44,6 +45,7 @@ class NativeDecoder:
                    _rows(layer.mlp.down_proj), k_cache, v_cache, layer.self_attn.attn.sliding_window)
                   for layer, (k_cache, v_cache) in zip(decoder.layers, kv_cache.layers, strict=True)]
         self.max_tokens: int = kernel.MAX_TOKENS
+        self.model = model
         self.kernel_model = kernel.DecodeModel(dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(),
                                                _rows(decoder.embed_tokens), _rows(model.lm_head), layers, exact)
 
@@ -69,4 +71,7 @@ class NativeDecoder:
                                          step.seq_lens, step.query_start_loc)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a few rows on the kernel (one pass over the LM head); more rows are the model's GEMM."""
+        if hidden.shape[0] > FUSED_MAX_ROWS:
+            return self.model.compute_logits(hidden)
         return self.kernel_model.logits(hidden)
