@@ -12,8 +12,8 @@ from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockTables
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
-from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
+from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tp_workers import WorkerGroup, rank_device

@@ -68,7 +68,8 @@ def test_n_choices_share_the_prompt_pages(engine):
 
 def test_a_crashed_loop_fails_waiting_requests_and_reports_unhealthy(engine):
     async def main():
-        engine.engine.runner.kv_cache.layers = []  # break the engine: the next forward raises
+        runner = engine.engine.runner
+        runner.kv_cache.layers, runner.native = [], None  # break the engine: the next forward raises
         with pytest.raises(EngineDeadError, match="crashed"):
             async for _ in engine.generate([3, 4, 5], LONG, "victim"):
                 pass

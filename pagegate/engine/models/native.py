@@ -4,12 +4,14 @@ larger steps (prefill) run there, and the "reference" kernel backend keeps every
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from pagegate.engine.kv_cache import PagedKVCache
 from pagegate.engine.models.base import CausalLM
-from pagegate.engine.models.llama import DecoderModel
+from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
@@ -23,8 +25,16 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     bias = getattr(module, "bias", None)
     if isinstance(module, QuantLinear | QuantEmbedding):
         return module.qtype, module.blocks, bias
-    weight = module.weight.detach()
+    weight = cast(torch.Tensor, module.weight).detach()
     return F32, weight.view(torch.uint8), None if bias is None else bias.detach()
+
+
+def _layer(layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """One decoder layer as cpu_decode.DecodeModel takes it."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            _rows(attention.qkv_proj), _rows(attention.o_proj), _rows(mlp.gate_up_proj), _rows(mlp.down_proj),
+            k_cache, v_cache, attention.attn.sliding_window)
 
 
 class NativeDecoder:
@@ -37,13 +47,12 @@ class NativeDecoder:
         kernel = decode_kernel()
         assert kernel is not None
         decoder, config = model.model, model.config
-        first = decoder.layers[0].self_attn
+        blocks = [cast(DecoderLayer, layer) for layer in decoder.layers]
+        first = blocks[0].self_attn
         dims = (config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                 config.intermediate_size, config.rms_norm_eps, first.attn.scale)
-        layers = [(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                   _rows(layer.self_attn.qkv_proj), _rows(layer.self_attn.o_proj), _rows(layer.mlp.gate_up_proj),
-                   _rows(layer.mlp.down_proj), k_cache, v_cache, layer.self_attn.attn.sliding_window)
-                  for layer, (k_cache, v_cache) in zip(decoder.layers, kv_cache.layers, strict=True)]
+        layers = [_layer(layer, k_cache, v_cache) for layer, (k_cache, v_cache) in zip(blocks, kv_cache.layers,
+                                                                                        strict=True)]
         self.max_tokens: int = kernel.MAX_TOKENS
         self.model = model
         self.kernel_model = kernel.DecodeModel(dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(),
