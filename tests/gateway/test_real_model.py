@@ -10,7 +10,8 @@ import pytest
 
 from pagegate.testing.launcher import ServerProcess
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# not "What is the capital of France?": a near-tie at its first token that Q8 activations flip (see tests/engine)
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
