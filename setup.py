@@ -20,7 +20,8 @@ extensions = [
     Extension(
         f"pagegate.kernels.{name}",
         [f"pagegate/kernels/{name}.pyx"],
-        depends=[f"pagegate/kernels/{header}.h" for header in headers],  # the C the module includes
+        # the C the module includes, and the declarations of it that cpu_quant and cpu_decode share
+        depends=[f"pagegate/kernels/{header}.h" for header in headers] + ["pagegate/kernels/cpu_qdot.pxd"],
         extra_compile_args=["-O3", "-fopenmp", *flags],
         extra_link_args=["-fopenmp"],
     )

@@ -11,17 +11,13 @@ float32 and float16 weights take it in float32, as pagegate.kernels.cpu_quant.ma
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 
+from pagegate.kernels.cpu_qdot cimport pgq_act, pgq_init, pgq_isa, pgq_set_isa
+
 import torch
 
 from pagegate.kernels.cpu_quant import BLOCK_BYTES, BLOCK_ELEMS
 
 cdef extern from "cpu_decode.h":
-    ctypedef struct pgq_act:
-        int64_t k
-        int m
-        int8_t *q
-        float *d
-        float *s
     ctypedef struct pgd_linear:
         int qtype
         const uint8_t *data
@@ -59,9 +55,6 @@ cdef extern from "cpu_decode.h":
         PGD_MAX_TOKENS
         PGD_MAX_GROUP
         PGD_MAX_HEAD_DIM
-    void pgq_init() noexcept nogil
-    int pgq_set_isa(const char *name) noexcept nogil
-    const char *pgq_isa
     void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *ids, float *x, pgd_buffers *b,
                      int threads) noexcept nogil
     void pgd_logits(const pgd_model *m, const float *x, int rows, float *logits, pgd_buffers *b,

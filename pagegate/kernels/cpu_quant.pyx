@@ -16,6 +16,9 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
+from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, pgq_act, pgq_dequantize_row, pgq_init, pgq_isa,
+                                        pgq_qdot, pgq_quantize_row, pgq_row, pgq_set_isa)
+
 import torch
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
@@ -23,27 +26,6 @@ BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 
                Q6_K: 210}
 BLOCK_ELEMS = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else 32 for t in BLOCK_BYTES}
 INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
-cdef enum:
-    MAX_ROWS = 16  # input rows matmul takes at once (accumulators on the stack)
-    GROUP = 4  # weight rows one integer kernel call takes
-
-cdef extern from "cpu_qdot.h":
-    ctypedef struct pgq_act:
-        int64_t k
-        int m
-        int8_t *q
-        float *d
-        float *s
-    void pgq_init() noexcept nogil
-    int pgq_set_isa(const char *name) noexcept nogil
-    const char *pgq_isa
-    void pgq_row(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
-                 int64_t out_stride) noexcept nogil
-    void pgq_dequantize_row(int qtype, const uint8_t *row, int k, float *out) noexcept nogil
-    void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) noexcept nogil
-    void pgq_qdot(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a, float *out,
-                  int64_t out_stride) noexcept nogil
-
 pgq_init()
 
 
@@ -88,8 +70,8 @@ def matmul(x, blocks, int qtype):
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
     cdef int64_t row_bytes = blocks.shape[1]
-    for start in range(0, m, MAX_ROWS):
-        rows = min(MAX_ROWS, m - start)
+    for start in range(0, m, PGQ_MAX_M):
+        rows = min(PGQ_MAX_M, m - start)
         for row in prange(n, nogil=True, schedule="static"):
             pgq_row(qtype, w + row * row_bytes, k, xp + start * k, rows, op + start * n + row, n)
     return out
@@ -120,22 +102,22 @@ def matmul_q8(x, blocks, int qtype):
     x = _float_input(x)
     cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], start, r, g
     out = torch.empty((m, n), dtype=torch.float32)
-    q8 = torch.empty(min(m, MAX_ROWS) * k, dtype=torch.int8)
-    scales = torch.empty(min(m, MAX_ROWS) * (k // 32) * 3, dtype=torch.float32)
+    q8 = torch.empty(min(m, PGQ_MAX_M) * k, dtype=torch.int8)
+    scales = torch.empty(min(m, PGQ_MAX_M) * (k // 32) * 3, dtype=torch.float32)
     cdef pgq_act act
     act.k = k
     act.q = <int8_t *><size_t>q8.data_ptr()
     act.d = <float *><size_t>scales.data_ptr()
-    act.s = act.d + min(m, MAX_ROWS) * (k // 32)
+    act.s = act.d + min(m, PGQ_MAX_M) * (k // 32)
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
-    cdef int64_t groups = (n + GROUP - 1) // GROUP
-    for start in range(0, m, MAX_ROWS):
-        act.m = min(MAX_ROWS, m - start)
+    cdef int64_t groups = (n + PGQ_GROUP - 1) // PGQ_GROUP
+    for start in range(0, m, PGQ_MAX_M):
+        act.m = min(PGQ_MAX_M, m - start)
         for r in range(act.m):
             pgq_quantize_row(xp + (start + r) * k, &act, r, 0, k // 32)
         for g in prange(groups, nogil=True, schedule="static"):
-            pgq_qdot(qtype, w + g * GROUP * row_bytes, row_bytes, min(GROUP, n - g * GROUP), &act,
-                     op + start * n + g * GROUP, n)
+            pgq_qdot(qtype, w + g * PGQ_GROUP * row_bytes, row_bytes, min(PGQ_GROUP, n - g * PGQ_GROUP), &act,
+                     op + start * n + g * PGQ_GROUP, n)
     return out

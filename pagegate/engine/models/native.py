@@ -15,9 +15,7 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
-from pagegate.kernels.quant import FUSED_MAX_ROWS
-
-F32 = 0  # ggml's type id of float32 rows
+from pagegate.kernels.quant import F32, FUSED_MAX_ROWS
 
 
 def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
