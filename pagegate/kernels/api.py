@@ -35,21 +35,23 @@ class AttentionOps:
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float, sliding_window: int | None = None, *,
+                        scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over paged K/V for a varlen batch of prefill, chunked-prefill and decode tokens.
 
         query [T, H, D] holds sequence b's tokens at query_start_loc[b]:query_start_loc[b+1]: the last
         q_len of its seq_lens[b] context tokens, all already written to the cache. Returns [T, H, D]
-        (written into `out` when given, e.g. a preallocated buffer).
+        (written into `out` when given, e.g. a preallocated buffer). `softcap` (Gemma 2; None or 0:
+        off) turns each scaled score s into softcap * tanh(s / softcap) before the mask and softmax.
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        softcap = reference.check_softcap(softcap)
         if self._fused is not None and self._fused.supports(query, k_cache, v_cache):  # dtypes: per call
             return self._fused.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                               scale, sliding_window, out=out)
+                                               scale, sliding_window, softcap=softcap, out=out)
         return self._impl.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                          scale, sliding_window, out=out)
+                                          scale, sliding_window, softcap=softcap, out=out)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,8 +62,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, sliding_window: int | None = None, *, out: torch.Tensor | None = None,
-                    backend: str | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
+                    out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """AttentionOps.paged_attention on the backend chosen now for the query's device."""
     return AttentionOps(query.device, backend).paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out=out)
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=softcap,
+        out=out)

@@ -52,6 +52,34 @@ static inline void pg_scale(float *y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
 }
 
+/* tanh as Eigen computes it for float: a 13/6 rational function on [-7.9053, 7.9053] (within 4
+   ulp; beyond, tanh rounds to +-1), plain arithmetic so a loop of it vectorises, where libm's
+   tanhf is a call per element. NaN stays NaN. */
+static inline float pg_tanh(float x) {
+    const float clamp = 7.90531110763549805f;
+    x = x > clamp ? clamp : (x < -clamp ? -clamp : x);
+    const float x2 = x * x;
+    float p = -2.76076847742355e-16f;
+    p = p * x2 + 2.00018790482477e-13f;
+    p = p * x2 - 8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * x2 + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    return x * p / q;
+}
+
+/* Gemma 2's logit soft-cap of a row of raw dot products: y = cap * tanh(y * scale / cap), with
+   a = scale / cap folded into one multiply. (Unused by modules that include this header only
+   for the tile functions.) */
+PG_CLONES __attribute__((unused)) static void pg_softcap(float *y, float a, float cap, int n) {
+    for (int i = 0; i < n; i++) y[i] = cap * pg_tanh(a * y[i]);
+}
+
 /* The rows' heads of one cache slot: they are adjacent, from head_offset[0] to the end of
    head_offset[rows - 1] (rows go head by head, query by query). */
 static inline int pg_span(const int64_t *head_offset, int rows, int head_dim) {

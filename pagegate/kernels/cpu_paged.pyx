@@ -15,11 +15,12 @@ prefetcher alone stalls at every page.
 
 Semantics are those of pagegate.kernels.reference.paged_attention: query i of a sequence with
 seq_len context tokens and q_len queries sits at position seq_len - q_len + i and sees keys
-k <= that position (and, with a sliding window, position - k < window).
+k <= that position (and, with a sliding window, position - k < window). A soft-cap (Gemma 2)
+turns each scaled score s into softcap * tanh(s / softcap) before the mask and the softmax.
 """
 
 from cython.parallel cimport prange, threadid
-from libc.math cimport INFINITY, expf
+from libc.math cimport INFINITY, expf, isfinite
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
@@ -35,6 +36,7 @@ cdef enum:
 
 cdef extern from "cpu_paged.h":
     void pg_scale(float *y, float a, int n) noexcept nogil
+    void pg_softcap(float *y, float a, float cap, int n) noexcept nogil
     void pg_score_tile(const float *keys, const int64_t *slot, int num_keys, const float **query_row,
                        const int64_t *head_offset, int rows, int head_dim, int ahead, float *scores,
                        int stride) noexcept nogil
@@ -57,6 +59,7 @@ cdef struct Problem:
     const int32_t *query_start
     int num_heads, num_kv_heads, head_dim, block_size
     float scale
+    float softcap  # 0: no soft-cap
     int window  # 0: no sliding window
 
 
@@ -87,7 +90,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, sliding_window: int | None = None, *,
+                    scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention (query [T, H, D] -> [T, H, D]), for inputs
     `supports` accepts; runs on torch's intra-op thread count with the GIL released."""
@@ -100,7 +103,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # the kernel writes float32 rows with contiguous head_dim; anything else goes through a copy
     target = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty_like(query)
     cdef Problem p = _problem(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              target, scale, sliding_window)
+                              target, scale, sliding_window, softcap)
     cdef int num_seqs = seq_lens.shape[0]
     _check(&p, num_seqs, query.shape[0], k_cache.shape[0])
     cdef int num_threads = torch.get_num_threads()
@@ -115,7 +118,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 cdef Problem _problem(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
-                      sliding_window) except *:
+                      sliding_window, softcap) except *:
     """Raw pointers and sizes of the call (the tensors must outlive the kernel run)."""
     cdef Problem p
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -138,6 +141,7 @@ cdef Problem _problem(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     p.num_heads, p.num_kv_heads = num_heads, num_kv_heads
     p.head_dim, p.block_size = query.shape[2], k_cache.shape[1]
     p.scale = scale
+    p.softcap = 0 if softcap is None else softcap
     p.window = 0 if sliding_window is None else sliding_window
     return p
 
@@ -149,6 +153,8 @@ cdef void _check(const Problem *p, int num_seqs, int64_t num_tokens, int64_t num
     cdef int32_t block
     if p.window < 0:
         raise ValueError(f"sliding_window must be positive, got {p.window}")
+    if not (p.softcap >= 0 and isfinite(p.softcap)):
+        raise ValueError(f"softcap must be a positive number (or None/0 for none), got {p.softcap}")
     if p.query_start[0] < 0 or p.query_start[num_seqs] > num_tokens:
         raise ValueError("query_start_loc points outside the query")
     for b in range(num_seqs):
@@ -313,10 +319,14 @@ cdef void _slot_offsets(const Problem *p, int seq, int key_pos, int num_keys, in
 
 
 cdef void _score_tile(const Problem *p, Scratch *s, int rows, int num_keys, int ahead) noexcept nogil:
-    """probs[r, j] = scale * q_r . k_j for every row and key of the tile."""
+    """probs[r, j] = scale * q_r . k_j for every row and key of the tile, soft-capped when asked."""
     cdef int r
     pg_score_tile(p.k_cache, s.slot_offset, num_keys, s.query_row, s.head_offset, rows, p.head_dim, ahead,
                   s.probs, KEY_TILE)
+    if p.softcap > 0:
+        for r in range(rows):
+            pg_softcap(s.probs + r * KEY_TILE, p.scale / p.softcap, p.softcap, num_keys)
+        return
     for r in range(rows):
         pg_scale(s.probs + r * KEY_TILE, p.scale, num_keys)
 

@@ -6,6 +6,9 @@ float32; SDPA reads the gathered [tokens, Hkv, D] layout as it is, without a tra
 Decode tokens go in groups of sequences with similar context length, each group's K/V small
 enough to stay in cache while SDPA reads it back (measured on CPU: faster than one big gather
 or one sequence at a time). A sequence with several query tokens goes alone.
+
+With a logit soft-cap (Gemma 2: scores s become softcap * tanh(s / softcap) before the mask and
+softmax) SDPA has no place for the tanh, so the same steps are written out in torch ops.
 """
 
 from __future__ import annotations
@@ -19,6 +22,17 @@ from pagegate.kernels.workspace import scratch
 
 # Gathered K+V bytes per decode group (measured on CPU; see bench/bench_kernels.py).
 DECODE_GROUP_BYTES = 8 << 20
+# float32 score bytes per query chunk of a soft-capped prefill, whose scores are materialised
+CAPPED_SCORE_BYTES = 32 << 20
+
+
+def check_softcap(softcap: float | None) -> float | None:
+    """The soft-cap to apply: None when off (None or 0); a negative or non-finite one is refused."""
+    if softcap is None or softcap == 0:
+        return None
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a positive number (or None/0 for none), got {softcap}")
+    return float(softcap)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,18 +48,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, sliding_window: int | None = None, *,
+                    scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's last q_len tokens over its paged context."""
+    """Causal attention of each sequence's last q_len tokens over its paged context; `softcap` caps
+    the scaled scores to (-softcap, softcap) with a tanh before masking and softmax."""
+    softcap = check_softcap(softcap)
     out = torch.empty_like(query) if out is None else out
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if decode:
-        _decode(query, k_cache, v_cache, block_tables, decode, lens, starts, scale, sliding_window, out)
+        _decode(query, k_cache, v_cache, block_tables, decode, lens, starts, scale, sliding_window, softcap, out)
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
-            _prefill(query, k_cache, v_cache, block_tables[b], lens[b], starts[b], q_len, scale, sliding_window, out)
+            _prefill(query, k_cache, v_cache, block_tables[b], lens[b], starts[b], q_len, scale, sliding_window,
+                     softcap, out)
     return out
 
 
@@ -54,7 +71,7 @@ def _first_visible(seq_len: int, q_len: int, sliding_window: int | None) -> int:
     return 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
 
 
-def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale, sliding_window, out):
+def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale, sliding_window, softcap, out):
     """Queries start:start+q_len, the last q_len of seq_len context tokens, over their own pages."""
     block_size = k_cache.shape[1]
     first_page = _first_visible(seq_len, q_len, sliding_window) // block_size
@@ -69,13 +86,44 @@ def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale,
         mask = key_pos <= query_pos
         if sliding_window is not None:
             mask &= query_pos - key_pos < sliding_window
+    if softcap is not None:
+        _capped_prefill(queries, keys, values, mask, scale, softcap, out[start:start + q_len])
+        return
     result = F.scaled_dot_product_attention(
         queries.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
         is_causal=mask is None, scale=scale, enable_gqa=query.shape[1] != k_cache.shape[2])
     out[start:start + q_len] = result.transpose(0, 1)
 
 
-def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sliding_window, out):
+def _capped_prefill(queries, keys, values, mask, scale, softcap, out):
+    """Soft-capped attention of queries [q_len, H, D] over keys/values [L, Hkv, D] (mask [q_len, L];
+    None: causal with q_len == L) into out [q_len, H, D], a chunk of queries at a time so the
+    materialised scores stay within CAPPED_SCORE_BYTES."""
+    q_len, num_heads, head_dim = queries.shape
+    length, num_kv_heads = keys.shape[:2]
+    group = num_heads // num_kv_heads
+    if mask is None:
+        mask = torch.ones(q_len, length, dtype=torch.bool, device=queries.device).tril()
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, L, D]
+    chunk = max(1, CAPPED_SCORE_BYTES // (4 * num_heads * length))
+    for lo in range(0, q_len, chunk):
+        rows = queries[lo:lo + chunk].transpose(0, 1)
+        # the rows of the query heads that share a KV head go together: GQA without repeating K/V
+        grouped = rows.reshape(num_kv_heads, group * rows.shape[1], head_dim)
+        result = _capped_attention(grouped, keys, values, mask[lo:lo + chunk].repeat(group, 1), scale, softcap)
+        out[lo:lo + chunk] = result.view(num_heads, -1, head_dim).transpose(0, 1)
+
+
+def _capped_attention(queries, keys, values, mask, scale, softcap):
+    """softmax(mask(softcap * tanh(scale * q k^T / softcap))) v over broadcasting batch dims;
+    mask (True: visible) broadcasts against the scores [..., rows, L], None masks nothing."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values)
+
+
+def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sliding_window, softcap, out):
     """One query token per sequence: gather, attend and write back group by group."""
     block_size = k_cache.shape[1]
     first = [_first_visible(lens[b], 1, sliding_window) // block_size for b in seqs]
@@ -98,7 +146,7 @@ def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sl
         group_visible = None if full else visible[lo:hi, :width * block_size]
         keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], group_visible)
         mask = None if full else group_visible[:, None, None]
-        results.append(_attend_decode(queries[lo:hi], keys, values, mask, scale))
+        results.append(_attend_decode(queries[lo:hi], keys, values, mask, scale, softcap))
     out.index_copy_(0, rows, torch.cat(results).to(out.dtype))
 
 
@@ -153,12 +201,15 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _attend_decode(queries, keys, values, mask, scale):
+def _attend_decode(queries, keys, values, mask, scale, softcap):
     """SDPA for queries [n, H, D] over keys/values [n, L, Hkv, D]; returns [n, H, D]."""
     n, num_heads, head_dim = queries.shape
     num_kv_heads = keys.shape[2]
     # the query heads that share a KV head become that head's query rows: GQA without repeating K/V
     grouped = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    result = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
-                                            attn_mask=mask, scale=scale)
+    if softcap is not None:
+        result = _capped_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap)
+    else:
+        result = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                                attn_mask=mask, scale=scale)
     return result.reshape(n, num_heads, head_dim)

@@ -24,15 +24,25 @@ def load_page_rows(cache_ptr, block_table_row_ptr, positions, valid, dims, dim_m
 
 
 @triton.jit
+def tanh(x):
+    """tanh from exp2 (no libdevice, so it also runs in the interpreter); saturates to +-1 where exp2 overflows."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e): exp2(2x log2 e) = e^2x
+
+
+@triton.jit
 def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum, acc,
-                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max, running_sum,
+                acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
     """One step of the online softmax: the query rows q [M, D] against one tile of keys at `positions`,
-    masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator."""
+    masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator.
+    Scores come out in log2 units: dot * qk_scale, or with SOFTCAP tanh(dot * qk_scale) * cap_scale
+    (see score_scales)."""
     k = load_page_rows(k_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
                        cache_stride_block, cache_stride_slot, cache_stride_h)
     k = k.to(tl.float32) if UPCAST else k
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        scores = tanh(scores) * cap_scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     # a row may see nothing in this tile (causal edge, window start): keep its exps at 0, not NaN
@@ -45,6 +55,14 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, d
     v = v.to(tl.float32) if UPCAST else v
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap_scale) for attend_tile: scale * log2(e) and unused without a soft-cap; with one,
+    softcap * tanh(dot * scale / softcap) * log2(e) as tanh(dot * qk_scale) * cap_scale."""
+    if softcap is None:
+        return scale * LOG2_E, 0.0
+    return scale / softcap, softcap * LOG2_E
 
 
 def dot_options(cache: torch.Tensor) -> dict:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import LOG2_E, attend_tile, check_attention_inputs, dot_options
+from pagegate.kernels.triton_common import attend_tile, check_attention_inputs, dot_options, score_scales
 
 DECODE_BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the reduction than it saves
@@ -15,12 +15,12 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         acc_ptr, max_ptr, sum_ptr, out_ptr, qk_scale,
+                         acc_ptr, max_ptr, sum_ptr, out_ptr, qk_scale, cap_scale,
                          q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride_b,
                          cache_stride_block, cache_stride_slot, cache_stride_h,
                          block_size, head_dim, group, split_len, sliding_window,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Program (sequence, KV head, split): the `group` query heads of that KV head over one
     split of the context. Writes the final output when there is one split, else the split's
@@ -48,8 +48,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         valid = positions < end
         running_max, running_sum, acc = attend_tile(
             q, valid[None, :], k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head,
-            block_size, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum,
-            acc, DOT_PRECISION, UPCAST)
+            block_size, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max,
+            running_sum, acc, DOT_PRECISION, UPCAST, SOFTCAP)
     if SINGLE_SPLIT:
         out = acc / running_sum[:, None]
         out_offsets = seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
@@ -103,8 +103,10 @@ def split_length(num_seqs: int, num_kv_heads: int, context_bound: int, device: t
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
-    """Attention of one query token per sequence (query [B, H, D]) over its paged context, into out."""
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None,
+                     out: torch.Tensor) -> None:
+    """Attention of one query token per sequence (query [B, H, D]) over its paged context, into out
+    (scores soft-capped when softcap is a positive number)."""
     check_attention_inputs(query, k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -118,12 +120,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     sums = torch.empty_like(maxes)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, acc, maxes, sums, out, scale * LOG2_E,
+        query, k_cache, v_cache, block_tables, seq_lens, acc, maxes, sums, out, *score_scales(scale, softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_size, head_dim, group, split_len, sliding_window or 0,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
-        SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=sliding_window is not None, **dot_options(k_cache))
+        SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
+        **dot_options(k_cache))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             acc, maxes, sums, out, out.stride(0), out.stride(1), head_dim, num_splits,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import LOG2_E, attend_tile, check_attention_inputs, dot_options
+from pagegate.kernels.triton_common import attend_tile, check_attention_inputs, dot_options, score_scales
 
 
 def tile_sizes(device: torch.device) -> tuple[int, int]:
@@ -30,12 +30,13 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, qk_scale, num_seqs,
+                    query_start_loc_ptr, qk_scale, cap_scale, num_seqs,
                     q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride_b,
                     cache_stride_block, cache_stride_slot, cache_stride_h,
                     block_size, head_dim, group, sliding_window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
     """Program (query tile, head): BLOCK_M query rows of one sequence, online softmax over the
     context pages they may see. Row i of a sequence with q_len queries and seq_len context
     tokens sits at position seq_len - q_len + i."""
@@ -73,8 +74,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
             visible &= query_pos[:, None] - key_pos[None, :] < sliding_window
         running_max, running_sum, acc = attend_tile(
             q, visible, k_cache_ptr, v_cache_ptr, table, key_pos, valid, dims, dim_mask, kv_head, block_size,
-            cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, running_max, running_sum, acc,
-            DOT_PRECISION, UPCAST)
+            cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max, running_sum,
+            acc, DOT_PRECISION, UPCAST, SOFTCAP)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -82,8 +83,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
-    """Causal varlen attention of every query token in the batch over its paged context, into out."""
+                      scale: float, sliding_window: int | None, softcap: float | None, out: torch.Tensor) -> None:
+    """Causal varlen attention of every query token in the batch over its paged context, into out
+    (scores soft-capped when softcap is a positive number)."""
     check_attention_inputs(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -91,9 +93,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # sequence b owns tiles [qsl[b] // BLOCK_M + b, qsl[b+1] // BLOCK_M + b + 1): no host sync needed
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2_E, num_seqs,
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *score_scales(scale, softcap), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], head_dim, num_heads // k_cache.shape[2], sliding_window or 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_WINDOW=sliding_window is not None, **dot_options(k_cache))
+        HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, **dot_options(k_cache))

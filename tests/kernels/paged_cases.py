@@ -11,6 +11,8 @@ from pagegate.kernels import paged_attention
 # (context length, query length): decodes ending exactly on / just past a page boundary,
 # a whole prefill, a chunked prefill, a prefill after a page-aligned prefix-cache hit
 MIXED_BATCH = [(16, 1), (17, 1), (1, 1), (33, 1), (40, 40), (45, 13), (48, 16), (31, 1), (70, 5)]
+# Gemma 2's attention soft-cap, and one small enough to flatten most scores of a hot batch
+SOFTCAPS = [50.0, 5.0]
 
 
 @dataclass
@@ -61,14 +63,25 @@ def make_batch(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
                       starts.to(device), keys, values, head_dim ** -0.5)
 
 
-def dense_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
-    """Plain per-sequence causal attention in float64: the oracle the kernels must match."""
+def heat(batch: PagedBatch, factor: float = 8.0) -> PagedBatch:
+    """Scale the batch's attention scores by `factor` (through `scale`), so they reach tens: a
+    soft-cap of 50 then bends the largest ones and one of 5 flattens most."""
+    batch.scale *= factor
+    return batch
+
+
+def dense_attention(batch: PagedBatch, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Plain per-sequence causal attention in float64: the oracle the kernels must match. A softcap
+    bends the scaled scores to softcap * tanh(s / softcap) before the mask (Hugging Face's Gemma 2)."""
     outs, starts = [], batch.query_start_loc.tolist()
     for b, (keys, values) in enumerate(zip(batch.keys, batch.values, strict=True)):
         q = batch.query[starts[b]:starts[b + 1]].cpu().double()
         group = q.shape[1] // keys.shape[1]
         k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         query_pos = len(keys) - len(q) + torch.arange(len(q))[:, None]
         key_pos = torch.arange(len(keys))
         visible = key_pos <= query_pos
@@ -84,11 +97,13 @@ def poisoned_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.full_like(tensor, float("nan"))
 
 
-def run_attention(batch: PagedBatch, backend: str, sliding_window: int | None = None) -> torch.Tensor:
+def run_attention(batch: PagedBatch, backend: str, sliding_window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """paged_attention on `batch` into a poisoned buffer, through the public API."""
     out = poisoned_like(batch.query)
     result = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                             batch.query_start_loc, batch.scale, sliding_window, out=out, backend=backend)
+                             batch.query_start_loc, batch.scale, sliding_window, softcap=softcap, out=out,
+                             backend=backend)
     assert result is out
     return out
 

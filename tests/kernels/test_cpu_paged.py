@@ -9,7 +9,16 @@ from hypothesis import strategies as st
 
 from pagegate.kernels import cpu_paged, dispatch, paged_attention, reference  # cpu_paged: built by setup.py
 
-from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, poisoned_like, run_attention
+from .paged_cases import (
+    MIXED_BATCH,
+    SOFTCAPS,
+    assert_close,
+    dense_attention,
+    heat,
+    make_batch,
+    poisoned_like,
+    run_attention,
+)
 
 HEADS = [(4, 4), (4, 2), (8, 1)]  # (query heads, KV heads): GQA ratios 1, 2 and 8
 # contexts longer than a key tile (128) and prefill chunks longer than a query tile, so the online
@@ -19,11 +28,12 @@ LONG_BATCH = [(300, 1), (129, 1), (128, 1), (257, 1), (400, 150), (260, 260), (1
 MANY_DECODES = [(length, 1) for length in (1, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129, 200, 255, 256, 300)]
 
 
-def fused(batch, sliding_window=None, out=None):
+def fused(batch, sliding_window=None, out=None, softcap=None):
     """The kernel called directly, into a NaN-poisoned buffer unless `out` is given."""
     out = poisoned_like(batch.query) if out is None else out
     result = cpu_paged.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
-                                       batch.seq_lens, batch.query_start_loc, batch.scale, sliding_window, out=out)
+                                       batch.seq_lens, batch.query_start_loc, batch.scale, sliding_window,
+                                       softcap=softcap, out=out)
     assert result is out
     return out
 
@@ -161,3 +171,43 @@ def test_fused_and_reference_agree_through_the_api():
     for window in (None, 37):
         expected = run_attention(batch, "reference", window).double()
         assert_close(run_attention(batch, "auto", window), expected, torch.float32)
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("sliding_window", [None, 5, 100])
+@pytest.mark.parametrize("shape", [MIXED_BATCH, LONG_BATCH, MANY_DECODES], ids=["mixed", "long", "decodes"])
+def test_softcapped_matches_reference_and_dense(shape, heads, head_dim, sliding_window, softcap):
+    batch = heat(make_batch(shape, *heads, head_dim, seed=head_dim + heads[1]))
+    out = fused(batch, sliding_window, softcap=softcap)
+    assert_close(out, dense_attention(batch, sliding_window, softcap), torch.float32)
+    assert_close(out, run_attention(batch, "reference", sliding_window, softcap).double(), torch.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_softcapped_batches_match_dense(data):
+    block_size = data.draw(st.sampled_from([4, 16]))
+    heads = data.draw(st.sampled_from(HEADS))
+    seqs = data.draw(st.lists(st.integers(1, 20 * block_size + 1), min_size=1, max_size=8))
+    shape = [(length, data.draw(st.integers(1, length))) for length in seqs]
+    window = data.draw(st.one_of(st.none(), st.integers(1, 12 * block_size)))
+    softcap = data.draw(st.floats(0.5, 100.0))
+    batch = heat(make_batch(shape, *heads, 64, block_size=block_size, seed=data.draw(st.integers(0, 1000))))
+    assert_close(fused(batch, window, softcap=softcap), dense_attention(batch, window, softcap), torch.float32)
+
+
+def test_softcap_zero_is_the_uncapped_kernel():
+    batch = heat(make_batch(MIXED_BATCH + LONG_BATCH[:3], 4, 2, 64))
+    assert torch.equal(fused(batch, softcap=0.0), fused(batch))
+    assert not torch.allclose(fused(batch, softcap=5.0), fused(batch), atol=0.1)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_bad_softcap_is_refused(softcap):
+    batch = make_batch(MIXED_BATCH, 4, 2, 64)
+    with pytest.raises(ValueError, match="softcap"):
+        fused(batch, softcap=softcap)
+    with pytest.raises(ValueError, match="softcap"):
+        run_attention(batch, "auto", softcap=softcap)

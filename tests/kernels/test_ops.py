@@ -7,7 +7,7 @@ import torch
 
 from pagegate.kernels import BACKEND_ENV, AttentionOps, api, cpu_paged, dispatch, reference
 
-from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, poisoned_like, slots_of
+from .paged_cases import MIXED_BATCH, assert_close, dense_attention, heat, make_batch, poisoned_like, slots_of
 
 CPU = torch.device("cpu")
 SMALL_BATCH = [(17, 1), (33, 1), (20, 20), (40, 7)]  # decodes and prefills, small enough for the interpreter
@@ -21,11 +21,11 @@ def spy(monkeypatch, module, name="paged_attention") -> list[str]:
     return calls
 
 
-def attend(ops, batch, sliding_window=None):
+def attend(ops, batch, sliding_window=None, softcap=None):
     """ops.paged_attention on `batch` into a NaN-poisoned buffer."""
     out = poisoned_like(batch.query)
     result = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                                 batch.query_start_loc, batch.scale, sliding_window, out=out)
+                                 batch.query_start_loc, batch.scale, sliding_window, softcap=softcap, out=out)
     assert result is out
     return out
 
@@ -92,6 +92,24 @@ def test_module_functions_still_choose_per_call(monkeypatch):
         assert len(fused) == runs
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_softcap_reaches_every_cpu_path(backend, dtype):
+    # auto: the fused kernel for float32, the torch path for float16; reference: always the torch path
+    ops = AttentionOps(CPU, backend)
+    batch = heat(make_batch(MIXED_BATCH, 4, 2, 64, dtype))
+    for window in (None, 5):
+        assert_close(attend(ops, batch, window, 5.0), dense_attention(batch, window, 5.0), dtype)
+    assert torch.equal(attend(ops, batch, softcap=0.0), attend(ops, batch))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_negative_softcap_is_refused(backend):
+    batch = make_batch(MIXED_BATCH, 4, 2, 64)
+    with pytest.raises(ValueError, match="softcap"):
+        attend(AttentionOps(CPU, backend), batch, softcap=-30.0)
+
+
 def test_unknown_backend_is_refused_when_built(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "cutlass")
     with pytest.raises(ValueError, match="cutlass"):
@@ -124,3 +142,6 @@ def test_triton_ops_agree_with_the_reference(monkeypatch, dtype):
     assert (launches, writes) == (["paged_attention"], ["write_kv"] * len(SMALL_BATCH))
     assert_close(out, dense_attention(batch, 9), dtype)
     assert_close(out, attend(expected_ops, batch, 9).double(), dtype)
+    capped = attend(ops, heat(batch), 9, 5.0)
+    assert_close(capped, dense_attention(batch, 9, 5.0), dtype)
+    assert_close(capped, attend(expected_ops, batch, 9, 5.0).double(), dtype)

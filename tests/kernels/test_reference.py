@@ -7,7 +7,16 @@ from hypothesis import strategies as st
 
 from pagegate.kernels import reference, workspace, write_kv
 
-from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention, slots_of
+from .paged_cases import (
+    MIXED_BATCH,
+    SOFTCAPS,
+    assert_close,
+    dense_attention,
+    heat,
+    make_batch,
+    run_attention,
+    slots_of,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = [(4, 4), (4, 2), (8, 1)]  # (query heads, KV heads): GQA ratios 1, 2 and 8
@@ -103,3 +112,53 @@ def test_decode_inside_and_outside_inference_mode():
     with torch.inference_mode():
         inside = run_attention(batch, "reference")
     assert torch.equal(run_attention(batch, "reference"), inside)
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_softcapped_batch_matches_dense(softcap, dtype, heads, head_dim, sliding_window):
+    batch = heat(make_batch(MIXED_BATCH, *heads, head_dim, dtype, seed=head_dim + heads[1]))
+    out = run_attention(batch, "reference", sliding_window, softcap)
+    assert_close(out, dense_attention(batch, sliding_window, softcap), dtype)
+
+
+def test_softcap_bites_and_zero_means_none():
+    batch = heat(make_batch(MIXED_BATCH, 4, 2, 64))
+    plain = run_attention(batch, "reference")
+    assert torch.equal(run_attention(batch, "reference", softcap=0), plain)
+    assert torch.equal(run_attention(batch, "reference", softcap=None), plain)
+    capped = dense_attention(batch, softcap=5.0)
+    assert (capped - dense_attention(batch)).abs().max() > 0.5  # the cap changes the answer a lot here
+    assert_close(run_attention(batch, "reference", softcap=5.0), capped, torch.float32)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_bad_softcap_is_refused(softcap):
+    batch = make_batch(MIXED_BATCH, 4, 2, 64)
+    with pytest.raises(ValueError, match="softcap"):
+        run_attention(batch, "reference", softcap=softcap)
+    with pytest.raises(ValueError, match="softcap"):
+        reference.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                  batch.query_start_loc, batch.scale, softcap=softcap)
+
+
+def test_softcapped_prefill_in_query_chunks(monkeypatch):
+    # a tiny score budget cuts each prefill's queries into many chunks (of one row for the longest)
+    monkeypatch.setattr(reference, "CAPPED_SCORE_BYTES", 4 << 10)
+    batch = heat(make_batch([(40, 40), (45, 13), (100, 30), (300, 7)], 8, 2, 64, seed=5))
+    for window in (None, 20):
+        assert_close(run_attention(batch, "reference", window, 5.0), dense_attention(batch, window, 5.0),
+                     torch.float32)
+
+
+def test_softcapped_decode_groups(monkeypatch):
+    # decode groups, some with every slot visible (no mask) and some padded (masked)
+    monkeypatch.setattr(reference, "DECODE_GROUP_BYTES", 64 << 10)
+    shape = [(length, 1) for length in (1, 200, 16, 32, 95, 64, 65, 3, 130, 33)]
+    batch = heat(make_batch(shape, 4, 2, 64))
+    for window in (None, 40):
+        assert_close(run_attention(batch, "reference", window, 5.0), dense_attention(batch, window, 5.0),
+                     torch.float32)

@@ -10,7 +10,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pagegate.kernels import triton_decode, triton_prefill, triton_write, write_kv  # noqa: E402
 
-from .paged_cases import MIXED_BATCH, assert_close, dense_attention, make_batch, run_attention
+from .paged_cases import MIXED_BATCH, SOFTCAPS, assert_close, dense_attention, heat, make_batch, run_attention
 
 # what counts is how the kernels were decorated, i.e. TRITON_INTERPRET when they were first imported
 INTERPRETED = isinstance(triton_write._write_kv_kernel, InterpretedFunction)
@@ -23,16 +23,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DECODE_BATCH = [(length, 1) for length in (1, 15, 16, 17, 32, 33, 50)]
 
 
-def _check(shape, heads, head_dim=64, dtype=torch.float32, sliding_window=None, seed=0, block_size=16):
+def _check(shape, heads, head_dim=64, dtype=torch.float32, sliding_window=None, seed=0, block_size=16,
+           softcap=None):
     batch = make_batch(shape, *heads, head_dim, dtype, block_size=block_size, seed=seed, device=DEVICE)
+    if softcap is not None:
+        heat(batch)  # scores in the tens, so the cap bends them
     # as in the model, q is a view of a fused qkv projection: rows are strided
     fused = torch.empty(len(batch.query), 2, *batch.query.shape[1:], dtype=dtype, device=DEVICE)
     fused[:, 0] = batch.query
     batch.query = fused[:, 0]
-    out = run_attention(batch, "triton", sliding_window)
-    assert_close(out, dense_attention(batch, sliding_window), dtype)
+    out = run_attention(batch, "triton", sliding_window, softcap)
+    assert_close(out, dense_attention(batch, sliding_window, softcap), dtype)
     # and the reference agrees to the same tolerance
-    assert_close(out, run_attention(batch, "reference", sliding_window).double(), dtype)
+    assert_close(out, run_attention(batch, "reference", sliding_window, softcap).double(), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -73,6 +76,31 @@ def test_prefill_with_gpu_tile_sizes(monkeypatch):
     # the CUDA tile shape (64 x 64) on the interpreter: tiles span several sequences' worth of rows
     monkeypatch.setattr(triton_prefill, "tile_sizes", lambda device: (64, 64))
     _check([(70, 70), (40, 1), (100, 37)], (2, 1), seed=6)
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_softcap(kind, dtype, softcap):
+    _check(MIXED_BATCH if kind == "mixed" else DECODE_BATCH, (4, 2), dtype=dtype, seed=8, softcap=softcap)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_softcap_with_sliding_window_and_head_dim_256(kind):
+    shape = [(40, 40), (45, 13), (33, 1)] if kind == "mixed" else DECODE_BATCH[2:6]
+    _check(shape, (2, 1), head_dim=256, sliding_window=7, seed=9, softcap=5.0)
+
+
+def test_softcap_across_decode_splits():
+    # the split partials are in capped units; the reduction must merge them as they are
+    _check([(700, 1), (260, 1)], (2, 1), sliding_window=500, seed=10, softcap=5.0)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan")])
+def test_bad_softcap_is_refused(softcap):
+    batch = make_batch(DECODE_BATCH[:2], 2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="softcap"):
+        run_attention(batch, "triton", softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
