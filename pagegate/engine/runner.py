@@ -49,6 +49,7 @@ class ModelRunner:
             path, config.dtype, self.device, config.quantization, tp)
         self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.model.fit_context(self.max_model_len)
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()

@@ -18,20 +18,32 @@ from torch import nn
 from tqdm import tqdm
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.layout import Target
+from pagegate.engine.loading.layout import checkpoint_layout
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
+_ARCH_LAYER_NAMES = {  # where llama.cpp's names mean other modules than in Llama
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    **dict.fromkeys(("gemma2", "gemma3"), {"post_attention_norm": "post_attention_layernorm",
+                                           "ffn_norm": "pre_feedforward_layernorm",
+                                           "post_ffw_norm": "post_feedforward_layernorm"}),
+}
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's default: every Nth layer attends globally
+_BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models scale attention by hidden / heads
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style scaling stored as per-frequency divisors
+_LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE factors
+_NOT_WEIGHTS = (_ROPE_FREQS, *_LONGROPE)
 
 
 def is_gguf(path: Path) -> bool:
@@ -57,7 +69,8 @@ class GGUFFile:
             raise ModelLoadError(f"cannot read {self.path} as GGUF (truncated or corrupt?): {error}") from error
         self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
         self.tensors: dict[str, ReaderTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
-        self._gguf_names = {hf_name(name): name for name in self.tensors}
+        self.arch = str(self.metadata.get("general.architecture"))
+        self._gguf_names = {hf_name(name, self.arch): name for name in self.tensors}
         self.kept: set[str] = set()  # tensors that stay in blocks (keep_blocks)
         self._check_tensor_types()
         self.config = self._config()
@@ -70,7 +83,7 @@ class GGUFFile:
                     f"dequantize; supported: {', '.join(t.name for t in TENSOR_TYPES)}")
 
     def _config(self) -> ModelConfig:
-        arch = self.metadata.get("general.architecture")
+        arch = self.arch
         if arch not in ARCHITECTURES:
             raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
                                  f"{', '.join(ARCHITECTURES)}")
@@ -104,8 +117,11 @@ class GGUFFile:
                 "rope_scaling": self._rope_scaling(arch),
                 "max_position_embeddings": get("context_length", 2048),
                 "tie_word_embeddings": "output.weight" not in self.tensors,
-                "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+                "attention_bias": "blk.0.attn_q.bias" in self.tensors or "blk.0.attn_qkv.bias" in self.tensors,
                 "mlp_bias": "blk.0.ffn_up.bias" in self.tensors,
+                "sliding_window": get("attention.sliding_window") or None,
+                "attn_logit_softcapping": get("attn_logit_softcapping"),
+                "final_logit_softcapping": get("final_logit_softcapping"),
                 "torch_dtype": "bfloat16",  # accelerators only; on CPU `auto` is float32
                 "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -114,10 +130,38 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path} lacks the {arch} metadata pagegate needs: {error}") from error
         if get("rope.dimension_count", head_dim) != head_dim:
             raise ModelLoadError("partial rotary embeddings (rope.dimension_count < head size) are not supported")
+        if arch in _SWA_PATTERN:
+            raw.update(self._gemma_fields(arch, raw))
         return raw
+
+    def _gemma_fields(self, arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp infers for Gemma rather than stores: the layer pattern, the attention scale, the
+        GeGLU activation, and Gemma 3's RoPE base on sliding-window layers."""
+        pattern = self.metadata.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN[arch])
+        layers = raw["num_hidden_layers"]
+        if isinstance(pattern, list):  # one flag per layer
+            sliding = [bool(flag) for flag in pattern]
+        else:
+            sliding = [i % pattern < pattern - 1 for i in range(layers)]
+        big = layers == _BIG_GEMMA_LAYERS[arch]
+        fields: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in sliding],
+            "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
+            "sliding_window": raw["sliding_window"] or (4096 if arch == "gemma2" else None),
+        }
+        if arch == "gemma3":
+            fields["rope_local_base_freq"] = self.metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)
+        return fields
 
     def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
         kind = self.metadata.get(f"{arch}.rope.scaling.type", "none")
+        if all(name in self.tensors for name in _LONGROPE):
+            short, long = (self._array(name).tolist() for name in _LONGROPE)
+            return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                    "attention_factor": self.metadata.get(f"{arch}.rope.scaling.attn_factor"),
+                    "original_max_position_embeddings":
+                        self.metadata.get(f"{arch}.rope.scaling.original_context_length")}
         if kind == "none":
             return None
         return {"rope_type": kind, "factor": self.metadata.get(f"{arch}.rope.scaling.factor", 1.0),
@@ -132,6 +176,8 @@ class GGUFFile:
                 continue
             parent = path.rsplit(".", 1)[0]
             names = [f"{parent}.{shard}.weight" for shard in getattr(module, "shard_names", ())] or [f"{path}.weight"]
+            if f"{path}.weight" in self._gguf_names:  # a projection the file keeps fused (Phi-3)
+                names = [f"{path}.weight"]
             found = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
             tensors = [t for t in found if t is not None]
             kinds = {int(t.tensor_type) for t in tensors}
@@ -145,22 +191,23 @@ class GGUFFile:
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
             model.lm_head = embedding.as_linear()
 
-    def load_weights(self, layout: dict[str, Target]) -> None:
-        """Dequantize every tensor not kept in blocks into the parameter `layout` maps its name to."""
+    def load_weights(self, model: CausalLM) -> None:
+        """Dequantize every tensor not kept in blocks into the parameter the model's layout maps it to."""
+        layout = checkpoint_layout(model)
         expected = set(layout)
         for tensor in tqdm(self.reader.tensors, desc="dequantizing", unit="tensor", disable=None):
-            if tensor.name == _ROPE_FREQS or tensor.name in self.kept:
+            if tensor.name in _NOT_WEIGHTS or tensor.name in self.kept:
                 continue
-            name = hf_name(tensor.name)
-            if name not in layout:
-                raise ModelLoadError(f"unexpected tensor {tensor.name} in {self.path.name}")
-            param, start, rows, source = layout[name]
-            values = self._unpermuted(name, self._array(tensor.name))[source]  # whole heads first, then a rank's
-            if tuple(values.shape) != (rows, *param.shape[1:]):
-                raise ModelLoadError(f"tensor {tensor.name} has shape {tuple(values.shape)}, the model expects "
-                                     f"{(rows, *param.shape[1:])}")
-            param.data[start:start + rows].copy_(values)
-            expected.discard(name)
+            for name, values in model.unfused(hf_name(tensor.name, self.arch), self._array(tensor.name)):
+                if name not in layout:
+                    raise ModelLoadError(f"unexpected tensor {tensor.name} in {self.path.name}")
+                param, start, rows, source = layout[name]
+                values = self._unpermuted(name, values)[source]  # whole heads first, then a rank's
+                if tuple(values.shape) != (rows, *param.shape[1:]):
+                    raise ModelLoadError(f"tensor {tensor.name} has shape {tuple(values.shape)}, the model "
+                                         f"expects {(rows, *param.shape[1:])}")
+                param.data[start:start + rows].copy_(values)
+                expected.discard(name)
         if expected:
             raise ModelLoadError(f"{self.path.name} is missing tensor(s): {', '.join(sorted(expected)[:5])}")
 
@@ -194,11 +241,12 @@ def _block_module(module: nn.Embedding | nn.Linear, blocks: torch.Tensor, qtype:
                        getattr(module, "shard_sizes", ()), bias=module.bias is not None)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """llama.cpp's tensor name -> the Hugging Face checkpoint name (`blk.3.attn_q.weight` -> ...)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return gguf_name

@@ -92,7 +92,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
         model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device, tp)
         if quantization != "none" and device.type == "cpu" and tp.size == 1:
             gguf.keep_blocks(model, block_types())
-        gguf.load_weights(checkpoint_layout(model))
+        gguf.load_weights(model)
         generation = GenerationDefaults(eos_token_ids=list(gguf.config.eos_token_ids))
         try:
             tokenizer = tokenizer_from_gguf(gguf.metadata)
@@ -163,13 +163,19 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
             for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _ignorable(name, model.config):
                     continue
-                if name not in layout:
-                    raise ModelLoadError(f"unexpected tensor {name} in {file.name}: the model has no such "
-                                         "weight")
-                target = layout[name]
-                tensor = reader.get_slice(name)[target.source] if target.source else reader.get_tensor(name)
-                copy_into(name, tensor, target)
-                loaded.add(name)
+                if name in layout:  # the common case: read only this rank's slice
+                    target = layout[name]
+                    tensor = reader.get_slice(name)[target.source] if target.source else reader.get_tensor(name)
+                    copy_into(name, model.from_hf(name, tensor), target)
+                    loaded.add(name)
+                    continue
+                for part, tensor in model.unfused(name, reader.get_tensor(name)):
+                    if part not in layout:
+                        raise ModelLoadError(f"unexpected tensor {name} in {file.name}: the model has no such "
+                                             "weight")
+                    target = layout[part]
+                    copy_into(part, model.from_hf(part, tensor[target.source]), target)
+                    loaded.add(part)
     missing = sorted(set(layout) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -15,6 +15,7 @@ from pagegate.engine.models.layers import (
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
+    softcap,
 )
 from pagegate.engine.parallel import TensorParallel
 
@@ -27,6 +28,7 @@ class Decoder(nn.Module):
     layers: nn.ModuleList
     norm: RMSNorm
     rotary: RotaryEmbedding
+    local_rotary: RotaryEmbedding | None  # the sliding-window layers' table where it differs (Gemma 3)
 
 
 class CausalLM(nn.Module):
@@ -55,8 +57,23 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows of hidden [N, hidden] that sample."""
-        return self.lm_head(hidden).float()
+        """Float32 logits [N, vocab] for the rows of hidden [N, hidden] that sample (soft-capped where the
+        config says so)."""
+        return softcap(self.lm_head(hidden).float(), self.config.final_logit_softcap)
+
+    def fit_context(self, max_model_len: int) -> None:
+        """Adapt to the served context length (LongRoPE picks its factors by it)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.fit_context(max_model_len)
+
+    def unfused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor as the model's tensors: fused projections split into their parts."""
+        return [(name, tensor)]
+
+    def from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A Hugging Face checkpoint tensor's values as the model holds them (GGUF files already do)."""
+        return tensor
 
     @property
     def num_layers(self) -> int:

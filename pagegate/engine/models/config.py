@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagegate.engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,9 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs tensor)
+    short_factor: tuple[float, ...] | None = None  # longrope: divisors up to original_max_position_embeddings
+    long_factor: tuple[float, ...] | None = None  # longrope: divisors beyond it
+    attention_factor: float = 1.0  # longrope: cos and sin scaled by this
 
 
 @dataclass(frozen=True)
@@ -52,12 +60,33 @@ class ModelConfig:
     torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" as written in the config
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: the head size
+    attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the logits
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers where it differs (Gemma 3)
 
     def sliding_window_for(self, layer: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
         if self.layer_sliding_windows:
             return self.layer_sliding_windows[layer]
         return self.sliding_window
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The rotary embedding of one layer: local_rope on sliding-window layers when it is set."""
+        if self.local_rope is not None and self.sliding_window_for(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's block: (1 + w) norms, four norms per layer, the embedding scaled by sqrt(hidden)."""
+        return self.architecture in _GEMMA
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -71,11 +100,16 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Parse a config.json dict; unsupported architectures and RoPE types fail here."""
         architecture = _architecture(raw)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act {act!r} is not supported; supported: "
+                                 f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         heads = raw["num_attention_heads"]
         layers = raw["num_hidden_layers"]
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_gemma = architecture in _GEMMA
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelLoadError("partial_rotary_factor other than 1.0 is not supported")
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -86,17 +120,23 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope(raw),
+            rope=_rope(raw, "full_attention"),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma)),
             sliding_window=_sliding_window(raw, architecture),
-            layer_sliding_windows=_qwen2_layer_windows(raw, layers) if is_qwen2 else (),
-            qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-            o_bias=not is_qwen2 and bool(raw.get("attention_bias", False)),
+            layer_sliding_windows=_layer_windows(raw, architecture, layers),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or (not is_qwen and bool(raw.get("attention_bias", False))),
+            o_bias=not is_qwen and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(token_id_list(raw.get("eos_token_id"))),
+            hidden_act=SUPPORTED_ACTIVATIONS[act],
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if is_gemma else None,
+            attn_logit_softcap=raw.get("attn_logit_softcapping") or None,
+            final_logit_softcap=raw.get("final_logit_softcapping") or None,
+            local_rope=_local_rope(raw) if architecture == "Gemma3ForCausalLM" else None,
         )
 
 
@@ -117,20 +157,34 @@ def _architecture(raw: dict[str, Any]) -> str:
     return name
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
-    """Accept both the classic `rope_theta` + `rope_scaling` and the newer `rope_parameters` form."""
+def _rope_params(raw: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """One layer type's RoPE fields: the newer `rope_parameters` (flat, or per layer type as Gemma 3 writes
+    it) or the classic `rope_theta` + `rope_scaling`."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if layer_type in params or "full_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    return params
+
+
+def _rope(raw: dict[str, Any], layer_type: str) -> RopeConfig:
+    params = _rope_params(raw, layer_type)
+    theta = float(params["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su":  # Phi-3's older name for longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError("partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
-        return RopeConfig(theta=float(theta))
+        return RopeConfig(theta=theta)
+    if rope_type == "longrope":
+        return _longrope(raw, params, theta)
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         type=rope_type,
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -139,21 +193,50 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """Phi-3's LongRoPE: short factors up to the original context, long ones beyond, cos/sin scaled."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError("longrope needs original_max_position_embeddings")
+    factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, type="longrope", factor=float(factor), original_max_position_embeddings=original,
+                      short_factor=tuple(float(f) for f in params["short_factor"]),
+                      long_factor=tuple(float(f) for f in params["long_factor"]),
+                      attention_factor=float(attention))
+
+
+def _local_rope(raw: dict[str, Any]) -> RopeConfig:
+    """Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), no scaling."""
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        return _rope(raw, "sliding_attention")
+    return RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
+
+
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
     if architecture == "LlamaForCausalLM":
         return None
-    if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         return None
     return raw.get("sliding_window") or None
 
 
-def _qwen2_layer_windows(raw: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Qwen2 slides only on some layers: `layer_types`, or layers from `max_window_layers` on."""
-    window = _sliding_window(raw, "Qwen2ForCausalLM")
+def _layer_windows(raw: dict[str, Any], architecture: str, layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows where only some layers slide: `layer_types` when the config has them, else
+    Qwen's `max_window_layers` or Gemma's pattern (Gemma 2 alternates, Gemma 3 has one global layer in six)."""
+    window = _sliding_window(raw, architecture)
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *_GEMMA):
+        return ()
     if window is None:
         return (None,) * layers
     types = raw.get("layer_types")
     if types:
         return tuple(window if kind == "sliding_attention" else None for kind in types)
+    if architecture in _GEMMA:
+        pattern = raw.get("sliding_window_pattern") or (2 if architecture == "Gemma2ForCausalLM" else 6)
+        return tuple(window if (i + 1) % pattern else None for i in range(layers))
     first = raw.get("max_window_layers", 0)
     return tuple(window if i >= first else None for i in range(layers))

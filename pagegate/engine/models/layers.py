@@ -4,7 +4,9 @@ and the attention metadata of a step over the paged KV cache."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +82,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with linear or llama3 scaling."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int,
+                  long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with linear, llama3 or longrope scaling (`long`: its long factors)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.type == "longrope":  # transformers' order of operations, for the same roundings
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.freq_factors is not None:
         return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.type == "linear":
@@ -113,23 +120,52 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rope = rope
         self.max_position_embeddings = max_position_embeddings
+        self.long = self._long(max_position_embeddings)  # longrope: see fit_context
         self.register_buffer("cos_sin", torch.empty(max_position_embeddings, 2 * head_dim), persistent=False)
         if not self.cos_sin.is_meta:
             self.build_cache()
 
     def build_cache(self) -> None:
         """Fill the float32 [max_pos, 2 * head_dim] table: (cos, cos) then (-sin, sin) per position."""
-        inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings)
+        inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings, self.long)
         positions = torch.arange(self.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.rope.attention_factor != 1.0:
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
         table = torch.cat([cos, cos, -sin, sin], dim=-1)
         self.cos_sin = table.to(self.cos_sin.device)
+
+    def fit_context(self, max_model_len: int) -> None:
+        """LongRoPE's factors for a served context of `max_model_len`: the long ones beyond the original
+        context, the short ones within it, for every position (llama.cpp's rule). transformers instead
+        switches a sequence to the long factors, recomputing its cache, once it grows past the original
+        context; the two agree on every sequence that stays on one side of it."""
+        long = self._long(max_model_len)
+        if long != self.long:
+            self.long = long
+            self.build_cache()
+
+    def _long(self, max_model_len: int) -> bool:
+        original = self.rope.original_max_position_embeddings
+        return self.rope.type == "longrope" and original is not None and max_model_len > original
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [T, 1, head_dim] for the given positions."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated GELU)."""
+    if name == "gelu_tanh":
+        return partial(F.gelu, approximate="tanh")
+    return F.silu
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x itself when there is no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,10 +179,11 @@ class PagedAttention(nn.Module):
     """Write this step's K/V into their pages, then attend over each sequence's pages. The kernels are
     chosen once (`use_kernels`, when the model is built), not per call."""
 
-    def __init__(self, scale: float, sliding_window: int | None) -> None:
+    def __init__(self, scale: float, sliding_window: int | None, softcap: float | None = None) -> None:
         super().__init__()
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.ops: kernels.AttentionOps | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -156,4 +193,5 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         return self.ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                        attn.query_start_loc, self.scale, self.sliding_window)
+                                        attn.query_start_loc, self.scale, self.sliding_window,
+                                        softcap=self.softcap)

@@ -11,6 +11,7 @@ from torch import nn
 
 from pagegate.engine.kv_cache import PagedKVCache
 from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
@@ -33,6 +34,12 @@ def _layer(layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             _rows(attention.qkv_proj), _rows(attention.o_proj), _rows(mlp.gate_up_proj), _rows(mlp.down_proj),
             k_cache, v_cache, attention.attn.sliding_window)
+
+
+def _llama_shaped(config: ModelConfig) -> bool:
+    """The block the C decoder computes: no QK-norm, no Gemma norms or soft-capping, one RoPE table."""
+    return not (config.qk_norm or config.is_gemma or config.attn_logit_softcap or config.final_logit_softcap
+                or config.local_rope is not None or config.hidden_act != "silu")
 
 
 class NativeDecoder:
@@ -62,7 +69,7 @@ class NativeDecoder:
         backend is not "auto", or the model is not a float32 Llama-family decoder on one CPU rank."""
         if (decode_kernel() is None or requested_backend() != "auto" or model.device.type != "cpu"
                 or model.dtype != torch.float32 or model.tp.size != 1 or type(model.model) is not DecoderModel
-                or kv_cache.layers[0][0].dtype != torch.float32):
+                or kv_cache.layers[0][0].dtype != torch.float32 or not _llama_shaped(model.config)):
             return None
         try:
             return cls(model, kv_cache)

@@ -10,13 +10,19 @@ from pagegate import kernels
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
-from pagegate.engine.models.llama import LlamaForCausalLM
+from pagegate.engine.models.gemma import GemmaForCausalLM
+from pagegate.engine.models.layers import RotaryEmbedding
+from pagegate.engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM
 from pagegate.engine.parallel import SINGLE, TensorParallel
 
 FAMILIES: dict[str, Callable[[ModelConfig, TensorParallel], CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
@@ -30,6 +36,8 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | tor
         model = family(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
-    model.model.rotary.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
     model.use_kernels(kernels.AttentionOps(torch.device(device)))
     return model.eval().requires_grad_(False)
