@@ -12,7 +12,8 @@ from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.gemma import GemmaForCausalLM
 from pagegate.engine.models.layers import RotaryEmbedding
-from pagegate.engine.models.llama import LlamaForCausalLM, Phi3ForCausalLM
+from pagegate.engine.models.llama import LlamaForCausalLM
+from pagegate.engine.models.phi3 import Phi3ForCausalLM
 from pagegate.engine.parallel import SINGLE, TensorParallel
 
 FAMILIES: dict[str, Callable[[ModelConfig, TensorParallel], CausalLM]] = {

@@ -115,3 +115,81 @@ def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQu
     else:
         data = quantize(np.ascontiguousarray(values), qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [rows, row bytes] of float rows (columns a multiple of 256): per 32 values a 6-bit scale
+    and min of the block's float16 d and dmin, 4-bit quants (a plain round-to-nearest quantizer, not
+    llama.cpp's search, decoded the same way)."""
+    rows = values.shape[0]
+    x = values.astype(np.float32).reshape(rows, -1, 8, 32)  # [rows, super-blocks, sub-blocks, 32]
+    low = np.minimum(x.min(-1), 0.0)
+    scale, minimum = (x.max(-1) - low) / 15, -low
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minimum.max(-1) / 63).astype(np.float16)
+    sc = _ratio(scale, d, 63)
+    mn = _ratio(minimum, dmin, 63)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * mn
+    q = np.clip(np.rint((x + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    packed = np.zeros((*x.shape[:2], 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mn[..., 4:8] & 0xF) << 4)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*x.shape[:2], 128)  # sub-blocks 2i, 2i+1 share bytes
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of float rows: per 16 values an int8 scale of the block's float16 d, 6-bit signed quants."""
+    rows = values.shape[0]
+    x = values.astype(np.float32).reshape(rows, -1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = _ratio(scale, d, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc
+    q = np.clip(np.rint(x / np.where(step > 0, step, 1)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(*x.shape[:2], 2, 4, 32)  # [.., half, quarter, l]: value 128h + 32k + l
+    ql = (q[..., [0, 1], :] & 0xF) | ((q[..., [2, 3], :] & 0xF) << 4)  # [.., half, 2, 32]: ql[l], ql[l + 32]
+    qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(*x.shape[:2], 128), qh.reshape(*x.shape[:2], 64), sc.view(np.uint8),
+                             d[..., None].view(np.uint8)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _ratio(values: np.ndarray, unit: np.ndarray, top: int) -> np.ndarray:
+    """round(values / unit) in 0..top, 0 where the unit is 0."""
+    unit32 = unit.astype(np.float32)[..., None]
+    return np.clip(np.rint(values / np.where(unit32 > 0, unit32, 1)), 0, top).astype(np.uint8)
+
+
+K_QUANTIZERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}
+
+
+def requantize(source: Path, out: Path, choose: QuantChoice) -> Path:
+    """A copy of a float GGUF with each 2-D weight in the type `choose(name, values)` picks (F32 kept as is),
+    quantized here: llama.cpp's `llama-quantize` is a C build these tests do without."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(str(out), str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        values = np.array(tensor.data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        qtype = choose(tensor.name, values) if values.ndim == 2 else GGMLQuantizationType.F32
+        if qtype in K_QUANTIZERS:
+            data = K_QUANTIZERS[qtype](values)
+            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            _add_tensor(writer, tensor.name, values, qtype, 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
