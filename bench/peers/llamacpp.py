@@ -77,16 +77,19 @@ def pre_tokenizer(model_dir: Path) -> str:
     return ""
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32", cache: Path = CACHE) -> Path:
-    """`model_dir` (a Hugging Face folder) as a GGUF file at `out`, converted once."""
+def convert(model_dir: Path, out: Path, outtype: str = "f32", cache: Path = CACHE, pre: str | None = None,
+            extra_args: tuple[str, ...] = ()) -> Path:
+    """`model_dir` (a Hugging Face folder) as a GGUF file at `out`, converted once. `pre` names the BPE
+    pre-tokenizer for the converter (default: `pre_tokenizer`'s guess; "" leaves it to its hash lookup)."""
     if out.is_file():
         return out
     source = source_dir(cache)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".part")
     converter = [sys.executable, str(Path(__file__).with_name("convert_gguf.py")), str(source)]
-    subprocess.run([*converter, pre_tokenizer(model_dir), str(model_dir), "--outfile", str(partial),
-                    "--outtype", outtype], check=True)
+    pre = pre_tokenizer(model_dir) if pre is None else pre
+    subprocess.run([*converter, pre, str(model_dir), "--outfile", str(partial), "--outtype", outtype, *extra_args],
+                   check=True)
     partial.rename(out)
     return out
 

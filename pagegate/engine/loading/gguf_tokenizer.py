@@ -10,6 +10,12 @@ A GGUF carries no tokenizer.json: it stores the vocabulary, merges, token types 
   token score, so when the file has no merges they are derived from the scores.
 
 Control tokens become special added tokens and user-defined ones plain added tokens, so both stay whole.
+Generation ends, as in llama.cpp, on the EOS / EOT / EOM / FIM-separator ids the file names and on every
+token whose text is in llama.cpp's end-of-generation list (`<end_of_turn>`, `<|im_end|>`, `<|endoftext|>`...):
+converted Gemma 3 and Qwen3 files name only one of the two tokens their models stop on.
+
+Where a family's tokenizer.json normalizes its text (NFC for Qwen2 / Qwen3 / Qwen3.5) the file does not say
+so and llama.cpp skips it; here the family's pre-tokenizer type brings it back, so the ids are transformers'.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class _PreTokenizer:
     splits: tuple[str, ...]
     ignore_merges: bool = False  # a piece that is itself a token is not merged from characters
     add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
+    nfc: bool = False  # the family's tokenizer.json normalizes to NFC (llama.cpp does not)
 
 
 _DEFAULT = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"))
@@ -69,9 +76,10 @@ PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     **_group(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
               "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"),
              _PreTokenizer((_GPT2,))),
-    **_group(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
-              "solar-open"), _PreTokenizer((_QWEN2,))),
-    "qwen35": _PreTokenizer((_QWEN35,)),
+    "qwen2": _PreTokenizer((_QWEN2,), nfc=True),
+    **_group(("deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+             _PreTokenizer((_QWEN2,))),
+    "qwen35": _PreTokenizer((_QWEN35,), nfc=True),
     "falcon": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     **_group(("poro-chat", "bloom", "gpt3-finnish"), _PreTokenizer((_BLOOM,))),
     "viking": _PreTokenizer((_BLOOM, _DIGIT)),
@@ -91,7 +99,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
     named = {name: metadata.get(f"tokenizer.ggml.{name}_token_id")
-             for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+             for name in ("bos", "eos", "unknown", "padding", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")}
     ids: dict[str, int] = {name: int(i) for name, i in named.items() if i is not None}
     if model == "gpt2":
         backend, add_bos = _byte_level(metadata, tokens)
@@ -115,8 +123,30 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     config = {key: tokens[ids[name]] for key, name in (("bos_token", "bos"), ("eos_token", "eos"),
                                                       ("unk_token", "unknown"), ("pad_token", "padding"))
               if name in ids}
-    extra_eos = [ids[name] for name in ("eot", "eom") if name in ids]
-    return Tokenizer(backend, config, metadata.get("tokenizer.chat_template"), extra_eos)
+    return Tokenizer(backend, config, metadata.get("tokenizer.chat_template"), _end_of_generation(tokens, ids))
+
+
+# Token texts llama.cpp (llama-vocab.cpp) ends generation on, whatever the file's metadata names.
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~["))
+
+
+def _end_of_generation(tokens: list[str], ids: Mapping[str, int]) -> list[int]:
+    """The ids besides EOS that end generation in llama.cpp: EOT, EOM and the FIM pad / repo / separator
+    tokens the file names, and the tokens of `_EOG_TEXTS`, less llama.cpp's two exceptions: `<|end|>` next to
+    both `<|return|>` and `<|call|>` (gpt-oss) or `<|calls|>` and `<|flush|>`, and a plain `</s>` next to
+    `<|tool_response>` or `<|plamo:eos|>`."""
+    found = [ids[name] for name in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep") if name in ids]
+    found += [index for index, token in enumerate(tokens) if token in _EOG_TEXTS]
+    texts = {tokens[index] for index in [*found, *([ids["eos"]] if "eos" in ids else [])]}
+    dropped: set[str] = set()
+    if {"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts:
+        dropped.add("<|end|>")
+    if texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        dropped.add("</s>")
+    return list(dict.fromkeys(index for index in found if tokens[index] not in dropped))
 
 
 def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFTokenizer, bool]:
@@ -133,6 +163,8 @@ def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFToken
         raise ValueError("GGUF byte-level (gpt2) vocabulary has no tokenizer.ggml.merges")
     merges = _split_merges(metadata["tokenizer.ggml.merges"])
     backend = HFTokenizer(BPE(_vocab(tokens), merges, ignore_merges=pre.ignore_merges))
+    if pre.nfc:
+        backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in pre.splits] +
         [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -147,7 +147,8 @@ def test_smollm2_decode_round_trips(smollm2: Tokenizer, smollm2_hf: Any) -> None
 
 def test_smollm2_special_tokens_and_chat_template(smollm2: Tokenizer) -> None:
     assert smollm2.special_tokens["bos_token"] == "<|im_start|>" and smollm2.bos_token_id == 1
-    assert smollm2.special_tokens["eos_token"] == "<|im_end|>" and smollm2.eos_token_ids == [2]
+    # <|endoftext|> (0) ends generation too, as llama.cpp's end-of-generation list has it
+    assert smollm2.special_tokens["eos_token"] == "<|im_end|>" and smollm2.eos_token_ids == [2, 0]
     assert smollm2.special_tokens["unk_token"] == "<|endoftext|>"
     assert smollm2.vocab_size == 49152
     prompt = smollm2.apply_chat_template([{"role": "user", "content": "hi"}])
