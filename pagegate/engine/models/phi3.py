@@ -13,6 +13,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def unfused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         config = self.config
+        parts: tuple[str, ...]
         if name.endswith("self_attn.qkv_proj.weight"):
             q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
             parts, sizes = ("q_proj", "k_proj", "v_proj"), [q, kv, kv]
