@@ -1,5 +1,8 @@
 /* The C of pagegate/kernels/cpu_decode.pyx: a whole forward pass of a Llama-family decoder over a
-   few tokens (decode steps) in one OpenMP parallel region. The threads walk the layers together;
+   few tokens (decode steps) in one OpenMP parallel region. The same graph covers Qwen3 (QK-norm) and
+   Gemma 2 / 3 (four norms per layer, GeGLU, a scaled embedding, soft-capped attention scores and
+   logits, a second RoPE table on the sliding layers): each difference is a branch per layer or op,
+   never per element, so the Llama path runs as before. The threads walk the layers together;
    each op is split over them with `omp for` (its implied barrier is the only synchronisation), so a
    step costs no Python, no tensor allocation and no thread start per op. */
 #ifndef PAGEGATE_CPU_DECODE_H
@@ -25,17 +28,25 @@ typedef struct {
 } pgd_linear;
 
 typedef struct {
-    const float *attn_norm, *ffn_norm;
+    const float *attn_norm, *ffn_norm;            /* before attention, before the MLP */
+    const float *q_norm, *k_norm;                 /* [head_dim] RMSNorm of each q / k head before RoPE; NULL: none */
+    const float *post_attn_norm, *post_ffn_norm;  /* Gemma: RMSNorm of the attention / MLP output; NULL: none */
     pgd_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache;  /* [pages, block_size, kv_heads, head_dim] float32 */
+    const float *cos_sin;      /* this layer's RoPE table [positions, 2 * head_dim] (the model's or a local one) */
     int window;                /* 0: none */
+    float softcap;             /* attention scores s -> softcap * tanh(s / softcap); 0: none */
 } pgd_layer;
+
+enum { PGD_SILU = 0, PGD_GELU_TANH = 1 };  /* the gated MLP's activation: SwiGLU or GeGLU */
 
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     int exact;             /* 1: integer blocks too take float32 inputs (the torch path's arithmetic) */
-    const float *cos_sin;  /* [positions, 2 * head_dim]: cos (twice), then signed sin */
+    int act;               /* PGD_SILU or PGD_GELU_TANH */
+    float embed_scale;     /* the embedding times this before the first layer (Gemma); 0: none */
+    float final_softcap;   /* logits -> cap * tanh(logits / cap); 0: none */
     const float *final_norm;
     pgd_linear embed, lm_head;  /* embed: vocab rows of hidden weights */
     const pgd_layer *layers;
@@ -56,6 +67,7 @@ typedef struct {
     float *normed;  /* [T, max(hidden, intermediate, heads * head_dim)] */
     float *qkv;     /* [T, q + 2 kv] */
     float *gate_up; /* [T, 2 intermediate] */
+    float *branch;  /* [T, hidden]: an attention / MLP output before its post-norm */
     pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, max K / 16] */
     int token_seq[PGD_MAX_TOKENS];
 } pgd_buffers;
@@ -129,6 +141,16 @@ static void pgd_norm_rows(const pgd_model *m, const float *x, const float *w, in
         pgd_rms_norm(x + (int64_t)t * m->hidden, w, m->hidden, m->eps, out + (int64_t)t * m->hidden);
 }
 
+/* x += rms_norm(branch) * w row by row (Gemma's post-attention and post-MLP norms); branch is overwritten. */
+static void pgd_add_normed(const pgd_model *m, float *branch, const float *w, int tokens, float *x) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tokens; t++) {
+        float *row = branch + (int64_t)t * m->hidden, *dst = x + (int64_t)t * m->hidden;
+        pgd_rms_norm(row, w, m->hidden, m->eps, row);
+        for (int i = 0; i < m->hidden; i++) dst[i] += row[i];
+    }
+}
+
 /* Neox RoPE of one head in place: x -> x cos + roll(x, D / 2) sin' (the table's signed sin). */
 static void pgd_rope(float *x, const float *cos_sin, int d) {
     float rolled[PGD_MAX_HEAD_DIM];
@@ -136,7 +158,8 @@ static void pgd_rope(float *x, const float *cos_sin, int d) {
     for (int i = 0; i < d; i++) x[i] = x[i] * cos_sin[i] + rolled[i] * cos_sin[d + i];
 }
 
-/* Rotate q and k of every token, and write its k and v into their cache slot. */
+/* QK-norm (where the layer has it), then rotate q and k of every token, and write its k and v into
+   their cache slot. */
 static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *qkv) {
     const int d = m->head_dim, heads = m->num_heads + m->num_kv_heads;
     const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = (int64_t)m->num_kv_heads * d;
@@ -144,7 +167,9 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
     for (int item = 0; item < s->tokens * heads; item++) {
         const int t = item / heads, h = item % heads;
         float *head = qkv + t * width + (int64_t)h * d;
-        pgd_rope(head, m->cos_sin + s->positions[t] * 2 * d, d);
+        const float *norm = h < m->num_heads ? layer->q_norm : layer->k_norm;
+        if (norm) pgd_rms_norm(head, norm, d, m->eps, head);
+        pgd_rope(head, layer->cos_sin + s->positions[t] * 2 * d, d);
         if (h < m->num_heads || s->slots[t] < 0) continue;
         const int64_t at = s->slots[t] * slot_stride + (int64_t)(h - m->num_heads) * d;
         memcpy(layer->k_cache + at, head, d * sizeof(float));
@@ -183,7 +208,8 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
         pg_score_tile(layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
         for (int r = 0; r < group; r++) {
             float *p = probs + r * PGD_KEY_TILE, tile_max = -INFINITY, total = 0.0f;
-            pg_scale(p, m->scale, n);
+            if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
+            else pg_scale(p, m->scale, n);
             for (int j = 0; j < n; j++) tile_max = fmaxf(tile_max, p[j]);
             const float new_max = fmaxf(row_max[r], tile_max), correction = expf(row_max[r] - new_max);
             if (correction != 1.0f) pg_scale(acc + r * d, correction, d);
@@ -203,9 +229,21 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
     }
 }
 
-/* silu(gate) * up of every token into out [T, intermediate]. */
-static void pgd_swiglu(const pgd_model *m, int tokens, const float *gate_up, float *out) {
+/* act(gate) * up of every token into out [T, intermediate]: silu (SwiGLU) or tanh-approximated GELU
+   (GeGLU, torch's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))). */
+static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, float *out) {
     const int64_t n = m->intermediate;
+    if (m->act == PGD_GELU_TANH) {
+        const float beta = (float)0.7978845608028654, kappa = 0.044715f;  /* sqrt(2 / pi) */
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++)
+            for (int64_t i = 0; i < n; i++) {
+                const float g = gate_up[t * 2 * n + i];
+                const float inner = beta * (g + kappa * (g * g * g));
+                out[t * n + i] = 0.5f * g * (1.0f + pg_tanh(inner)) * gate_up[t * 2 * n + n + i];
+            }
+        return;
+    }
     #pragma omp for schedule(static)
     for (int t = 0; t < tokens; t++)
         for (int64_t i = 0; i < n; i++) {
@@ -234,15 +272,23 @@ static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const 
     }
     act->k = q_width;
     pgd_quantize(m, &layer->o, b->normed, act, tokens);
-    pgd_matmul(m, &layer->o, b->normed, act, tokens, x, m->hidden, 1);
+    if (layer->post_attn_norm) {
+        pgd_matmul(m, &layer->o, b->normed, act, tokens, b->branch, m->hidden, 0);
+        pgd_add_normed(m, b->branch, layer->post_attn_norm, tokens, x);
+    } else
+        pgd_matmul(m, &layer->o, b->normed, act, tokens, x, m->hidden, 1);
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->ffn_norm, tokens, b->normed);
     pgd_quantize(m, &layer->gate_up, b->normed, act, tokens);
     pgd_matmul(m, &layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
     act->k = m->intermediate;
-    pgd_swiglu(m, tokens, b->gate_up, b->normed);
+    pgd_gated(m, tokens, b->gate_up, b->normed);
     pgd_quantize(m, &layer->down, b->normed, act, tokens);
-    pgd_matmul(m, &layer->down, b->normed, act, tokens, x, m->hidden, 1);
+    if (layer->post_ffn_norm) {
+        pgd_matmul(m, &layer->down, b->normed, act, tokens, b->branch, m->hidden, 0);
+        pgd_add_normed(m, b->branch, layer->post_ffn_norm, tokens, x);
+    } else
+        pgd_matmul(m, &layer->down, b->normed, act, tokens, x, m->hidden, 1);
 }
 
 /* The decoder over the step's tokens on `threads` threads: x [T, hidden] ends as the final norm's
@@ -259,8 +305,10 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
             const uint8_t *row = m->embed.data + ids[t] * m->embed.row_bytes;
-            if (m->embed.qtype == PGQ_F32) memcpy(x + (int64_t)t * m->hidden, row, m->hidden * sizeof(float));
-            else pgq_dequantize_row(m->embed.qtype, row, m->hidden, x + (int64_t)t * m->hidden);
+            float *xt = x + (int64_t)t * m->hidden;
+            if (m->embed.qtype == PGQ_F32) memcpy(xt, row, m->hidden * sizeof(float));
+            else pgq_dequantize_row(m->embed.qtype, row, m->hidden, xt);
+            if (m->embed_scale != 0.0f) pg_scale(xt, m->embed_scale, m->hidden);
         }
         for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, &m->layers[l], s, x, b, &act);
         #pragma omp for schedule(static)
@@ -271,7 +319,8 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
     }
 }
 
-/* logits [rows, vocab] of the final hidden states x [rows <= PGD_MAX_TOKENS, hidden]. */
+/* logits [rows, vocab] of the final hidden states x [rows <= PGD_MAX_TOKENS, hidden], soft-capped as
+   torch's tanh(logits / cap) * cap where the model says so. */
 static void pgd_logits(const pgd_model *m, const float *x, int rows, float *logits, pgd_buffers *b, int threads) {
     #pragma omp parallel num_threads(threads)
     {
@@ -280,6 +329,12 @@ static void pgd_logits(const pgd_model *m, const float *x, int rows, float *logi
         act.k = m->hidden;
         pgd_quantize(m, &m->lm_head, x, &act, rows);
         pgd_matmul(m, &m->lm_head, x, &act, rows, logits, m->lm_head.n, 0);
+        if (m->final_softcap > 0.0f) {
+            const float cap = m->final_softcap;
+            const int64_t n = rows * m->lm_head.n;
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) logits[i] = pg_tanh(logits[i] / cap) * cap;
+        }
     }
 }
 

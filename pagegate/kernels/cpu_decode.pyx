@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """A Llama-family decoder's forward pass over a few tokens, in C (cpu_decode.h): one OpenMP parallel
-region walks every layer, so a decode step costs no Python and no thread start per op.
+region walks every layer, so a decode step costs no Python and no thread start per op. Qwen3's QK-norm
+and Gemma 2 / 3's block (post-attention and post-MLP norms, GeGLU, the scaled embedding, soft-capped
+attention scores and logits, a local RoPE table on the sliding layers) are options of the same graph.
 
 `DecodeModel` holds pointers into the model's own tensors (weights in float rows or GGUF blocks,
 norms, the rotary table) and the KV pages; it copies nothing, and the tensors must outlive it.
@@ -26,15 +28,23 @@ cdef extern from "cpu_decode.h":
     ctypedef struct pgd_layer:
         const float *attn_norm
         const float *ffn_norm
+        const float *q_norm
+        const float *k_norm
+        const float *post_attn_norm
+        const float *post_ffn_norm
         pgd_linear qkv, o, gate_up, down
         float *k_cache
         float *v_cache
+        const float *cos_sin
         int window
+        float softcap
     ctypedef struct pgd_model:
         int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size
         float eps, scale
         int exact
-        const float *cos_sin
+        int act
+        float embed_scale
+        float final_softcap
         const float *final_norm
         pgd_linear embed, lm_head
         const pgd_layer *layers
@@ -50,8 +60,11 @@ cdef extern from "cpu_decode.h":
         float *normed
         float *qkv
         float *gate_up
+        float *branch
         pgq_act act
     enum:
+        PGD_SILU
+        PGD_GELU_TANH
         PGD_MAX_TOKENS
         PGD_MAX_GROUP
         PGD_MAX_HEAD_DIM
@@ -69,6 +82,9 @@ _STEP_ERRORS = {1: "the step needs 1 to {} tokens in sequences that cover them".
                 2: "a token id, position or cache slot is out of range",
                 3: "a sequence's length or page count does not fit its block table",
                 4: "a block table names a page outside the cache"}
+
+
+ACTIVATIONS = {"silu": PGD_SILU, "gelu_tanh": PGD_GELU_TANH}  # the gated MLP's activations
 
 
 def isa() -> str:
@@ -102,13 +118,23 @@ cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
     return l
 
 
+cdef const float *_optional(t, int64_t n, what) except? NULL:
+    """The float32 [n] vector t, or NULL for None."""
+    return NULL if t is None else <const float *>_address(t, torch.float32, (n,), what)
+
+
 cdef class DecodeModel:
     """The decoder of one model over its KV pages; `forward` runs a step, `logits` the LM head.
 
     dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale); linears are
-    (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes]; each layer is (attn_norm, ffn_norm, qkv, o, gate_up, down,
-    k_cache, v_cache, window) with caches float32 [pages, block_size, kv_heads, head_dim]. `exact`
-    gives integer blocks float32 inputs too: the torch path's arithmetic, for tests."""
+    (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes]; each layer is (attn_norm, ffn_norm,
+    qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm, post_attn_norm, post_ffn_norm, local_rope,
+    softcap) with caches float32 [pages, block_size, kv_heads, head_dim]: ffn_norm the norm before the MLP;
+    q_norm and k_norm [head_dim] (QK-norm) and the post-norms [hidden] (Gemma) None where the layer has
+    none; local_rope True for a layer on `local_cos_sin` rather than `cos_sin`; softcap the attention
+    score cap (None or 0: none). `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU), `embed_scale`
+    multiplies the embedding, `final_softcap` caps the logits. `exact` gives integer blocks float32 inputs
+    too: the torch path's arithmetic, for tests."""
 
     cdef pgd_model model
     cdef pgd_layer *layers
@@ -119,19 +145,33 @@ cdef class DecodeModel:
     def __cinit__(self):
         self.layers = NULL
 
-    def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False):
+    def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False, *, local_cos_sin=None,
+                 activation="silu", embed_scale=None, final_softcap=None):
         hidden, heads, kv_heads, head_dim, intermediate, eps, scale = dims
         if not layers or heads % kv_heads or heads // kv_heads > PGD_MAX_GROUP or head_dim > PGD_MAX_HEAD_DIM \
                 or head_dim % 2:
             raise ValueError(f"the native decoder does not take {dims} over {len(layers)} layers")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"the native decoder has no activation {activation!r}; it has {', '.join(ACTIVATIONS)}")
+        caps = [final_softcap] + [spec[14] for spec in layers]
+        if any(cap is not None and not cap >= 0 for cap in caps) or (embed_scale is not None and not embed_scale > 0):
+            raise ValueError(f"soft-caps and the embedding scale must be positive, not {caps} and {embed_scale}")
         cdef pgd_model *m = &self.model
         cdef pgd_layer *layer
         cdef int64_t widest, t
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = len(layers), hidden, heads, kv_heads
         m.head_dim, m.intermediate, m.eps, m.scale = head_dim, intermediate, eps, scale
         m.exact = bool(exact)
+        m.act = ACTIVATIONS[activation]
+        m.embed_scale = embed_scale or 0.0
+        m.final_softcap = final_softcap or 0.0
         self.max_positions = cos_sin.shape[0]
-        m.cos_sin = <const float *>_address(cos_sin, torch.float32, (self.max_positions, 2 * head_dim), "cos_sin")
+        cdef const float *table = <const float *>_address(cos_sin, torch.float32, (self.max_positions, 2 * head_dim),
+                                                           "cos_sin")
+        cdef const float *local_table = NULL
+        if local_cos_sin is not None:
+            local_table = <const float *>_address(local_cos_sin, torch.float32, (self.max_positions, 2 * head_dim),
+                                                  "local cos_sin")
         m.final_norm = <const float *>_address(final_norm, torch.float32, (hidden,), "final norm")
         vocab = embed[1].shape[0]
         m.embed = _linear(embed, hidden, vocab, "embedding")
@@ -143,10 +183,19 @@ cdef class DecodeModel:
         q, kv = heads * head_dim, kv_heads * head_dim
         self.num_pages, m.block_size = layers[0][6].shape[0], layers[0][6].shape[1]
         cache_shape = (self.num_pages, m.block_size, kv_heads, head_dim)
-        for i, (attn_norm, ffn_norm, qkv, o, gate_up, down, k_cache, v_cache, window) in enumerate(layers):
+        for i, (attn_norm, ffn_norm, qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm,
+                post_attn_norm, post_ffn_norm, local_rope, softcap) in enumerate(layers):
             layer = &self.layers[i]
             layer.attn_norm = <const float *>_address(attn_norm, torch.float32, (hidden,), "attention norm")
             layer.ffn_norm = <const float *>_address(ffn_norm, torch.float32, (hidden,), "MLP norm")
+            layer.q_norm = _optional(q_norm, head_dim, f"layer {i} q norm")
+            layer.k_norm = _optional(k_norm, head_dim, f"layer {i} k norm")
+            layer.post_attn_norm = _optional(post_attn_norm, hidden, f"layer {i} post-attention norm")
+            layer.post_ffn_norm = _optional(post_ffn_norm, hidden, f"layer {i} post-MLP norm")
+            if local_rope and local_table == NULL:
+                raise ValueError(f"layer {i} asks for the local RoPE table, and there is none")
+            layer.cos_sin = local_table if local_rope else table
+            layer.softcap = softcap or 0.0
             layer.qkv = _linear(qkv, hidden, q + 2 * kv, f"layer {i} qkv")
             layer.o = _linear(o, q, hidden, f"layer {i} o_proj")
             layer.gate_up = _linear(gate_up, hidden, 2 * intermediate, f"layer {i} gate_up")
@@ -156,14 +205,15 @@ cdef class DecodeModel:
             layer.window = window or 0
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
         buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),
-                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3))
+                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3), torch.empty(t * hidden))
         self.buffers.normed = <float *><size_t>buffers[0].data_ptr()
         self.buffers.qkv = <float *><size_t>buffers[1].data_ptr()
         self.buffers.gate_up = <float *><size_t>buffers[2].data_ptr()
+        self.buffers.branch = <float *><size_t>buffers[5].data_ptr()
         self.buffers.act.q = <int8_t *><size_t>buffers[3].data_ptr()
         self.buffers.act.d = <float *><size_t>buffers[4].data_ptr()
         self.buffers.act.s = self.buffers.act.d + t * widest // 32
-        self.keep = (cos_sin, final_norm, embed, lm_head, layers, buffers)
+        self.keep = (cos_sin, local_cos_sin, final_norm, embed, lm_head, layers, buffers)
 
     def __dealloc__(self):
         free(self.layers)

@@ -1,5 +1,6 @@
 """The native decode step: a Llama-family model's small steps (decodes, a few tokens) run as one C call
-(pagegate.kernels.cpu_decode) instead of a few hundred torch ops. The torch forward stays the oracle:
+(pagegate.kernels.cpu_decode) instead of a few hundred torch ops. Llama, Mistral, Qwen2, Phi-3, Qwen3
+(QK-norm) and Gemma 2 / 3 (four norms, GeGLU, scaled embedding, soft-caps, local RoPE) all run there. The torch forward stays the oracle:
 larger steps (prefill) run there, and the "reference" kernel backend keeps every step there."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from torch import nn
 from pagegate.engine.kv_cache import PagedKVCache
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
+from pagegate.engine.models.gemma import GemmaDecoderLayer
+from pagegate.engine.models.layers import RMSNorm
 from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
@@ -28,18 +31,30 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     return F32, weight.view(torch.uint8), None if bias is None else bias.detach()
 
 
-def _layer(layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-    """One decoder layer as cpu_decode.DecodeModel takes it."""
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.detach()
+
+
+def _layer(layer: DecoderLayer | GemmaDecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """One decoder layer as cpu_decode.DecodeModel takes it: Llama's two norms, or Gemma's four (input,
+    post-attention, pre-MLP, post-MLP)."""
     attention, mlp = layer.self_attn, layer.mlp
-    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-            _rows(attention.qkv_proj), _rows(attention.o_proj), _rows(mlp.gate_up_proj), _rows(mlp.down_proj),
-            k_cache, v_cache, attention.attn.sliding_window)
+    if isinstance(layer, GemmaDecoderLayer):
+        attn_norm, ffn_norm = layer.input_layernorm, layer.pre_feedforward_layernorm
+        post_attn_norm, post_ffn_norm = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    else:
+        attn_norm, ffn_norm, post_attn_norm, post_ffn_norm = layer.input_layernorm, layer.post_attention_layernorm, \
+            None, None
+    return (_weight(attn_norm), _weight(ffn_norm), _rows(attention.qkv_proj), _rows(attention.o_proj),
+            _rows(mlp.gate_up_proj), _rows(mlp.down_proj), k_cache, v_cache, attention.attn.sliding_window,
+            _weight(attention.q_norm), _weight(attention.k_norm), _weight(post_attn_norm), _weight(post_ffn_norm),
+            layer.local_rope, attention.attn.softcap)
 
 
 def _llama_shaped(config: ModelConfig) -> bool:
-    """The block the C decoder computes: no QK-norm, no Gemma norms or soft-capping, one RoPE table."""
-    return not (config.qk_norm or config.is_gemma or config.attn_logit_softcap or config.final_logit_softcap
-                or config.local_rope is not None or config.hidden_act != "silu")
+    """The blocks the C decoder computes: Llama's (Mistral, Qwen2, Phi-3), with QK-norm (Qwen3), or Gemma's
+    four-norm block with a scaled embedding, soft-caps and a local RoPE table; SwiGLU or GeGLU."""
+    return config.hidden_act in ("silu", "gelu_tanh")
 
 
 class NativeDecoder:
@@ -52,7 +67,7 @@ class NativeDecoder:
         kernel = decode_kernel()
         assert kernel is not None
         decoder, config = model.model, model.config
-        blocks = [cast(DecoderLayer, layer) for layer in decoder.layers]
+        blocks = [cast(DecoderLayer | GemmaDecoderLayer, layer) for layer in decoder.layers]
         first = blocks[0].self_attn
         dims = (config.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                 config.intermediate_size, config.rms_norm_eps, first.attn.scale)
@@ -60,16 +75,20 @@ class NativeDecoder:
                                                                                         strict=True)]
         self.max_tokens: int = kernel.MAX_TOKENS
         self.model = model
-        self.kernel_model = kernel.DecodeModel(dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(),
-                                               _rows(decoder.embed_tokens), _rows(model.lm_head), layers, exact)
+        local = decoder.local_rotary
+        self.kernel_model = kernel.DecodeModel(
+            dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(), _rows(decoder.embed_tokens),
+            _rows(model.lm_head), layers, exact, local_cos_sin=None if local is None else local.cos_sin,
+            activation=config.hidden_act, embed_scale=decoder.embed_scale, final_softcap=config.final_logit_softcap)
 
     @classmethod
     def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> NativeDecoder | None:
         """The native decoder of `model`, or None where it does not apply: the extension is not built, the
-        backend is not "auto", or the model is not a float32 Llama-family decoder on one CPU rank."""
+        backend is not "auto", or the model is not a float32 decoder of a family the C computes on one CPU rank."""
         if (decode_kernel() is None or requested_backend() != "auto" or model.device.type != "cpu"
                 or model.dtype != torch.float32 or model.tp.size != 1 or type(model.model) is not DecoderModel
-                or kv_cache.layers[0][0].dtype != torch.float32 or not _llama_shaped(model.config)):
+                or kv_cache.layers[0][0].dtype != torch.float32 or not _llama_shaped(model.config)
+                or not all(type(layer) in (DecoderLayer, GemmaDecoderLayer) for layer in model.model.layers)):
             return None
         try:
             return cls(model, kv_cache)
