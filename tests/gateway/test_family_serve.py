@@ -4,6 +4,7 @@ the answer."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,3 +65,14 @@ def test_streamed_chat_matches_the_whole_reply(served: tuple[openai.OpenAI, str,
                                             stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == whole.choices[0].message.content
+
+
+def test_structured_output_holds_on_the_family_vocabulary(served: tuple[openai.OpenAI, str, Path]) -> None:
+    """The grammar walks the file's own vocabulary (SentencePiece pieces and byte tokens for Gemma)."""
+    client, _, _ = served
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+              "required": ["city"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content)["city"] in ("Paris", "Lyon", "Nice")
