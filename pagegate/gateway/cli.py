@@ -22,11 +22,13 @@ from pagegate.config import (
 )
 from pagegate.engine.sampling.params import SCHEDULING_POLICIES
 from pagegate.gateway.access_log import redact_access_log
+from pagegate.gateway.answer import REASONING_PARSERS
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
 from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
+from pagegate.gateway.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGEGATE_API_KEY"
 
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_flags(parser.add_argument_group("KV cache"))
     _scheduler_flags(parser.add_argument_group("scheduler"))
     _server_flags(parser.add_argument_group("server"))
+    _chat_flags(parser.add_argument_group("chat, tools and reasoning"))
     return parser
 
 
@@ -127,6 +130,25 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="open dashboard feeds; one more gets a 503 with Retry-After")
 
 
+def _chat_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = GatewayConfig()
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a jinja chat template file used instead of the model's own")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split <think> blocks off answers: chat's reasoning_content, Responses' reasoning "
+                            "items, Messages' thinking blocks (deepseek_r1: the answer starts inside the block)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=defaults.tool_call_parser,
+                       help="the format the model writes tool calls in")
+    group.add_argument("--responses-store-max-items", type=_positive(int), default=defaults.responses_store_max_items,
+                       help="stored /v1/responses kept at most (the oldest go first)")
+    group.add_argument("--responses-store-max-bytes", default=str(defaults.responses_store_max_bytes),
+                       help="bytes of stored conversations kept at most, like '64MiB'")
+    group.add_argument("--responses-store-ttl", type=_positive(float), default=defaults.responses_store_ttl_s,
+                       help="seconds a stored response is kept")
+    group.add_argument("--responses-store-path", default=None, metavar="FILE",
+                       help="a SQLite file that keeps stored responses across restarts (default: memory only)")
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         value = kind(text)
@@ -177,8 +199,24 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
                             stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level,
                             enable_dashboard=not args.disable_dashboard,
-                            dashboard_max_viewers=args.dashboard_max_viewers)
+                            dashboard_max_viewers=args.dashboard_max_viewers,
+                            chat_template=_read_template(args.chat_template), reasoning_parser=args.reasoning_parser,
+                            tool_call_parser=args.tool_call_parser,
+                            responses_store_max_items=args.responses_store_max_items,
+                            responses_store_max_bytes=parse_bytes(args.responses_store_max_bytes),
+                            responses_store_ttl_s=args.responses_store_ttl,
+                            responses_store_path=args.responses_store_path)
     return engine, gateway
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except OSError as error:
+        raise SystemExit(f"--chat-template: cannot read {path}: {error.strerror}") from None
 
 
 class GatewayServer(uvicorn.Server):

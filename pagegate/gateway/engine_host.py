@@ -89,8 +89,11 @@ class EngineHost:
         names = tuple(self.config.served_model_names) or (engine.model_name,)
         tokenizer = engine.tokenizer
         vocab = tokenizer.vocab_size if tokenizer is not None else engine.vocab_size
+        if tokenizer is not None and self.config.chat_template is not None:
+            tokenizer.chat_template = self.config.chat_template  # this process's copy: the engine never renders
         return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
-                            engine.compile_grammar if tokenizer is not None else None)
+                            engine.compile_grammar if tokenizer is not None else None,
+                            reasoning_parser=self.config.reasoning_parser)
 
     def _engine_died(self) -> None:
         """An engine core (or one of its tensor-parallel workers) died. /health already says so; the server

@@ -71,6 +71,7 @@ class ModelContext:
     vocab_size: int
     default_sampling: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json
     compile_grammar: Callable[[StructuredOutputsParams], None] | None = None  # None: no tokenizer, no grammars
+    reasoning_parser: str | None = None  # splits <think> blocks off chat answers (--reasoning-parser)
 
     @property
     def name(self) -> str:
@@ -115,6 +116,7 @@ class PreparedRequest:
     priority: int
     cache_salt: str | None
     tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
+    reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
 
     @property
@@ -167,7 +169,7 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     params = sampling_params(request, model, limit, top)
     params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
-                           CallParsing.of(request, offered))
+                           CallParsing.of(request, offered), model.reasoning_parser)
 
 
 def check_tool_schemas(tools: list[Tool], model: ModelContext) -> None:

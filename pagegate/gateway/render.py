@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagegate.gateway.answer import AnswerEvent, AnswerSplitter, Reasoning, split_answer
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 from pagegate.gateway.protocol import CompletionRequest
-from pagegate.gateway.tools import ParsedCall, ToolCallParser, parse_tool_calls
+from pagegate.gateway.tools import ParsedCall
 
 TokenText = Callable[[int], str]
 
@@ -35,7 +36,7 @@ class ChoiceState:
     text_offset: int = 0  # completions logprobs: offset of the next token in the returned text
     started: bool = False
     finished: bool = False
-    tool_parser: ToolCallParser | None = None  # chat with tools: splits the text into content and calls
+    answer: AnswerSplitter | None = None  # chat: splits the text into reasoning, content and calls
 
 
 @dataclass
@@ -131,6 +132,12 @@ class Renderer(ABC):
     @abstractmethod
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         """The deltas one fresh output of one choice adds (possibly none)."""
+
+    def answer_events(self, state: ChoiceState, text: str, finished: bool) -> list[AnswerEvent]:
+        """Fresh text as reasoning, content and completed calls; text that may still be a tag is held back."""
+        if state.answer is None:
+            state.answer = AnswerSplitter(self.prepared.tool_calls, self.prepared.reasoning)
+        return state.answer.feed(text) + (state.answer.finish() if finished else [])
 
     def next_text(self, state: ChoiceState, completion: CompletionOutput) -> str:
         # The engine's text is already safe to send: it holds back a forming stop string or character.
@@ -236,33 +243,28 @@ class ChatRenderer(Renderer):
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        text, calls = self.split_calls(state, self.next_text(state, c), c.finished)
+        events = self.answer_events(state, self.next_text(state, c), c.finished)
         fresh = self.next_logprobs(state, c)
         deltas = []
+        thought = "".join(event.text for event in events if isinstance(event, Reasoning))
+        if thought:
+            deltas.append({"index": index, "delta": {"reasoning_content": thought}, "logprobs": None,
+                           "finish_reason": None})
+        text = "".join(event for event in events if isinstance(event, str))
         if text or fresh:
             logprobs = {"content": self.logprob_entries(fresh)} if self.prepared.params.logprobs is not None else None
             deltas.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
-        first = len(state.tool_parser.calls) - len(calls) if state.tool_parser is not None else 0
+        calls = [event for event in events if isinstance(event, ParsedCall)]
+        first = len(state.answer.parsed_calls) - len(calls) if state.answer is not None else 0
         for number, call in enumerate(calls, first):
             deltas.extend({"index": index, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}
                           for piece in call_pieces(number, call))
         if c.finished:
             state.finished = True
-            called = state.tool_parser is not None and bool(state.tool_parser.calls)
+            called = state.answer is not None and bool(state.answer.parsed_calls)
             deltas.append({"index": index, "delta": {}, "logprobs": None,
                            "finish_reason": finish_reason(c.finish_reason, called)})
         return deltas
-
-    def split_calls(self, state: ChoiceState, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
-        """The content part of fresh text and the calls it completed; text that may be a call is held back."""
-        parsing = self.prepared.tool_calls
-        if parsing is None:
-            return text, []
-        if state.tool_parser is None:
-            state.tool_parser = parsing.parser()
-        events = state.tool_parser.feed(text) + (state.tool_parser.finish() if finished else [])
-        content = "".join(event for event in events if isinstance(event, str))
-        return content, [event for event in events if isinstance(event, ParsedCall)]
 
     def logprob_entries(self, logprobs: list[Logprob]) -> list[dict]:
         limit = self.prepared.params.logprobs or 0
@@ -292,10 +294,12 @@ class ChatRenderer(Renderer):
         return body
 
     def message(self, completion: CompletionOutput) -> dict:
-        if self.prepared.tool_calls is None:
-            return {"role": "assistant", "content": completion.text, "tool_calls": []}
-        content, calls = parse_tool_calls(completion.text, self.prepared.tool_calls)
-        return {"role": "assistant", "content": content, "tool_calls": [call.as_tool_call() for call in calls]}
+        answer = split_answer(completion.text, self.prepared.tool_calls, self.prepared.reasoning)
+        message = {"role": "assistant", "content": answer.content,
+                   "tool_calls": [call.as_tool_call() for call in answer.calls]}
+        if self.prepared.reasoning is not None:
+            message["reasoning_content"] = answer.reasoning
+        return message
 
 
 def finish_reason(engine_reason: str | None, called: bool) -> str | None:

@@ -32,3 +32,12 @@ class GatewayConfig:
     drain_timeout_s: float = 10.0  # after SIGTERM, how long in-flight responses get to end
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
     dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After
+    # Chat: the template (None: the model's own), how <think> blocks and tool calls are read from answers.
+    chat_template: str | None = None  # the template's text (--chat-template FILE)
+    reasoning_parser: str | None = None  # one of pagegate.gateway.answer.REASONING_PARSERS
+    tool_call_parser: str = "hermes"
+    # /v1/responses: stored responses (count, bytes of their conversations, age) and the pages they pin.
+    responses_store_max_items: int = 1024
+    responses_store_max_bytes: int = 64 * 1024 * 1024
+    responses_store_ttl_s: float = 3600.0
+    responses_store_path: str | None = None  # a SQLite file that keeps the store across restarts

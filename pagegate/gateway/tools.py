@@ -22,6 +22,7 @@ from pagegate.engine.sampling.structured import (
 from pagegate.gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_PARSERS = ("hermes",)  # the formats models write calls in (--tool-call-parser)
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
