@@ -53,6 +53,7 @@ class Renderer(ABC):
 
     object_name = ""
     chunk_object = ""
+    named_events = False  # SSE frames carry `event: <type>` and the stream has no [DONE] (Responses, Anthropic)
 
     def choice_index(self, prompt_index: int, output: CompletionOutput) -> int:
         return prompt_index * self.prepared.params.n + output.index
@@ -114,6 +115,10 @@ class Renderer(ABC):
 
     def opening_chunks(self) -> list[dict]:
         return []
+
+    def error_chunk(self, body: dict) -> dict:
+        """The chunk that ends a stream an error cut short; `body` is the OpenAI error body."""
+        return body
 
     @abstractmethod
     def response(self, finals: dict[int, RequestOutput]) -> dict:

@@ -126,6 +126,11 @@ def sse_frame(obj: Any) -> bytes:
     return b"data: " + dumps_json(obj) + b"\n\n"
 
 
+def sse_event_frame(obj: Any) -> bytes:
+    """A frame that names its event (Responses and Anthropic streams): `event: <obj["type"]>` then the data."""
+    return b"event: " + str(obj.get("type", "error")).encode() + b"\n" + sse_frame(obj)
+
+
 async def stream_body(
     merger: OutputMerger,
     renderer: Renderer,
@@ -138,7 +143,7 @@ async def stream_body(
     Every write is a syscall, so frames travel together where they can: the opening chunk with the first
     tokens, the last tokens with the usage chunk and the end marker.
     """
-    frame = dumps_msgpack if msgpack_frames else sse_frame
+    frame = dumps_msgpack if msgpack_frames else sse_event_frame if renderer.named_events else sse_frame
     pending = b"".join(frame(chunk) for chunk in renderer.opening_chunks())
     try:
         async for batch in merger.batches(pace):
@@ -153,7 +158,10 @@ async def stream_body(
     except Exception as exc:  # the status line is gone: the error travels as a chunk
         if not isinstance(exc, APIError):
             logger.warning("stream %s ended by %s: %s", renderer.request_id, type(exc).__name__, exc)
-        pending += frame(error_body(exc))
+        pending += frame(renderer.error_chunk(error_body(exc)))
     finally:
         merger.close()
+    if not msgpack_frames and renderer.named_events:
+        yield pending  # these streams end with their own last event, not [DONE]
+        return
     yield pending + (dumps_msgpack(MSGPACK_END) if msgpack_frames else SSE_DONE)
