@@ -55,6 +55,8 @@ class TokenizerLike(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     @property
     def chat_template_takes_tools(self) -> bool: ...
+    @property
+    def chat_template_variables(self) -> frozenset[str]: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def encode_chat(self, text: str) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
@@ -161,7 +163,8 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     name = model.resolve(request.model)
     check_tool_sizes(request.tools or [])
     offered = offered_tools(request)
-    prompt = chat_prompt(request.messages, model, tools=offered)
+    prompt = chat_prompt(request.messages, model, request.add_generation_prompt, tools=offered,
+                         variables=template_variables(request, model), continue_final=request.continue_final_message)
     limit = request.completion_limit
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
     check_tool_schemas(request.tools or [], model)  # compiling is the slow part: only once the cheap checks pass
@@ -216,19 +219,47 @@ def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: i
 
 
 def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation_prompt: bool = True, *,
-                tools: list[Tool] | None = None) -> EnginePrompt:
-    """Render messages (and the tools offered) with the model's chat template and tokenize without doubling
-    the BOS token."""
+                tools: list[Tool] | None = None, variables: dict[str, Any] | None = None,
+                continue_final: bool = False) -> EnginePrompt:
+    """Render messages (and the tools offered, and the template `variables`) with the model's chat template and
+    tokenize without doubling the BOS token. `continue_final`: the text ends where the last message's does, so
+    the model goes on writing it."""
     tokenizer = model.require_tokenizer("messages")
     native = tokenizer.chat_template_takes_tools
     dicts = template_messages(messages, tools or [], native)
-    extra = {"tools": [tool.model_dump(exclude_none=True) for tool in tools]} if native and tools else {}
+    extra = dict(variables or {})
+    if native and tools:
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
     try:
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
         raise BadRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
+    if continue_final:
+        text = _cut_after_final(text, messages[-1].text())
     model.check_text_fits(text, "messages")  # the rendered text: a template may trim what it was given
     return EnginePrompt(tokenizer.encode_chat(text), text)
+
+
+def template_variables(request: ChatCompletionRequest, model: ModelContext) -> dict[str, Any]:
+    """chat_template_kwargs, and reasoning_effort as the template understands it."""
+    variables = dict(request.chat_template_kwargs or {})
+    effort = request.reasoning_effort
+    reads = model.tokenizer.chat_template_variables if model.tokenizer is not None else frozenset()
+    if effort is not None and "reasoning_effort" in reads:
+        variables.setdefault("reasoning_effort", effort)
+    elif effort in ("none", "minimal") and "enable_thinking" in reads:
+        # NOTE: Qwen3-style templates only switch thinking on or off; the lowest efforts switch it off.
+        variables.setdefault("enable_thinking", False)
+    return variables
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the last message's text (the template's end-of-turn cut off)."""
+    end = text.rfind(final) if final else -1
+    if end < 0:
+        raise BadRequest("The chat template does not write the final message as given, so it cannot be "
+                         "continued.", param="continue_final_message")
+    return text[:end + len(final)]
 
 
 def sampling_params(

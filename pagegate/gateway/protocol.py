@@ -348,13 +348,16 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt"})  # variables the server passes
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={
         "allOf": [STREAM_OPTIONS_NEED_STREAM, _needs_true("top_logprobs", "logprobs"), TOOL_CHOICE_NEEDS_TOOLS]})
     unsupported: ClassVar[frozenset[str]] = frozenset(
-        {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+        {"functions", "function_call", "audio", "modalities", "prediction",
          "web_search_options", "store", "metadata", "service_tier"}
     )
 
@@ -367,6 +370,24 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = Field(
         None, description="Needs tools; a named function must be one of them. Unset: auto with tools, else none.")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="Passed to the chat template; one that only reads enable_thinking gets false for none "
+                          "and minimal.")
+    # vLLM's template extras
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="More variables for the chat template (e.g. Qwen3's enable_thinking).")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="Go on writing the last (assistant) message instead of starting a new one; needs "
+                           "add_generation_prompt false.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & TEMPLATE_RESERVED)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the server sets them")
+        return kwargs
 
     @field_validator("tools")
     @classmethod
@@ -399,6 +420,10 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
         return self
 
     @property

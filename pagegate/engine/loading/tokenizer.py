@@ -149,7 +149,12 @@ class Tokenizer:
     @property
     def chat_template_takes_tools(self) -> bool:
         """Whether the chat template reads a `tools` variable (a caller describes tools itself otherwise)."""
-        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+        return "tools" in self.chat_template_variables
+
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (enable_thinking, reasoning_effort, ...)."""
+        return _template_variables(self.chat_template) if self.chat_template else frozenset()
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat: its own special tokens, plus the BOS the model expects only if the
