@@ -24,6 +24,8 @@ from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, from_status, to_api_error
 from pagegate.gateway.gateway_metrics import gateway_registry
+from pagegate.gateway.responses import routes as responses
+from pagegate.gateway.responses.store import ResponseStore
 from pagegate.gateway.settings import GatewayConfig
 
 logger = logging.getLogger("pagegate.gateway")
@@ -33,6 +35,10 @@ ROUTES = [
     Route("/v1/chat/completions", routes_api.chat_completions, methods=["POST"]),
     Route("/v1/models", routes_api.models, methods=["GET"]),
     Route("/v1/models/{model:path}", routes_api.model_detail, methods=["GET"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
     Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
     Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
     Route("/health", routes_ops.health, methods=["GET"]),
@@ -76,6 +82,8 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
     routes = ROUTES + (dashboard_routes() if dashboard is not None else [])
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.host = host
+    app.state.responses = ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes,
+                                        config.responses_store_ttl_s, config.responses_store_path, host.unpin)
     app.state.dashboard = dashboard
     app.state.gateway_registry = gateway_registry(host)
     return app

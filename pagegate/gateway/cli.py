@@ -145,6 +145,8 @@ def _chat_flags(group: argparse._ArgumentGroup) -> None:
                        help="bytes of stored conversations kept at most, like '64MiB'")
     group.add_argument("--responses-store-ttl", type=_positive(float), default=defaults.responses_store_ttl_s,
                        help="seconds a stored response is kept")
+    group.add_argument("--responses-pin-ttl", type=_positive(float), default=defaults.responses_pin_ttl_s,
+                       help="seconds a stored response's conversation keeps its KV pages pinned")
     group.add_argument("--responses-store-path", default=None, metavar="FILE",
                        help="a SQLite file that keeps stored responses across restarts (default: memory only)")
 
@@ -205,7 +207,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             responses_store_max_items=args.responses_store_max_items,
                             responses_store_max_bytes=parse_bytes(args.responses_store_max_bytes),
                             responses_store_ttl_s=args.responses_store_ttl,
-                            responses_store_path=args.responses_store_path)
+                            responses_store_path=args.responses_store_path,
+                            responses_pin_ttl_s=args.responses_pin_ttl)
     return engine, gateway
 
 

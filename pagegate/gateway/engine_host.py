@@ -206,13 +206,26 @@ class EngineHost:
         check_priority(prepared.priority, scheduler.scheduling_policy)
         check_choices(prepared.params.n, scheduler.max_num_seqs)
 
+    def pin_for(self, key: str) -> Any:
+        """What keeps a stored response's conversation in the KV cache for a while (its pages pinned)."""
+        from pagegate.engine.pins import Pin
+
+        return Pin(key, self.config.responses_pin_ttl_s)
+
+    def unpin(self, key: str) -> None:
+        """Let the engine release what `pin_for(key)` pinned (the response left the store or was continued)."""
+        if self.engine is not None and self.engine.is_running:
+            self.engine.unpin(key)
+
     def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs."""
         engine, _ = self.require_engine()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         salt = self.cache_salt(prepared)
-        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt)
+        pinned = {"pin": prepared.pin} if prepared.pin is not None else {}  # a stored response: one prompt
+        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt,
+                                   **pinned)
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

@@ -119,6 +119,7 @@ class PreparedRequest:
     cache_salt: str | None
     tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
     reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
+    pin: Any = None  # a pagegate.engine.pins.Pin: a stored response keeps its conversation's pages
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
 
     @property
