@@ -115,7 +115,8 @@ class Engine:
             for member in group if seq.request.error is None else ():
                 request = member.request
                 rows.append(SamplingRow(request.params, request.prompt_token_ids, member.output_token_ids,
-                                        member.generator, request.logit_bias, member.matcher))
+                                        member.generator, request.logit_bias,
+                                        None if member.grammar_waits else member.matcher))
                 seqs.append(member)
                 row_of.append(i)
         results = self.sampler(logits[row_of], rows) if rows else []

@@ -56,7 +56,8 @@ class RequestIntake:
         generator = make_generator(choice_seed(seed, index), self.device) if seed is not None else None
         seq = Sequence(request, index, token_ids, len(request.prompt_token_ids), generator,
                        logprobs=[] if params.logprobs is not None else None,
-                       matcher=request.matcher.deep_copy() if request.matcher is not None else None)
+                       matcher=request.matcher.deep_copy() if request.matcher is not None else None,
+                       grammar_waits=request.matcher is not None and params.grammar_after_token is not None)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                      params.skip_special_tokens)

@@ -38,10 +38,13 @@ class PostProcessor:
         if eos:
             seq.finish_reason = "stop"
             return False
-        if seq.matcher is not None and not _advance(seq.matcher, token):
+        if seq.grammar_waits:  # reasoning is free text: the grammar constrains the answer after it
+            seq.grammar_waits = token != params.grammar_after_token
+        elif seq.matcher is not None and not _advance(seq.matcher, token):
             seq.finish_reason = "stop"  # the grammar is complete: only EOS could follow
-        elif (len(seq.token_ids) - seq.num_prompt_tokens >= (params.max_tokens or self.max_model_len)
-              or len(seq.token_ids) >= self.max_model_len):
+            return True
+        if (len(seq.token_ids) - seq.num_prompt_tokens >= (params.max_tokens or self.max_model_len)
+                or len(seq.token_ids) >= self.max_model_len):
             seq.finish_reason = "length"
         return True
 

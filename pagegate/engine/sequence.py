@@ -44,6 +44,7 @@ class Sequence:
     recompute_only: bool = False  # set by the adaptive swap threshold after bounces
     last_swap_in: float = -1.0
     matcher: LLMatcher | None = None  # structured outputs: the grammar state after the tokens so far
+    grammar_waits: bool = False  # the model is still reasoning: the grammar starts after grammar_after_token
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -19,6 +19,7 @@ from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.gateway.answer import THINK_CLOSE
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
@@ -172,6 +173,8 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top)
     params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
+    if params.structured_outputs is not None and model.reasoning_parser is not None:
+        params.grammar_after_token = reasoning_end(prompt, model)
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
                            CallParsing.of(request, offered), model.reasoning_parser)
 
@@ -239,6 +242,17 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
         text = _cut_after_final(text, messages[-1].text())
     model.check_text_fits(text, "messages")  # the rendered text: a template may trim what it was given
     return EnginePrompt(tokenizer.encode_chat(text), text)
+
+
+def reasoning_end(prompt: EnginePrompt, model: ModelContext) -> int | None:
+    """The token after which a constraint applies: the model reasons freely first, then answers to the grammar.
+    None (the grammar from the first token) when the prompt closes the block itself (thinking switched off)
+    or `</think>` is not one token."""
+    tokenizer = model.require_tokenizer("messages")
+    if (prompt.text or "").rstrip().endswith(THINK_CLOSE):
+        return None
+    close = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    return close[0] if len(close) == 1 else None
 
 
 def template_variables(request: ChatCompletionRequest, model: ModelContext) -> dict[str, Any]:

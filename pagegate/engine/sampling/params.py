@@ -47,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
+    grammar_after_token: int | None = None  # the grammar applies after this token (the end of a <think> block)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # looked up every token
 
     def __post_init__(self) -> None:

@@ -237,3 +237,20 @@ def test_a_clients_schema_is_capped_in_depth() -> None:
     StructuredOutputsParams.from_request(json=schema)
     with pytest.raises(InvalidParamError, match=f"deeper than {MAX_SCHEMA_DEPTH}"):
         StructuredOutputsParams.from_request(json={"type": "array", "items": schema})
+
+
+def test_the_grammar_waits_for_the_end_of_reasoning(llm: LLM) -> None:
+    """With grammar_after_token, the tokens up to and including it are the free greedy ones; after it the
+    output follows the grammar (a reasoning model answers to the constraint after its </think>)."""
+    free = llm.generate(["Go:"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    end = tokens[3]
+    before = tokens[:tokens.index(end) + 1]
+    params = SamplingParams(temperature=0, max_tokens=24, grammar_after_token=end,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}"))
+    for n in (1, 2):
+        params.n = n
+        for output in llm.generate(["Go:"], params, use_tqdm=False)[0].outputs:
+            assert output.token_ids[:len(before)] == before
+            answer = llm.engine.tokenizer.decode(output.token_ids[len(before):])
+            assert re.fullmatch(r"[0-9]{3}", answer) and output.finish_reason == "stop"
