@@ -32,6 +32,7 @@ class CacheConfig:
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out pages
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # fraction of the pool kept free when admitting a new prompt
+    max_pinned_fraction: float = 0.25  # of the pool, at most, held by prefix pins (released first under pressure)
     default_cpu_kv_cache_memory: str = "1GiB"  # CPU budget when nothing else is given
 
 

@@ -20,6 +20,7 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import EngineDeadError, RequestFailedError
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
@@ -113,10 +114,11 @@ class AsyncEngine:
     # ---- the asyncio side ------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come; leaving the loop early aborts the request."""
         self._check_alive()
-        request = self.engine.intake.make_request(request_id, prompt, params, priority, cache_salt)
+        request = self.engine.intake.make_request(request_id, prompt, params, priority, cache_salt, pin)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -144,6 +146,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Free the request's pages at the start of the next engine step."""
         self._inbox.put(("abort", request_id))
+
+    def unpin(self, key: str) -> None:
+        """Release a finished request's pinned pages between two steps (any thread)."""
+        self.call_between_steps(lambda engine: engine.unpin(key))
 
     def _check_alive(self) -> None:
         if not self.is_running:

@@ -24,13 +24,14 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
 
-ADD, ABORT, CALL, SHUTDOWN = "add", "abort", "call", "shutdown"
+ADD, ABORT, UNPIN, CALL, SHUTDOWN = "add", "abort", "unpin", "call", "shutdown"
 READY, OUTPUTS, REPLY, FAILED = "ready", "outputs", "reply", "failed"
 
 CPUS_ENV = "PAGEGATE_CORE_CPUS"  # the CPUs a core pins itself to, e.g. "0,1" (one share under data parallelism)
@@ -102,8 +103,9 @@ def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
 
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int,
-              cache_salt: str | None) -> list[Any]:
-    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt]
+              cache_salt: str | None, pin: Pin | None = None) -> list[Any]:
+    wire_pin = [pin.key, pin.ttl_s] if pin is not None else None
+    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin]
 
 
 # ---- the core's counts ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pagegate.engine.core_frames import (
     READY,
     REPLY,
     SHUTDOWN,
+    UNPIN,
     CoreLoad,
     CoreSpec,
     DeltaWriter,
@@ -43,6 +44,7 @@ from pagegate.engine.core_frames import (
     params_from_wire,
 )
 from pagegate.engine.engine import Engine
+from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import take_snapshot
 
 if TYPE_CHECKING:
@@ -123,17 +125,20 @@ class CoreLoop:
                 self.deltas.forget(request_id)
                 self.unsent.pop(request_id, None)
                 self.seqs_aborted += num_seqs
+        elif kind == UNPIN:
+            self.engine.unpin(frame[1])
         elif kind == CALL:
             self._answer(frame[1], frame[2])
         elif kind == SHUTDOWN:
             self.stopping = True
 
     def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: dict[str, Any], priority: int,
-             cache_salt: str | None) -> None:
+             cache_salt: str | None, pin: list[Any] | None = None) -> None:
         try:
             sampling = params_from_wire(params)
             self.seqs_taken += sampling.n
-            request = self.engine.intake.make_request(request_id, token_ids, sampling, priority, cache_salt)
+            request = self.engine.intake.make_request(request_id, token_ids, sampling, priority, cache_salt,
+                                                      Pin(*pin) if pin is not None else None)
             request.prompt = prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core

@@ -15,6 +15,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.intake import RequestIntake
 from pagegate.engine.observe import EngineHealth, EngineMonitor, EngineStats
 from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.postprocess import PostProcessor
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampling.params import SamplingParams
@@ -64,10 +65,16 @@ class Engine:
         self.scheduler.add(self.intake.new_sequence(request, 0, list(request.prompt_token_ids)))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> Request:
-        request = self.intake.make_request(request_id, prompt, params, priority, cache_salt)
+                    cache_salt: str | None = None, pin: Pin | None = None) -> Request:
+        request = self.intake.make_request(request_id, prompt, params, priority, cache_salt, pin)
         self.add(request)
         return request
+
+    def unpin(self, key: str) -> bool:
+        """Release the pages a finished request's `Pin(key)` holds; False when none are held."""
+        released = self.scheduler.unpin(key)
+        self.refresh_stats()
+        return released
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages now; False when it is unknown or already done."""
@@ -157,6 +164,8 @@ class Engine:
             return
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
+            if seq.request.pin is not None and seq.index == 0:
+                self.scheduler.pin(seq, seq.request.pin, now)
             self.scheduler.free(seq)
 
     def _fail(self, request: Request) -> Request:

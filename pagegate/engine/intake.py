@@ -13,6 +13,7 @@ from pagegate.core import compute_block_hash
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_choices, check_context, check_priority, check_token_ids
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
@@ -30,7 +31,7 @@ class RequestIntake:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer else None
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None) -> Request:
+                     priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix."""
         text, token_ids = self._tokenize(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
@@ -40,7 +41,7 @@ class RequestIntake:
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
-                       logit_bias=bias)
+                       logit_bias=bias, pin=pin)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached)."""

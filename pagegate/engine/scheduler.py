@@ -19,6 +19,7 @@ from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.observe.stats import SchedulerStats
+from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
+        if not 0.0 <= cache.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be within [0, 1], got {cache.max_pinned_fraction}")
+        self.pins = PrefixPins(self.pool, int(cache.max_pinned_fraction * num_blocks))
 
     # ---- queues ------------------------------------------------------------------------------------
 
@@ -84,6 +88,25 @@ class Scheduler:
         if seq.handle != NO_PAGES:
             self.tables.free_sequence(seq.handle)
             seq.handle = NO_PAGES
+
+    def pin(self, seq: Sequence, pin: Pin, now: float) -> bool:
+        """Hold the full cached pages of a finishing sequence under `pin.key` (before `free`)."""
+        if seq.handle == NO_PAGES or self.tables.is_swapped(seq.handle):
+            return False
+        full = self.tables.num_committed(seq.handle) // self.block_size
+        pages = self.tables.block_ids(seq.handle)[:full]
+        cached = np.array([b for b in pages if self.pool.block_hash(int(b)) is not None], dtype=np.int32)
+        return self.pins.hold(pin.key, cached, now + pin.ttl_s)
+
+    def unpin(self, key: str) -> bool:
+        return self.pins.release(key)
+
+    def _free_up(self, needed: int) -> bool:
+        """Release pins, oldest first, until `needed` pages are free; whether they are."""
+        while self.pool.num_free_blocks < needed:
+            if not self.pins.release_oldest():
+                return False
+        return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of the running `parent` (n > 1 after the prompt)."""
@@ -118,6 +141,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -163,7 +187,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
         """Preempt from the tail until seq's next n tokens fit; False when seq itself had to go."""
-        while self.tables.pages_needed(seq.handle, n) > self.pool.num_free_blocks:
+        while not self._free_up(self.tables.pages_needed(seq.handle, n)):
             # NOTE: the victim is the tail of the running list (sorted by sort_key): the least urgent, most
             # recently arrived sequence, which has the least work to lose and the longest to wait anyway.
             victim = self.running[-1]
@@ -206,7 +230,7 @@ class Scheduler:
     def _swap_in(self, batch: ScheduledBatch, budget: int, now: float) -> int:
         for seq in sorted(self.swapped, key=lambda s: s.sort_key):
             need = self.tables.num_blocks(seq.handle) + 1  # its pages and room for the next token
-            if self.pool.num_free_blocks - need < self.watermark_blocks or len(self.running) >= self.cap.value:
+            if not self._free_up(need + self.watermark_blocks) or len(self.running) >= self.cap.value:
                 break
             pairs = self.tables.swap_in(seq.handle)
             batch.swap_in.append(pairs)
@@ -257,7 +281,7 @@ class Scheduler:
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
-        if self.pool.num_free_blocks - need < reserve:
+        if not self._free_up(need + reserve):
             self.pool.free(hits)
             return 0
         self.prefix_queries += len(seq.token_ids)
@@ -286,7 +310,7 @@ class Scheduler:
             preemptions=self.num_preemptions, swap_outs=self.num_swap_outs,
             swap_out_blocks=self.num_swapped_out_blocks, swap_in_blocks=self.num_swapped_in_blocks,
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
-            max_num_seqs=self.cap.value)
+            max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks)
 
 
 def seats(seq: Sequence) -> int:

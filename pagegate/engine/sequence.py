@@ -12,6 +12,7 @@ from llguidance import LLMatcher
 from pagegate.core import NO_PAGES
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias
 
@@ -85,6 +86,7 @@ class Request:
     error: str | None = None
     matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
     logit_bias: LogitBias | None = None  # params.logit_bias as tensors, built once
+    pin: Pin | None = None  # hold the finished pages for the conversation's next turn
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

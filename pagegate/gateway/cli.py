@@ -79,6 +79,9 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
+    group.add_argument("--max-pinned-fraction", type=float, default=defaults.max_pinned_fraction,
+                       help="at most this fraction of the KV pages held for stored responses' next turns "
+                            "(released first when requests need pages)")
 
 
 def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
@@ -173,7 +176,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     names = args.served_model_name or []
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                        swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching)
+                        swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching,
+                        max_pinned_fraction=args.max_pinned_fraction)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                                 scheduling_policy=args.scheduling_policy)

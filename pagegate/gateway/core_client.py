@@ -26,6 +26,7 @@ from pagegate.engine.core_frames import (
     READY,
     REPLY,
     SHUTDOWN,
+    UNPIN,
     CoreLoad,
     CoreSpec,
     FrameReader,
@@ -39,6 +40,7 @@ from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
@@ -204,7 +206,8 @@ class CoreClient:
     # ---- requests --------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come; leaving the loop early aborts the request."""
         self._check_alive()
         text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
@@ -215,7 +218,7 @@ class CoreClient:
         self._streams[request_id] = stream
         self._open_seqs[request_id] = params.n
         self._seqs_sent += params.n
-        self._send(add_frame(request_id, text, token_ids, params, priority, cache_salt))
+        self._send(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin))
         assembler = OutputAssembler(request_id, text, token_ids)
         finished = False
         try:
@@ -255,6 +258,10 @@ class CoreClient:
             num_seqs = self._open_seqs.pop(request_id, 0)
             self._abort_seqs_sent += num_seqs
             self._send([ABORT, [[request_id, num_seqs]]])
+
+    def unpin(self, key: str) -> None:
+        if self.is_running:
+            self._send([UNPIN, key])
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Check a constraint here, before the request is admitted (InvalidParamError when it is bad); the core

@@ -12,6 +12,7 @@ from pagegate.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from pagegate.engine.loading.tokenizer import Tokenizer
+    from pagegate.engine.pins import Pin
     from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.sampling.structured import StructuredOutputsParams
 
@@ -28,11 +29,17 @@ class EngineClient(Protocol):
     def is_running(self) -> bool: ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as they come; leaving the loop early aborts the request."""
+                 priority: int = 0, cache_salt: str | None = None,
+                 pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as they come; leaving the loop early aborts the request. With a pin, the finished
+        request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def unpin(self, key: str) -> None:
+        """Release what a request's pin holds (nothing when it holds nothing)."""
+        ...
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Compile and cache a structured-output constraint; InvalidParamError when it is invalid."""

@@ -15,6 +15,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.limits import check_choices, check_priority
 from pagegate.engine.observe.stats import EngineStats
+from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.core_client import CoreClient
 from pagegate.gateway.engine_client import EngineClient
@@ -206,10 +207,8 @@ class EngineHost:
         check_priority(prepared.priority, scheduler.scheduling_policy)
         check_choices(prepared.params.n, scheduler.max_num_seqs)
 
-    def pin_for(self, key: str) -> Any:
+    def pin_for(self, key: str) -> Pin:
         """What keeps a stored response's conversation in the KV cache for a while (its pages pinned)."""
-        from pagegate.engine.pins import Pin
-
         return Pin(key, self.config.responses_pin_ttl_s)
 
     def unpin(self, key: str) -> None:
@@ -223,9 +222,8 @@ class EngineHost:
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         salt = self.cache_salt(prepared)
-        pinned = {"pin": prepared.pin} if prepared.pin is not None else {}  # a stored response: one prompt
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt,
-                                   **pinned)
+                                   pin=prepared.pin)  # a pin comes with one prompt only (a stored response)
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
+from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE
@@ -120,7 +121,7 @@ class PreparedRequest:
     cache_salt: str | None
     tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
     reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
-    pin: Any = None  # a pagegate.engine.pins.Pin: a stored response keeps its conversation's pages
+    pin: Pin | None = None  # a stored response keeps its conversation's pages in the prefix cache
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
 
     @property

@@ -300,11 +300,8 @@ class ChatRenderer(Renderer):
 
     def message(self, completion: CompletionOutput) -> dict:
         answer = split_answer(completion.text, self.prepared.tool_calls, self.prepared.reasoning)
-        message = {"role": "assistant", "content": answer.content,
-                   "tool_calls": [call.as_tool_call() for call in answer.calls]}
-        if self.prepared.reasoning is not None:
-            message["reasoning_content"] = answer.reasoning
-        return message
+        return {"role": "assistant", "content": answer.content,
+                "tool_calls": [call.as_tool_call() for call in answer.calls], "reasoning_content": answer.reasoning}
 
 
 def finish_reason(engine_reason: str | None, called: bool) -> str | None:

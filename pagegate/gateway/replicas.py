@@ -19,6 +19,7 @@ from pagegate.engine.core_frames import CPUS_ENV
 from pagegate.engine.observe.metrics import HEALTH_GRADES
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
@@ -107,7 +108,8 @@ class Replicas:
         return self.cores[index].stats().used_blocks + self._unstarted_pages[index]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
         token_ids = self.cores[0].token_ids(prompt)
         index = self.route(token_ids, cache_salt)
         core = self.cores[index]
@@ -115,7 +117,8 @@ class Replicas:
         self._unstarted_pages[index] += pages
         self._owner[request_id] = core
         try:
-            async for output in core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt):
+            async for output in core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                              pin=pin):
                 if pages:
                     self._unstarted_pages[index] -= pages
                     pages = 0
@@ -128,6 +131,10 @@ class Replicas:
         core = self._owner.get(request_id)
         if core is not None:
             core.abort(request_id)
+
+    def unpin(self, key: str) -> None:
+        for core in self.cores:  # the core that holds it is wherever its request was routed
+            core.unpin(key)
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         self.cores[0].compile_grammar(structured)

@@ -73,6 +73,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None when the answer is only tool calls
     tool_calls: list[ToolCall]  # empty when the answer made none
+    reasoning_content: str | None = None  # the <think> block, with a reasoning parser
 
 
 class ChatChoice(BaseModel):
@@ -109,6 +110,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

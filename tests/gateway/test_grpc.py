@@ -327,7 +327,8 @@ def test_chat_matches_rest_and_streams(client: GrpcClient, rest: httpx.Client) -
     same_answer(expected, got)
     assert got["object"] == "chat.completion" and got["choices"][0]["message"]["role"] == "assistant"
     chunks = list(client.stream_chat(**body))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "tool_calls": []}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "tool_calls": [],
+                                         "reasoning_content": None}
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[1:])
     assert text == got["choices"][0]["message"]["content"]
     streamed_logprobs = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]

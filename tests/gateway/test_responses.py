@@ -148,3 +148,29 @@ def test_bad_input_is_a_400(http: httpx.Client, model: str, body: dict, param: s
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_a_stored_response_is_its_key_s_and_outlives_a_restart(tmp_path) -> None:
+    """Another API key gets a 404 for it; with --responses-store-path it is there after a restart and its
+    conversation goes on."""
+    from pagegate.testing.launcher import ServerProcess
+    from tests.gateway.server_args import server_args
+
+    args = server_args("--num-kv-blocks", "128", "--api-key", "key-a", "--api-key", "key-b",
+                       "--responses-store-path", str(tmp_path / "responses.sqlite"))
+    with ServerProcess(args) as server:
+        alice, bob = (openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+                      for key in ("key-a", "key-b"))
+        first = alice.responses.create(input="My name is Ada.", max_output_tokens=4, temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(input="And?", previous_response_id=first.id, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(first.id)
+    with ServerProcess(args) as server:
+        alice = openai.OpenAI(base_url=server.base_url + "/v1", api_key="key-a", max_retries=0, timeout=120)
+        assert alice.responses.retrieve(first.id).output_text == first.output_text
+        second = alice.responses.create(input="What is my name?", previous_response_id=first.id,
+                                        max_output_tokens=4, temperature=0)
+        assert second.usage.input_tokens > first.usage.input_tokens

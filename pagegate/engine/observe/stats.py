@@ -25,6 +25,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # prompt tokens
     prefix_cache_hits: int
     max_num_seqs: int  # the running cap after auto-tuning
+    pinned_blocks: int  # page references held by prefix pins (stored conversations)
 
 
 @dataclass(frozen=True, slots=True)
