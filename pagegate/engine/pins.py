@@ -31,13 +31,15 @@ class _Held:
 
 
 class PrefixPins:
-    """The held pins, oldest first; each holds one reference on its pages."""
+    """The held pins, oldest first; each holds one reference on each of its pages. Pins of one conversation's
+    turns share their prefix pages: the budget counts pages, not references."""
 
     def __init__(self, pool: BlockPool, max_blocks: int) -> None:
         self.pool = pool
         self.max_blocks = max_blocks
         self._held: OrderedDict[str, _Held] = OrderedDict()
-        self.num_blocks = 0  # references held, over all pins
+        self._pins_on = np.zeros(pool.num_blocks, dtype=np.int32)  # per page: how many pins hold it
+        self.num_blocks = 0  # pages held by at least one pin
 
     def __len__(self) -> int:
         return len(self._held)
@@ -48,19 +50,24 @@ class PrefixPins:
         self.release(key)
         if len(block_ids) == 0 or len(block_ids) > self.max_blocks:
             return False
-        while self.num_blocks + len(block_ids) > self.max_blocks:
+        while self.num_blocks + self._new_pages(block_ids) > self.max_blocks:
             self.release_oldest()
+        self.num_blocks += self._new_pages(block_ids)
+        self._pins_on[block_ids] += 1  # a sequence's pages are distinct: no repeated index
         self.pool.incref(block_ids)
         self._held[key] = _Held(block_ids, expires_at)
-        self.num_blocks += len(block_ids)
         return True
+
+    def _new_pages(self, block_ids: npt.NDArray[np.int32]) -> int:
+        return int(np.count_nonzero(self._pins_on[block_ids] == 0))
 
     def release(self, key: str) -> bool:
         held = self._held.pop(key, None)
         if held is None:
             return False
+        self._pins_on[held.block_ids] -= 1
+        self.num_blocks -= int(np.count_nonzero(self._pins_on[held.block_ids] == 0))
         self.pool.free(held.block_ids)
-        self.num_blocks -= len(held.block_ids)
         return True
 
     def release_oldest(self) -> bool:

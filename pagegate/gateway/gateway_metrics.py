@@ -40,7 +40,7 @@ def _page_gauges(stats: EngineStats) -> Iterator[Metric]:
                             value=stats.free_blocks)
     yield GaugeMetricFamily("pagegate:kv_blocks_cached", "Free KV pages still holding a reusable prefix.",
                             value=stats.cached_blocks)
-    yield GaugeMetricFamily("pagegate:kv_blocks_pinned", "Page references held for stored conversations (pins).",
+    yield GaugeMetricFamily("pagegate:kv_blocks_pinned", "KV pages held for stored conversations' next turns (pins; counted in used too).",
                             value=stats.pinned_blocks)
     yield GaugeMetricFamily("pagegate:kv_blocks_total", "KV pages in the device pool.", value=stats.num_blocks)
 

@@ -34,6 +34,7 @@ from pagegate.gateway.tools import (
     CallParsing,
     call_grammar,
     check_tool_sizes,
+    named_call_grammar,
     offered_tools,
     parameters_schema,
     template_messages,
@@ -193,8 +194,10 @@ def check_tool_schemas(tools: list[Tool], model: ModelContext) -> None:
 
 
 def _tool_constraint(request: ChatCompletionRequest, offered: list[Tool]) -> Constraint:
-    """tool_choice required or a named function: the output is calls (one with parallel_tool_calls false)."""
-    if request.tool_choice_mode not in ("required", "named"):
+    """tool_choice required: the output is calls (one with parallel_tool_calls false); named: its arguments."""
+    if request.tool_choice_mode == "named":
+        return "tool_choice", functools.partial(named_call_grammar, offered[0])
+    if request.tool_choice_mode != "required":
         return "tool_choice", None
     return "tool_choice", functools.partial(call_grammar, offered, request.parallel_tool_calls is not False)
 

@@ -304,6 +304,7 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: str | None = Field(None, validate_default=True)  # tool turns: the call this is the result of
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking, as chat answers give it back
     content: str | list[TextPart] | None = Field(None, validate_default=True)
 
     @field_validator("tool_calls")
@@ -476,8 +477,11 @@ def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
 
 
 def _bad_request(exc: ValidationError) -> BadRequest:
-    error = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in error["loc"] if _is_field(part)) or None
+    errors = exc.errors(include_url=False)
+    first = _fields(errors[0]["loc"])
+    # a union reports every member's failure: the member that got furthest into the value says what is wrong
+    error = max((e for e in errors if _fields(e["loc"])[:len(first)] == first), key=lambda e: len(_fields(e["loc"])))
+    param = ".".join(str(part) for part in _fields(error["loc"])) or None
     kind = error["type"]
     if kind == "missing":
         return BadRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
@@ -490,6 +494,10 @@ def _bad_request(exc: ValidationError) -> BadRequest:
         if "input" in error and not kind.startswith("value_error"):
             message += f" (got {_short(error['input'])})"
     return BadRequest(message, param=param or None, code="invalid_value")
+
+
+def _fields(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(part for part in loc if _is_field(part))
 
 
 def _is_field(part: Any) -> bool:

@@ -44,6 +44,7 @@ def model(model_card: dict) -> str:
 
 
 PAGES_IN_USE = "pagegate:kv_blocks_used"  # the engine's gauge of KV pages held by requests
+PAGES_PINNED = "pagegate:kv_blocks_pinned"  # ... and of those, the ones held for stored responses
 
 
 def metric_value(text: str, name: str) -> float | None:
@@ -63,9 +64,12 @@ class KVPages:
         self.http = http
 
     def in_use(self) -> float:
-        value = metric_value(self.http.get("/metrics").text, PAGES_IN_USE)
-        assert value is not None, f"/metrics has no {PAGES_IN_USE}"
-        return value
+        """Pages held by requests: those in use less those that stored responses pin (which, with no request
+        running, are all the pinned pages there are)."""
+        text = self.http.get("/metrics").text
+        value, pinned = metric_value(text, PAGES_IN_USE), metric_value(text, PAGES_PINNED)
+        assert value is not None and pinned is not None, f"/metrics has no {PAGES_IN_USE} or {PAGES_PINNED}"
+        return value - pinned
 
     def wait_free(self, timeout_s: float = 10.0) -> float:
         """Poll until no page is in use (or the timeout); returns the last reading."""

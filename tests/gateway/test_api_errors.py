@@ -77,7 +77,7 @@ def test_unsupported_and_unknown_fields(http: httpx.Client) -> None:
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, "top_p"),
     ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
-    ({"prompt": PROMPT, "stop": [1, 2]}, "stop"),
+    ({"prompt": PROMPT, "stop": [1, 2]}, "stop.0"),
     ({"prompt": PROMPT, "stop": [""]}, "stop"),
     ({"prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": PROMPT, "logit_bias": {"5": 1000}}, "logit_bias"),

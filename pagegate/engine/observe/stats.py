@@ -25,7 +25,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # prompt tokens
     prefix_cache_hits: int
     max_num_seqs: int  # the running cap after auto-tuning
-    pinned_blocks: int  # page references held by prefix pins (stored conversations)
+    pinned_blocks: int  # pages held by prefix pins (stored conversations' next turns)
 
 
 @dataclass(frozen=True, slots=True)
