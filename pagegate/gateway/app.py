@@ -22,8 +22,9 @@ from pagegate.gateway.auth import APIKeyMiddleware
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
-from pagegate.gateway.errors import APIError, from_status, to_api_error
+from pagegate.gateway.errors import APIError, from_status, speaks_anthropic, to_api_error
 from pagegate.gateway.gateway_metrics import gateway_registry
+from pagegate.gateway.messages import routes as messages
 from pagegate.gateway.responses import routes as responses
 from pagegate.gateway.responses.store import ResponseStore
 from pagegate.gateway.settings import GatewayConfig
@@ -39,6 +40,8 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
+    Route("/v1/messages", messages.create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
     Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
     Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
     Route("/health", routes_ops.health, methods=["GET"]),
@@ -93,11 +96,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error = from_status(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
     error.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
-    return render_error(error, msgpack_body=wants_msgpack(request))
+    return _error_response(request, error)
 
 
 async def _any_error(request: Request, exc: Exception) -> Response:
     error = to_api_error(exc)
     if error.status_code >= 500 and error is not exc:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return render_error(error, msgpack_body=wants_msgpack(request))
+    return _error_response(request, error)
+
+
+def _error_response(request: Request, error: APIError) -> Response:
+    return render_error(error, msgpack_body=wants_msgpack(request), anthropic=speaks_anthropic(request.url.path))

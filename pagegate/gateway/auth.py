@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer <key>` on the API routes, compared in constant time."""
+"""API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key`) on the API routes, compared in constant time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagegate.gateway.codec import is_msgpack, render_error
-from pagegate.gateway.errors import Unauthorized
+from pagegate.gateway.errors import Unauthorized, speaks_anthropic
 
 # /health, /metrics, /version and the dashboard's page and files stay open; its data does not
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/api/")
@@ -68,9 +68,10 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        error = Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+        error = Unauthorized("Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key').",
                              headers={"WWW-Authenticate": "Bearer"})
-        response = render_error(error, msgpack_body=is_msgpack(headers.get(b"accept", b"").decode("latin-1")))
+        response = render_error(error, msgpack_body=is_msgpack(headers.get(b"accept", b"").decode("latin-1")),
+                                anthropic=speaks_anthropic(scope["path"]))
         await response(scope, receive, send)
 
     def _needs_key(self, scope: Scope) -> bool:
@@ -78,8 +79,11 @@ class APIKeyMiddleware:
 
     def _presented_key(self, scope: Scope) -> str | None:
         """The configured key the request presents, or None."""
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        headers = scope["headers"]
+        header = next((v for k, v in headers if k == b"authorization"), b"").decode("latin-1")
         token = bearer_token(header)
+        if token is None:  # Anthropic's clients send their key so
+            token = next((v.decode("latin-1") for k, v in headers if k == b"x-api-key"), None)
         if token is None and scope["path"].startswith(QUERY_KEY_PREFIXES):
             token = query_key(scope.get("query_string", b""))
         return matching_key(token, self.api_keys) if token is not None else None

@@ -11,7 +11,7 @@ import numpy as np
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pagegate.gateway.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge
+from pagegate.gateway.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, anthropic_error_body
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -57,8 +57,11 @@ def render(obj: Any, *, msgpack_body: bool, status_code: int = 200, headers: dic
     return Response(dumps_json(obj), status_code, headers, media_type=JSON)
 
 
-def render_error(error: APIError, *, msgpack_body: bool) -> Response:
-    return render(error.body(), msgpack_body=msgpack_body, status_code=error.status_code, headers=error.headers)
+def render_error(error: APIError, *, msgpack_body: bool, anthropic: bool = False) -> Response:
+    """OpenAI's error shape, or Anthropic's (on the Messages API's routes)."""
+    body = anthropic_error_body(error) if anthropic else error.body()
+    return render(body, msgpack_body=msgpack_body and not anthropic, status_code=error.status_code,
+                  headers=error.headers)
 
 
 async def read_body(request: Request, limit: int) -> Any:

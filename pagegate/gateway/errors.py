@@ -111,3 +111,22 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailable(f"The engine is not running: {exc}", code="engine_dead")
     return ServerError(f"Internal error: {type(exc).__name__}: {exc}")
+
+
+# -- Anthropic's shape, on /v1/messages ---------------------------------------------------------------
+MESSAGES_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """The Messages API's routes answer errors as Anthropic's clients read them."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def anthropic_error_body(error: APIError) -> dict:
+    """{"type": "error", "error": {"type", "message"}}."""
+    status = error.status_code
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}

@@ -1,0 +1,53 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API over the chat path, so Claude
+clients and agent frameworks that speak it (the `anthropic` SDK, Claude Code) run against this server. Errors
+come in Anthropic's shape (errors.speaks_anthropic)."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagegate.gateway.auth import request_key_identity
+from pagegate.gateway.codec import EVENT_STREAM, read_body, render
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.errors import anthropic_error_body, to_api_error
+from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest
+from pagegate.gateway.messages.render import MessagesRenderer
+from pagegate.gateway.prepare import PreparedRequest, off_loop, prepare_chat
+from pagegate.gateway.protocol import parse_request
+from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
+from pagegate.gateway.streaming import collect, stream_body
+
+
+async def _prepare(request: Request, host: EngineHost,
+                   request_cls: type[MessagesRequest] = MessagesRequest) -> tuple[MessagesRequest, PreparedRequest]:
+    _, model = host.require_engine()
+    body = await read_body(request, host.config.max_request_bytes)
+    parsed = parse_request(request_cls, body)
+    prepared = await off_loop(prepare_chat, parsed.chat_body(), model)
+    prepared.tenant = request_key_identity(request.scope)
+    return parsed, prepared
+
+
+async def create_message(request: Request) -> Response:
+    host: EngineHost = request.app.state.host
+    parsed, prepared = await _prepare(request, host)
+    host.admit(prepared)
+    renderer = MessagesRenderer(prepared, host.require_engine()[1].tokenizer, "msg_" + secrets.token_hex(12),
+                                stop_sequences=parsed.stop_sequences or [])
+    merger, _ = host.generate(prepared, renderer.request_id)
+    if prepared.stream:
+        body = stream_body(merger, renderer, lambda exc: anthropic_error_body(to_api_error(exc)), False, host.stream_pace)
+        return GenerationStreamResponse(body, merger, headers={"Cache-Control": "no-cache"}, media_type=EVENT_STREAM)
+    finals = await until_disconnect(request, collect(merger))
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return render(renderer.response(finals), msgpack_body=False)
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's token count as /v1/messages would render it (nothing runs)."""
+    _, prepared = await _prepare(request, request.app.state.host, CountTokensRequest)
+    return render({"input_tokens": len(prepared.prompts[0].token_ids)}, msgpack_body=False)
