@@ -34,6 +34,7 @@ class ReasoningSplitter:
     parser: str
     _tail: str = ""
     _state: str = "start"  # start (nothing certain yet), reasoning, content
+    _after_close: bool = False  # the whitespace between </think> and the answer is dropped, however it is chunked
 
     def feed(self, text: str) -> list[str | Reasoning]:
         text, self._tail = self._tail + text, ""
@@ -55,7 +56,10 @@ class ReasoningSplitter:
                 self._tail = text[len(text) - keep:]
                 return events
             _add(events, Reasoning(text[:end]))
-            self._state, text = "content", text[end + len(THINK_CLOSE):].lstrip()
+            self._state, self._after_close, text = "content", True, text[end + len(THINK_CLOSE):]
+        if self._after_close:
+            text = text.lstrip()
+            self._after_close = not text
         _add(events, text)
         return events
 
