@@ -161,6 +161,44 @@ class Renderer(ABC):
         return sorted(rows, key=lambda row: row[0])
 
 
+@dataclass
+class ItemRenderer(Renderer):
+    """One answer (n = 1) as typed parts with named stream events (Responses, Anthropic Messages): each event of
+    the answer goes to `take` as it comes; at the end `closing` gives the last events and sets `final`."""
+
+    final: dict | None = None
+
+    named_events = True
+
+    @abstractmethod
+    def take(self, piece: AnswerEvent) -> list[dict]:
+        """The events one piece of the answer (text, reasoning, a call) adds."""
+
+    @abstractmethod
+    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
+        """The events that end the answer; sets `final`, the whole response body."""
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        self.latest[prompt_index] = output
+        state = self.choices.setdefault(0, ChoiceState())
+        return self.choice_deltas(0, state, prompt_index, output.outputs[0])
+
+    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
+        if state.finished:
+            return []
+        events = [event for piece in self.answer_events(state, self.next_text(state, c), c.finished)
+                  for event in self.take(piece)]
+        if c.finished:
+            state.finished = True
+            events.extend(self.closing(c, self.latest[prompt_index]))
+        return events
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict:
+        self.update(0, finals[0])
+        assert self.final is not None
+        return self.final
+
+
 def _one_per_index(deltas: list[dict]) -> list[list[dict]]:
     """Group choice deltas into chunks where each choice index appears at most once, order kept."""
     groups: list[list[dict]] = []

@@ -15,21 +15,19 @@ from typing import Any
 
 from pagegate.engine.outputs import CompletionOutput, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
-from pagegate.gateway.render import ChoiceState, Renderer
+from pagegate.gateway.render import ItemRenderer
 from pagegate.gateway.tools import ParsedCall
 
 
 @dataclass
-class MessagesRenderer(Renderer):
+class MessagesRenderer(ItemRenderer):
     """One message (n = 1)."""
 
     stop_sequences: list[str] = field(default_factory=list)
     blocks: list[dict[str, Any]] = field(default_factory=list)
     open_kind: str | None = None  # the type of the last block while it still grows
-    final: dict[str, Any] | None = None
 
     object_name = "message"
-    named_events = True
 
     def message(self, output: RequestOutput | None) -> dict[str, Any]:
         completion = output.outputs[0] if output is not None else None
@@ -65,31 +63,12 @@ class MessagesRenderer(Renderer):
     def error_chunk(self, body: dict) -> dict:
         return body  # already Anthropic's shape (the route's error_body)
 
-    def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        self.latest[prompt_index] = output
-        state = self.choices.setdefault(0, ChoiceState())
-        return self.choice_deltas(0, state, prompt_index, output.outputs[0])
-
-    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
-        if state.finished:
-            return []
-        events: list[dict] = []
-        for piece in self.answer_events(state, self.next_text(state, c), c.finished):
-            events.extend(self.take(piece))
-        if c.finished:
-            state.finished = True
-            events.extend(self.close_block())
-            self.final = self.message(self.latest[prompt_index])
-            events.append({"type": "message_delta", "delta": {"stop_reason": self.final["stop_reason"],
-                                                              "stop_sequence": self.final["stop_sequence"]},
-                           "usage": {"output_tokens": self.final["usage"]["output_tokens"]}})
-            events.append({"type": "message_stop"})
-        return events
-
-    def response(self, finals: dict[int, RequestOutput]) -> dict:
-        self.update(0, finals[0])
-        assert self.final is not None
-        return self.final
+    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
+        events = self.close_block()
+        final = self.final = self.message(output)
+        return [*events, {"type": "message_delta", "usage": {"output_tokens": final["usage"]["output_tokens"]},
+                          "delta": {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}},
+                {"type": "message_stop"}]
 
     # -- blocks ---------------------------------------------------------------------------------------
     def take(self, piece: AnswerEvent) -> list[dict]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagegate.engine.outputs import CompletionOutput, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
-from pagegate.gateway.render import ChoiceState, Renderer
+from pagegate.gateway.render import ItemRenderer
 from pagegate.gateway.tools import ParsedCall
 
 
@@ -32,17 +32,15 @@ class OpenItem:
 
 
 @dataclass
-class ResponsesRenderer(Renderer):
+class ResponsesRenderer(ItemRenderer):
     """One response (n = 1). `base` is the response object's request-side fields (tools, instructions...)."""
 
     base: dict[str, Any] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
     open_item: OpenItem | None = None
     sequence: int = 0
-    final: dict[str, Any] | None = None
 
     object_name = "response"
-    named_events = True
 
     def response_object(self, status: str, output: RequestOutput | None = None) -> dict[str, Any]:
         body = {"id": self.request_id, "object": "response", "created_at": self.created, "status": status,
@@ -75,31 +73,13 @@ class ResponsesRenderer(Renderer):
         return self.event("error", code=error.get("code"), message=error.get("message", ""),
                           param=error.get("param"))
 
-    def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
-        if state.finished:
-            return []
-        events: list[dict] = []
-        for piece in self.answer_events(state, self.next_text(state, c), c.finished):
-            events.extend(self.take(piece))
-        if c.finished:
-            state.finished = True
-            events.extend(self.close_item())
-            self.final = self.response_object("incomplete" if c.finish_reason == "length" else "completed",
-                                              self.latest[prompt_index])
-            # NOTE: one cut short by max_output_tokens ends with response.completed too (its status says
-            # incomplete), as vLLM does: the SDK's stream helper only finishes on response.completed.
-            events.append(self.event("response.completed", response=self.final))
-        return events
-
-    def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        self.latest[prompt_index] = output
-        state = self.choices.setdefault(0, ChoiceState())
-        return self.choice_deltas(0, state, prompt_index, output.outputs[0])
-
-    def response(self, finals: dict[int, RequestOutput]) -> dict:
-        self.update(0, finals[0])
-        assert self.final is not None
-        return self.final
+    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
+        events = self.close_item()
+        self.final = self.response_object("incomplete" if completion.finish_reason == "length" else "completed",
+                                          output)
+        # NOTE: one cut short by max_output_tokens ends with response.completed too (its status says
+        # incomplete), as vLLM does: the SDK's stream helper only finishes on response.completed.
+        return [*events, self.event("response.completed", response=self.final)]
 
     # -- items ----------------------------------------------------------------------------------------
     def take(self, piece: AnswerEvent) -> list[dict]:
