@@ -3,10 +3,10 @@ conversation resent whole each turn (store=False), both under page pressure from
 
     python -m bench.responses_kv [--model PATH] [--turns 20] [--context 2000] [--turn-tokens 200]
 
-Each turn appends ~turn-tokens of new text to a context that starts at ~context tokens. Before every pair of
-turns, other traffic (distinct prompts, 3/4 of what the page pool holds) runs through the server, so an
-unpinned conversation's cached pages are evicted between its turns. The two conversations alternate turn by
-turn against one server; per turn the script reports prompt tokens, cached tokens and TTFT (time to the first
+Each turn appends ~turn-tokens of new text to a context that starts at ~context tokens. Before every turn,
+other traffic (distinct prompts, 3/4 of what the page pool holds) runs through the server, so an unpinned
+conversation's cached pages are evicted between its turns. The two conversations (different text, the same
+shape) alternate turn by turn against one server; per turn the script reports prompt tokens, cached tokens and TTFT (time to the first
 output_text delta, streamed), and draws them (docs/bench-responses-kv.png).
 """
 
@@ -60,20 +60,20 @@ def run(args: argparse.Namespace) -> dict[str, list[tuple[int, int, float]]]:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         rng = random.Random(0)
-        system = text_of(rng, args.context)  # the agent's context: instructions, files, earlier results
-        turns = [text_of(rng, args.turn_tokens) for _ in range(args.turns)]
-        previous, history = None, [{"role": "user", "content": system}]
-        for number, turn in enumerate(turns):
+        conversations = {name: (text_of(rng, args.context), [text_of(rng, args.turn_tokens) for _ in range(args.turns)])
+                         for name in rows}  # two conversations of one shape: neither reuses the other's pages
+        previous, history = None, []
+        for number in range(args.turns):
+            system, turns = conversations["stored"]
             pressure(client, model, rng, args.pressure_tokens or args.pool_tokens * 3 // 4)
-            first = [{"role": "user", "content": system + "\n" + turn}] if previous is None else turn
+            first = [{"role": "user", "content": system + "\n" + turns[0]}] if previous is None else turns[number]
             seconds, stored = ttft_turn(client, model, input=first, previous_response_id=previous)
             previous = stored.id
             rows["stored"].append((stored.usage.input_tokens, stored.usage.input_tokens_details.cached_tokens,
                                    seconds))
-            if number == 0:
-                history = [{"role": "user", "content": system + "\n" + turn}]
-            else:
-                history.append({"role": "user", "content": turn})
+            system, turns = conversations["stateless"]
+            history.append({"role": "user", "content": system + "\n" + turns[0] if number == 0 else turns[number]})
+            pressure(client, model, rng, args.pressure_tokens or args.pool_tokens * 3 // 4)
             seconds, whole = ttft_turn(client, model, input=history, store=False)
             history.append({"role": "assistant", "content": whole.output_text})
             rows["stateless"].append((whole.usage.input_tokens, whole.usage.input_tokens_details.cached_tokens,
