@@ -15,7 +15,6 @@ from pagegate.config import EngineConfig
 from pagegate.engine.intake import RequestIntake
 from pagegate.engine.observe import EngineHealth, EngineMonitor, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
 from pagegate.engine.postprocess import PostProcessor
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.sampling.params import SamplingParams
@@ -65,8 +64,8 @@ class Engine:
         self.scheduler.add(self.intake.new_sequence(request, 0, list(request.prompt_token_ids)))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, pin: Pin | None = None) -> Request:
-        request = self.intake.make_request(request_id, prompt, params, priority, cache_salt, pin)
+                    cache_salt: str | None = None) -> Request:
+        request = self.intake.make_request(request_id, prompt, params, priority, cache_salt)
         self.add(request)
         return request
 

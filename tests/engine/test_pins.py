@@ -14,7 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def run(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams = GREEDY, pin: Pin | None = None):
-    request = llm.engine.add_request(request_id, prompt, params, pin=pin)
+    request = llm.engine.intake.make_request(request_id, prompt, params, pin=pin)
+    llm.engine.add(request)
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert request.error is None
