@@ -39,10 +39,16 @@ def test_a_pinned_conversation_outlives_eviction(llama_model):
     assert_all_pages_free(llm)
 
 
-def test_pins_give_way_to_a_request_that_needs_the_pages(llama_model):
-    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=16, max_model_len=256)
-    run(llm, "a", [11] * 64 + [1], pin=Pin("a", 60.0))
+def pinned(llama_model, num_kv_blocks: int, ttl_s: float) -> LLM:
+    """An engine whose pool holds one pinned request of 4 full pages."""
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=num_kv_blocks, max_model_len=256)
+    run(llm, "a", [11] * 64 + [1], pin=Pin("a", ttl_s))
     assert llm.stats().pinned_blocks == 4
+    return llm
+
+
+def test_pins_give_way_to_a_request_that_needs_the_pages(llama_model):
+    llm = pinned(llama_model, 16, 60.0)
     big = run(llm, "big", [13] * 240, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # all 16 pages
     assert len(big.seqs[0].output_token_ids) == 8
     assert llm.stats().pinned_blocks == 0
@@ -50,9 +56,7 @@ def test_pins_give_way_to_a_request_that_needs_the_pages(llama_model):
 
 
 def test_pins_expire_after_their_ttl(llama_model):
-    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=20, max_model_len=256)
-    run(llm, "a", [11] * 64 + [1], pin=Pin("a", 0.0))
-    assert llm.stats().pinned_blocks == 4
+    llm = pinned(llama_model, 20, 0.0)
     run(llm, "b", [12] * 20)  # the next step finds the pin expired
     assert llm.stats().pinned_blocks == 0
 

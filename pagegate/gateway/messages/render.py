@@ -97,7 +97,7 @@ class MessagesRenderer(ItemRenderer):
 
     def tool_use(self, call: ParsedCall) -> list[dict]:
         block = {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name,
-                 "input": json.loads(call.arguments) if _is_object(call.arguments) else {}}
+                 "input": _arguments_object(call.arguments)}
         self.blocks.append(block)
         index = len(self.blocks) - 1
         return [{"type": "content_block_start", "index": index, "content_block": dict(block, input={})},
@@ -106,9 +106,10 @@ class MessagesRenderer(ItemRenderer):
                 {"type": "content_block_stop", "index": index}]
 
 
-def _is_object(text: str) -> bool:
+def _arguments_object(text: str) -> dict[str, Any]:
     """A cut-off forced call's arguments are not JSON yet; its block then has no input."""
     try:
-        return isinstance(json.loads(text), dict)
+        value = json.loads(text)
     except ValueError:
-        return False
+        return {}
+    return value if isinstance(value, dict) else {}
