@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagegate.gateway.tools import CallParsing, NamedCallParser, ParsedCall, ToolCallParser
+from pagegate.gateway.tool_formats import CallReader, ParsedCall
+from pagegate.gateway.tools import CallParsing
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # deepseek_r1: the template opens the <think> block, so the answer starts inside it (a leading tag is dropped);
@@ -87,7 +88,7 @@ class AnswerSplitter:
     calls: CallParsing | None = None
     reasoning: str | None = None
     _reasoning: ReasoningSplitter | None = field(init=False, default=None)
-    _calls: ToolCallParser | NamedCallParser | None = field(init=False, default=None)
+    _calls: CallReader | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._reasoning = ReasoningSplitter(self.reasoning) if self.reasoning else None

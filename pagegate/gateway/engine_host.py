@@ -94,7 +94,8 @@ class EngineHost:
             tokenizer.chat_template = self.config.chat_template  # this process's copy: the engine never renders
         return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
                             engine.compile_grammar if tokenizer is not None else None,
-                            reasoning_parser=self.config.reasoning_parser)
+                            reasoning_parser=self.config.reasoning_parser,
+                            tool_call_parser=self.config.tool_call_parser)
 
     def _engine_died(self) -> None:
         """An engine core (or one of its tensor-parallel workers) died. /health already says so; the server

@@ -30,6 +30,7 @@ from pagegate.gateway.protocol import (
     Tool,
     parse_request,
 )
+from pagegate.gateway.tool_formats import TOOL_FORMATS, ToolFormat
 from pagegate.gateway.tools import (
     CallParsing,
     call_grammar,
@@ -77,6 +78,11 @@ class ModelContext:
     default_sampling: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json
     compile_grammar: Callable[[StructuredOutputsParams], None] | None = None  # None: no tokenizer, no grammars
     reasoning_parser: str | None = None  # splits <think> blocks off chat answers (--reasoning-parser)
+    tool_call_parser: str = "hermes"  # the format the model writes tool calls in (--tool-call-parser)
+
+    @property
+    def call_format(self) -> ToolFormat:
+        return TOOL_FORMATS[self.tool_call_parser]
 
     @property
     def name(self) -> str:
@@ -177,8 +183,10 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
     if params.structured_outputs is not None and model.reasoning_parser is not None:
         params.grammar_after_token = reasoning_end(prompt, model)
+    if offered and model.call_format.keeps_special_tokens:
+        params.skip_special_tokens = False  # the call marker is a special token
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
-                           CallParsing.of(request, offered), model.reasoning_parser)
+                           CallParsing.of(request, offered, model.call_format), model.reasoning_parser)
 
 
 def check_tool_schemas(tools: list[Tool], model: ModelContext) -> None:
@@ -234,7 +242,7 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
     the model goes on writing it."""
     tokenizer = model.require_tokenizer("messages")
     native = tokenizer.chat_template_takes_tools
-    dicts = template_messages(messages, tools or [], native)
+    dicts = template_messages(messages, tools or [], native, model.call_format)
     extra = dict(variables or {})
     if native and tools:
         extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]

@@ -16,7 +16,7 @@ from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, AnswerSplitter, Reasoning, split_answer
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 from pagegate.gateway.protocol import CompletionRequest
-from pagegate.gateway.tools import ParsedCall
+from pagegate.gateway.tool_formats import ParsedCall
 
 TokenText = Callable[[int], str]
 

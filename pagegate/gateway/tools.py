@@ -1,14 +1,13 @@
-"""Tool calling in the Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
-
-What the chat template sees (the tool list, earlier calls and their results; templates that ignore `tools` get
-them as text), the grammar that makes `tool_choice` "required" or a named function produce valid calls only,
-and the parser that turns the model's blocks back into OpenAI `tool_calls`, streamed or not.
+"""Tool calling: what the chat template sees (the tool list, earlier calls and their results; templates that
+ignore `tools` get them as text, in the served model's call format), the grammars that make `tool_choice`
+"required" or a named function produce valid calls only, and how an answer's calls are read back into OpenAI
+`tool_calls`, streamed or not (the formats themselves: pagegate.gateway.tool_formats).
 """
 
 from __future__ import annotations
 
 import json
-import secrets
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +19,17 @@ from pagegate.engine.sampling.structured import (
     check_grammar_size,
 )
 from pagegate.gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from pagegate.gateway.tool_formats import (
+    TOOL_FORMATS,
+    CallReader,
+    ParsedCall,
+    Schemas,
+    ToolFormat,
+    new_call_id,
+)
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CALL_PARSERS = ("hermes",)  # the formats models write calls in (--tool-call-parser)
+TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)  # the formats models write calls in (--tool-call-parser)
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:
@@ -60,19 +62,12 @@ def offered_tools(request: ChatCompletionRequest) -> list[Tool]:
 
 
 def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputsParams:
-    """A constraint to one (or, with `parallel`, one or more) Hermes blocks calling one of `tools` with
-    arguments that match its parameter schema; JSON written as json.dumps writes it.
-
-    Blocks follow each other with nothing between: after a call, the model chooses between another
-    `<tool_call>` and its end-of-turn token. A newline between them would be one more way to go on, and
-    small models take it: SmolLM2-135M then repeats its call until max_tokens.
-    """
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(tool))}" for i, tool in enumerate(tools)]
-    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = "start: block+" if parallel else "start: block"
-    opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)  # as Lark string literals
-    block = f"block: {opening} ({calls}) {closing}"
-    return StructuredOutputsParams(grammar="\n".join([start, block, *rules]) + "\n")
+    """tool_choice "required": a JSON list of one (or, with `parallel`, one or more) calls of `tools`, each
+    `{"name": ..., "parameters": {...}}` with arguments that match the function's schema (vLLM's form). The
+    server writes `tool_calls` from it: no call markup is spent on tokens."""
+    items = [_call_schema(tool, f"#/items/anyOf/{i}/properties/parameters") for i, tool in enumerate(tools)]
+    schema = {"x-guidance": dict(JSON_STYLE), "type": "array", "items": {"anyOf": items}, "minItems": 1}
+    return StructuredOutputsParams(json=schema if parallel else {**schema, "maxItems": 1})
 
 
 def named_call_grammar(tool: Tool) -> StructuredOutputsParams:
@@ -82,11 +77,10 @@ def named_call_grammar(tool: Tool) -> StructuredOutputsParams:
     return StructuredOutputsParams(json={"x-guidance": dict(JSON_STYLE), **parameters_schema(tool)})
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    arguments = _rebase_refs(parameters_schema(tool), "#/properties/arguments")
-    return {"x-guidance": dict(JSON_STYLE), "type": "object",
-            "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _call_schema(tool: Tool, at: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                             "parameters": _rebase_refs(parameters_schema(tool), at)},
+            "required": ["name", "parameters"], "additionalProperties": False}
 
 
 def _rebase_refs(schema: Any, base: str) -> Any:
@@ -100,25 +94,26 @@ def _rebase_refs(schema: Any, base: str) -> Any:
 
 
 # -- what the chat template sees ----------------------------------------------------------------------
-def template_messages(messages: list[ChatMessage], tools: list[Tool], template_takes_tools: bool) -> list[dict]:
+def template_messages(messages: list[ChatMessage], tools: list[Tool], template_takes_tools: bool,
+                      call_format: ToolFormat = TOOL_FORMATS["hermes"]) -> list[dict]:
     """Messages as chat templates read them (OpenAI's dicts, as transformers passes them).
 
     A template that reads `tools` gets calls with their arguments as objects and `tool` turns as they are;
-    one that does not gets the tool list in the system message, calls written as Hermes blocks in the
+    one that does not gets the tool list in the system message, calls written in `call_format` in the
     assistant's text and results as `<tool_response>` blocks in user turns, which any template renders.
     """
     if template_takes_tools:
         return [_native_message(m) for m in messages]
     dicts: list[dict[str, Any]] = []
     for message in messages:
-        as_text = _text_message(message)
+        as_text = _text_message(message, call_format)
         if message.role == "tool" and dicts and dicts[-1].get("tool_results"):
             dicts[-1]["content"] += "\n" + as_text["content"]  # results of one turn's calls: one user turn
         else:
             dicts.append(as_text)
     for item in dicts:
         item.pop("tool_results", None)
-    return _with_tool_prompt(dicts, tools) if tools else dicts
+    return _with_tool_prompt(dicts, tools, call_format) if tools else dicts
 
 
 def _role(message: ChatMessage) -> str:
@@ -149,32 +144,27 @@ def _arguments_value(arguments: str) -> Any:
         return arguments
 
 
-def _text_message(message: ChatMessage) -> dict[str, Any]:
+def _text_message(message: ChatMessage, call_format: ToolFormat) -> dict[str, Any]:
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>",
                 "tool_results": True}
     text = message.text()
-    blocks = "".join(hermes_block(call.function.name, _arguments_value(call.function.arguments))
-                     for call in message.tool_calls or ())  # back to back, as call_grammar has them
-    return {"role": _role(message), "content": "\n".join(part for part in (text, blocks) if part)}
+    calls = call_format.write([(call.function.name, _arguments_value(call.function.arguments))
+                               for call in message.tool_calls]) if message.tool_calls else ""
+    return {"role": _role(message), "content": "\n".join(part for part in (text, calls) if part)}
 
 
-def hermes_block(name: str, arguments: Any) -> str:
-    """One call as the model writes it (and as the grammar constrains it)."""
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
-
-
-def tool_prompt(tools: list[Tool]) -> str:
+def tool_prompt(tools: list[Tool], call_format: ToolFormat = TOOL_FORMATS["hermes"]) -> str:
     """The tool list and call format, for models whose template ignores `tools`."""
     listing = "\n".join(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False) for tool in tools)
     return ("# Tools\n\nYou can call functions to help answer the user. Their signatures, one JSON object per "
-            f"line:\n<tools>\n{listing}\n</tools>\n\nTo call a function, reply with one block per call:\n"
-            f'{OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CLOSE}\n'
+            f"line:\n<tools>\n{listing}\n</tools>\n\nTo call a function, reply with {call_format.example}\n"
             "The result comes back in a <tool_response> block.")
 
 
-def _with_tool_prompt(dicts: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
-    prompt = tool_prompt(tools)
+def _with_tool_prompt(dicts: list[dict[str, Any]], tools: list[Tool], call_format: ToolFormat
+                      ) -> list[dict[str, Any]]:
+    prompt = tool_prompt(tools, call_format)
     if dicts and dicts[0]["role"] == "system":
         return [{**dicts[0], "content": f"{dicts[0]['content']}\n\n{prompt}"}, *dicts[1:]]
     return [{"role": "system", "content": prompt}, *dicts]
@@ -182,34 +172,33 @@ def _with_tool_prompt(dicts: list[dict[str, Any]], tools: list[Tool]) -> list[di
 
 # -- what the model wrote -----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ParsedCall:
-    id: str
-    name: str
-    arguments: str  # JSON text of an object
-
-    def as_tool_call(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
 class CallParsing:
-    """How a chat answer's calls are read: the functions offered, and at most how many calls (None: any)."""
+    """How a chat answer's calls are read: the functions offered, at most how many calls (None: any), the
+    tool_choice (auto: the served format's markup amid text; required: a JSON list of calls; named: the
+    function's arguments alone) and the format."""
 
-    names: frozenset[str]
+    schemas: Schemas
     limit: int | None = None
-    named: str | None = None  # a named tool_choice: the whole output is this function's arguments
+    named: str | None = None
+    required: bool = False
+    call_format: ToolFormat = TOOL_FORMATS["hermes"]
 
     @classmethod
-    def of(cls, request: ChatCompletionRequest, offered: list[Tool]) -> CallParsing | None:
+    def of(cls, request: ChatCompletionRequest, offered: list[Tool], call_format: ToolFormat) -> CallParsing | None:
         if not offered:
             return None
-        names = frozenset(t.function.name for t in offered)
+        schemas = {tool.function.name: parameters_schema(tool) for tool in offered}
         if isinstance(request.tool_choice, NamedToolChoice):
-            return cls(names, 1, request.tool_choice.function.name)
-        return cls(names, 1 if request.parallel_tool_calls is False else None)
+            return cls(schemas, 1, request.tool_choice.function.name, call_format=call_format)
+        return cls(schemas, 1 if request.parallel_tool_calls is False else None,
+                   required=request.tool_choice_mode == "required", call_format=call_format)
 
-    def parser(self) -> ToolCallParser | NamedCallParser:
-        return NamedCallParser(self.named) if self.named is not None else ToolCallParser(self.names, self.limit)
+    def parser(self) -> CallReader:
+        if self.named is not None:
+            return NamedCallParser(self.named, self.call_format.new_id)
+        if self.required:
+            return ListCallReader(self.schemas, self.limit, self.call_format.new_id)
+        return self.call_format.reader(self.schemas, self.limit)
 
 
 @dataclass
@@ -218,6 +207,7 @@ class NamedCallParser:
     the call, as OpenAI's is: its finish_reason "length" says the arguments stopped short."""
 
     name: str
+    new_id: Any = new_call_id
     calls: list[ParsedCall] = field(default_factory=list)
     _arguments: str = ""
 
@@ -229,108 +219,61 @@ class NamedCallParser:
         arguments, self._arguments = self._arguments.strip(), ""
         if not arguments:
             return []
-        call = ParsedCall(new_call_id(), self.name, arguments)
+        call = ParsedCall(self.new_id(), self.name, arguments)
         self.calls.append(call)
         return [call]
 
 
+_CUT_ITEM = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)', re.DOTALL)
+
+
 @dataclass
-class ToolCallParser:
-    """Splits a model's text into content and calls as it streams in; any chunking gives the same result.
+class ListCallReader:
+    """tool_choice "required": the answer is the JSON list of calls that call_grammar allows, read as each item
+    closes. A list cut short by max_tokens ends in the calls it holds, the cut one with the arguments it got to
+    (finish_reason "length" says so); what cannot be a call yet is never content."""
 
-    Text that may still become a block (a tail like "<tool_" and the whitespace before it) is held back.
-    A block whose JSON is not {"name": one of `names`, "arguments": object} stays content, as do an
-    unfinished one at the end and the calls past `limit`. Whitespace next to a call is dropped.
-    """
-
-    names: frozenset[str]
+    schemas: Schemas
     limit: int | None = None
+    new_id: Any = new_call_id
     calls: list[ParsedCall] = field(default_factory=list)
-    _tail: str = ""  # unresolved text: held back outside a block, or the open block so far
-    _in_block: bool = False
-    _space_before: str = ""  # whitespace before the open block (content again if the block is not a call)
-    _after_call: bool = False
+    _text: str = ""
+    _at: int = 0  # where the next item starts (before the separators)
 
     def feed(self, text: str) -> list[str | ParsedCall]:
-        """Content pieces and completed calls that `text` (the next piece of output) makes certain."""
+        self._text += text
         events: list[str | ParsedCall] = []
-        text = self._tail + text
-        while text:
-            if self._in_block:
-                end = text.find(CLOSE)
-                if end < 0:
-                    break
-                end += len(CLOSE)
-                self._close_block(text[:end], events)
-                text = text[end:]
-                continue
-            if self._after_call:
-                text = text.lstrip()
-                if not text:
-                    break
-                self._after_call = False
-            start = text.find(OPEN)
-            if start >= 0:
-                before = text[:start]
-                content = before.rstrip()
-                _emit(events, content)
-                self._space_before, self._in_block, text = before[len(content):], True, text[start:]
-                continue
-            keep = _held_length(text)
-            _emit(events, text[:len(text) - keep])
-            text = text[len(text) - keep:]
-            break
-        self._tail = text
+        while True:
+            at = self._next_item()
+            try:
+                item, self._at = _DECODER.raw_decode(self._text, at)
+            except ValueError:
+                return events
+            if isinstance(item, dict):
+                self._add(item.get("name"), json.dumps(item.get("parameters", {}), ensure_ascii=False), events)
+
+    def finish(self) -> list[str | ParsedCall]:
+        events: list[str | ParsedCall] = []
+        cut = _CUT_ITEM.fullmatch(self._text, self._next_item())
+        if cut is not None:
+            self._add(json.loads(cut.group(1)), cut.group(2).strip(), events)
+        self._text, self._at = "", 0
         return events
 
-    def finish(self) -> list[str]:
-        """At the end of the output: what was held back, as content."""
-        rest = (self._space_before + self._tail) if self._in_block else self._tail
-        self._tail, self._space_before, self._in_block = "", "", False
-        return [rest] if rest else []
+    def _next_item(self) -> int:
+        at = self._at
+        while at < len(self._text) and self._text[at] in " \t\n[,":
+            at += 1
+        return at
 
-    def _close_block(self, block: str, events: list[str | ParsedCall]) -> None:
-        call = self._parse(block[len(OPEN):-len(CLOSE)])
-        if call is None or (self.limit is not None and len(self.calls) >= self.limit):
-            _emit(events, self._space_before + block)
-        else:
+    def _add(self, name: Any, arguments: str, events: list[str | ParsedCall]) -> None:
+        if name in self.schemas and arguments and (self.limit is None or len(self.calls) < self.limit):
+            call = ParsedCall(self.new_id(), name, arguments)
             self.calls.append(call)
             events.append(call)
-            self._after_call = True
-        self._space_before, self._in_block = "", False
-
-    def _parse(self, body: str) -> ParsedCall | None:
-        try:
-            value = json.loads(body, parse_constant=_no_constant)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in self.names:
-            return None
-        arguments = value.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments, parse_constant=_no_constant)
-            except ValueError:
-                return None
-        if not isinstance(arguments, dict):
-            return None
-        return ParsedCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _emit(events: list[str | ParsedCall], text: str) -> None:
-    if text:
-        events.append(text)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _held_length(text: str) -> int:
-    """Characters at the end of `text` that may still start a block: a prefix of OPEN and the space before it."""
-    partial = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
-    before = text[:len(text) - partial]
-    return partial + len(before) - len(before.rstrip())
+_DECODER = json.JSONDecoder()
 
 
 def parse_tool_calls(text: str, parsing: CallParsing) -> tuple[str | None, list[ParsedCall]]:

@@ -28,7 +28,7 @@ def streamed(text: str, cuts: list[int], calls: CallParsing | None, parser: str 
 def test_any_chunking_splits_like_the_whole_text(parts: list[str], cuts: list[int], parser: str | None,
                                                  tools: bool) -> None:
     text = "".join(parts)
-    calls = CallParsing(frozenset({"f"})) if tools else None
+    calls = CallParsing({"f": {}}) if tools else None
     whole = split_answer(text, calls, parser)
     thought, content, num_calls = streamed(text, cuts, calls, parser)
     assert thought == (whole.reasoning or "")
@@ -51,6 +51,6 @@ def test_deepseek_r1_starts_inside_the_block() -> None:
 
 def test_calls_are_read_from_the_answer_not_the_reasoning() -> None:
     block = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    answer = split_answer(f"<think>maybe {block}</think>{block}", CallParsing(frozenset({"f"})), "qwen3")
+    answer = split_answer(f"<think>maybe {block}</think>{block}", CallParsing({"f": {}}), "qwen3")
     assert answer.reasoning == f"maybe {block}"
     assert len(answer.calls) == 1 and answer.content is None

@@ -343,8 +343,8 @@ def test_tool_calls_match_rest_and_stream(client: GrpcClient, rest: httpx.Client
     params = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 5}},
               "required": ["days"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
-    body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "max_tokens": 200, "temperature": 1.0,
-            "seed": 3}
+    body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 200, "temperature": 1.0, "seed": 3}
     expected = rest.post("/v1/chat/completions", json=body).json()["choices"][0]
     got = client.chat(**body)["choices"][0]
     assert got["finish_reason"] == expected["finish_reason"] == "tool_calls" and got["message"]["content"] is None

@@ -50,12 +50,14 @@ WEATHER = {"type": "function", "function": {
 
 def test_required_tool_call_answers_a_weather_question(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
     """SmolLM2-135M writes no call by itself (tool_choice auto: it answers in prose, README); required makes it
-    call, and it fills in the city from the question."""
+    call, and it fills in the city from the question. With parallel calls allowed it ends its list by itself."""
     for city in ("Paris", "London"):
-        reply = smollm2.chat.completions.create(
-            model=smollm2_gguf.name, messages=[{"role": "user", "content": f"What is the weather like in {city}?"}],
-            tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
-        choice = reply.choices[0]
+        ask = {"model": smollm2_gguf.name, "messages": [{"role": "user", "content": f"What is the weather like in {city}?"}],
+               "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+        choice = smollm2.chat.completions.create(**ask, parallel_tool_calls=False).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         [call] = choice.message.tool_calls
         assert call.function.name == "get_weather" and city in json.loads(call.function.arguments)["location"]
+        choice = smollm2.chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert {call.function.name for call in choice.message.tool_calls} == {"get_weather"}

@@ -13,7 +13,6 @@ import jsonschema
 import msgpack
 import openai
 import pytest
-from openai.lib.streaming.chat import ChatCompletionStreamState
 
 import pagegate.engine
 from pagegate.engine.loading.tokenizer import Tokenizer
@@ -43,7 +42,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "book-event": EVENT_PARAMS,
            "ping": {"type": "object", "properties": {}, "additionalProperties": False}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-NAMES = frozenset(SCHEMAS)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}\n</tool_call>'
 
 
@@ -59,7 +57,7 @@ def check_calls(tool_calls: list[Any], only: str | None = None) -> None:
 # -- the parser ----------------------------------------------------------------------------------------
 def split_every(text: str, size: int) -> tuple[str | None, list[tuple[str, str]]]:
     """Feed `text` to a parser `size` characters at a time, as a stream would."""
-    parser = CallParsing(NAMES).parser()
+    parser = CallParsing(SCHEMAS).parser()
     events = [e for start in range(0, len(text), size) for e in parser.feed(text[start:start + size])]
     content = "".join(e for e in events + parser.finish() if isinstance(e, str))
     return (content or None) if parser.calls else content, [(c.name, c.arguments) for c in parser.calls]
@@ -91,9 +89,9 @@ def test_parser_reads_the_same_calls_whatever_the_chunking(text: str, content: s
 
 
 def test_parsed_calls_get_fresh_ids_and_a_limit_keeps_the_rest_as_text() -> None:
-    content, calls = parse_tool_calls(CALL + CALL, CallParsing(NAMES))
+    content, calls = parse_tool_calls(CALL + CALL, CallParsing(SCHEMAS))
     assert content is None and len({call.id for call in calls}) == 2
-    content, calls = parse_tool_calls(CALL + CALL, CallParsing(NAMES, limit=1))
+    content, calls = parse_tool_calls(CALL + CALL, CallParsing(SCHEMAS, limit=1))
     assert len(calls) == 1 and content == CALL
 
 
@@ -159,33 +157,57 @@ def test_a_template_that_reads_tools_renders_them_itself() -> None:
 NAMED = {"type": "function", "function": {"name": "book-event"}}
 
 
-@pytest.mark.parametrize("tool_choice, only", [("required", None), (NAMED, "book-event")])
+ONE_CALL = [("required", None, False), (NAMED, "book-event", None)]  # parallel_tool_calls
+
+
+@pytest.mark.parametrize("tool_choice, only, parallel", ONE_CALL)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_constrained_calls_match_their_schemas(client: openai.OpenAI, model: str, tool_choice: Any,
-                                               only: str | None, seed: int) -> None:
+                                               only: str | None, parallel: bool | None, seed: int) -> None:
     result = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                            parallel_tool_calls=openai.omit if parallel is None else parallel,
                                             temperature=1.0, seed=seed, n=2, max_tokens=300)
     for choice in result.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         check_calls(choice.message.tool_calls, only)
+        assert len(choice.message.tool_calls) == 1
+
+
+def test_a_required_list_cut_by_max_tokens_keeps_its_calls(client: openai.OpenAI, model: str) -> None:
+    """The embedded (random) model never ends a list of calls: max_tokens cuts it. The calls before the cut are
+    whole, the cut one has the arguments it got to, and none of the list's JSON becomes content."""
+    result = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            temperature=1.0, seed=5, n=2, max_tokens=120)
+    for choice in result.choices:
+        *whole, cut = choice.message.tool_calls
+        assert choice.finish_reason == "length" and choice.message.content is None and whole
+        check_calls(whole)
+        assert cut.function.name in SCHEMAS and cut.function.arguments.startswith("{")
+
+
+def rebuilt_calls(pieces: list[Any]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, from a stream's tool_calls pieces (as the SDK joins them by index)."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        name, arguments = calls.setdefault(piece.index, ["", ""])
+        calls[piece.index] = [name + (piece.function.name or ""), arguments + (piece.function.arguments or "")]
+    return [(name, arguments) for name, arguments in calls.values()]
 
 
 @pytest.mark.parametrize("tool_choice, only", [("required", None), (NAMED, "book-event")])
 def test_streamed_calls_rebuild_into_the_same_answer(client: openai.OpenAI, model: str, tool_choice: Any,
                                                      only: str | None) -> None:
     body = {"model": model, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 1.0,
-            "seed": 4, "max_tokens": 300}
-    whole = client.chat.completions.create(**body)
-    state = ChatCompletionStreamState(input_tools=TOOLS)
-    pieces = []
+            "seed": 4, "max_tokens": 150}
+    whole = client.chat.completions.create(**body).choices[0]
+    pieces, finish, content = [], None, ""
     for chunk in client.chat.completions.create(**body, stream=True):
-        state.handle_chunk(chunk)
-        pieces += [call for choice in chunk.choices for call in choice.delta.tool_calls or ()]
-    streamed = state.get_final_completion().choices[0]
-    assert streamed.finish_reason == "tool_calls" and not streamed.message.content
-    check_calls(streamed.message.tool_calls, only)
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+        for choice in chunk.choices:
+            pieces += choice.delta.tool_calls or ()
+            finish, content = choice.finish_reason or finish, content + (choice.delta.content or "")
+    assert finish == whole.finish_reason and not content
+    assert rebuilt_calls(pieces) == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    check_calls(whole.message.tool_calls[:-1] if finish == "length" else whole.message.tool_calls, only)
     # OpenAI's pieces: id, type and name first (arguments ""), then the arguments
     assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.arguments == ""
     assert pieces[1].id is None and pieces[1].function.name is None and pieces[1].function.arguments
@@ -200,7 +222,7 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI, model: 
 
 def test_a_conversation_with_calls_and_results_continues(client: openai.OpenAI, model: str) -> None:
     first = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                           temperature=0, max_tokens=300)
+                                           parallel_tool_calls=False, temperature=0, max_tokens=300)
     message = first.choices[0].message
     results = [{"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"} for call in message.tool_calls]
     second = client.chat.completions.create(model=model, messages=[*MESSAGES, message, *results], tools=TOOLS,
@@ -256,8 +278,8 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI, model: str, kv_pages,
 
 
 def test_msgpack_carries_tool_calls(http: httpx.Client) -> None:
-    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": 6,
-            "max_tokens": 300}
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "temperature": 1.0, "seed": 6, "max_tokens": 300}
     response = http.post("/v1/chat/completions", content=msgpack.packb(body),
                          headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
     assert response.status_code == 200

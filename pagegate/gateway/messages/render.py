@@ -16,7 +16,7 @@ from typing import Any
 from pagegate.engine.outputs import CompletionOutput, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
 from pagegate.gateway.render import ItemRenderer
-from pagegate.gateway.tools import ParsedCall
+from pagegate.gateway.tool_formats import ParsedCall
 
 
 @dataclass
