@@ -82,6 +82,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a collective (all-reduce, step broadcast) that waits longer fails
     kv_events: KVEventsConfig | None = None  # --kv-events-config: publish prefix-cache changes for routers
+    speculative: SpeculativeConfig | None = None  # --speculative-config: guess tokens, verify them in one forward
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)
@@ -110,4 +111,35 @@ class KVEventsConfig:
         config = cls(**raw)
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config publisher {config.publisher!r}: use zmq or null")
+        return config
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`: vLLM's JSON keys for n-gram (prompt lookup) speculation."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # at most this many guesses per sequence and step
+    prompt_lookup_max: int = 4  # the longest suffix looked up in the sequence's earlier tokens
+    prompt_lookup_min: int = 2  # the shortest
+    max_batch_size: int = 8  # more running decodes than this: the step is compute-bound, speculation steps aside
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> SpeculativeConfig:
+        raw = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config key(s) {unknown}; known: {sorted(known)}")
+        if "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
+            raw["prompt_lookup_min"] = min(cls.prompt_lookup_min, raw["prompt_lookup_max"])
+        config = cls(**raw)
+        if config.method != "ngram":
+            raise ValueError(f"--speculative-config method {config.method!r}: only 'ngram' is served")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")
+        if not 1 <= config.num_speculative_tokens <= 16:
+            raise ValueError(f"--speculative-config num_speculative_tokens must be within [1, 16], got "
+                             f"{config.num_speculative_tokens}")
         return config

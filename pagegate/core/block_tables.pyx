@@ -236,6 +236,24 @@ cdef class BlockTables:
         self.cow_pairs = []
         return pairs
 
+    def truncate(self, int seq, int64_t num_tokens) -> int:
+        """Give back the slots past `num_tokens`, which must all be uncommitted (speculative tokens that were
+        not accepted); pages no slot is left in return to the pool. Returns how many pages went back.
+
+        Committed tokens are never dropped: their pages may already be in the prefix cache (and in KV
+        events), so only what was never committed can be taken back, and nothing rejected is ever cached.
+        """
+        self.check(seq, ON_DEVICE)
+        if num_tokens < self.ncommitted[seq] or num_tokens > self.ntokens[seq]:
+            raise ValueError(f"sequence {seq}: cannot truncate to {num_tokens} tokens: it holds "
+                             f"{self.ntokens[seq]}, of which {self.ncommitted[seq]} are committed")
+        cdef int keep = self.pages_for(num_tokens)
+        cdef int dropped = self.nblocks[seq] - keep
+        self.pool.free_ptr(&self.row(seq)[keep], dropped)
+        self.nblocks[seq] = keep
+        self.ntokens[seq] = num_tokens
+        return dropped
+
     # ---- committed tokens and the prefix cache ----------------------------------------------------
 
     cdef int commit_unchecked(self, int seq, const int32_t* tokens, Py_ssize_t n) except -1:

@@ -31,7 +31,7 @@ class Engine:
         self.runner = runner = ModelRunner(config)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                       runner.max_model_len)
+                                       runner.max_model_len, config.speculative)
             runner.bind(self.scheduler.tables)
             self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool)
         except BaseException:
@@ -114,21 +114,25 @@ class Engine:
         return failed + moved
 
     def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> tuple[list[Request], int]:
-        """Sample every running choice (forking n > 1 prompts first); the requests that moved, tokens sampled."""
-        rows, seqs, row_of = [], [], []
-        for i, seq in enumerate(sampling):
+        """Sample every running choice (forking n > 1 prompts first), position by position through the tokens
+        guessed for it: the next position counts while the sample equals the guess (speculation.py)."""
+        members, row = [], 0
+        for seq in sampling:
             group = self._fork(seq) if seq.request.params.n > 1 and not seq.request.forked else [seq]
-            for member in group if seq.request.error is None else ():
-                request = member.request
-                rows.append(SamplingRow(request.params, request.prompt_token_ids, member.output_token_ids,
-                                        member.generator, request.logit_bias,
-                                        None if member.grammar_waits else member.matcher))
-                seqs.append(member)
-                row_of.append(i)
-        results = self.sampler(logits[row_of], rows) if rows else []
-        for seq, result in zip(seqs, results, strict=True):
-            if seq.request.error is None:
-                self._take_token(seq, result, now)
+            members += [(member, row) for member in group if seq.request.error is None]
+            row += 1 + len(seq.draft)
+        sampled = 0
+        for position in itertools.count():
+            rows = [SamplingRow(m.request.params, m.request.prompt_token_ids, m.output_token_ids, m.generator,
+                                m.request.logit_bias, None if m.grammar_waits else m.matcher) for m, _ in members]
+            results = self.sampler(logits[[first + position for _, first in members]], rows) if rows else []
+            sampled += len(results)
+            members = [(seq, first) for (seq, first), result in zip(members, results, strict=True)
+                       if self._take_token(seq, result, now) and self.scheduler.keep_guess(seq, position,
+                                                                                            result.token_id)]
+            if not members:
+                break
+        self.scheduler.settle_drafts(sampling)
         moved = list({id(seq.request): seq.request for seq in sampling}.values())
         for request in moved:
             if request.error is not None:
@@ -136,7 +140,7 @@ class Engine:
             elif request.finished:
                 self.requests.pop(request.request_id, None)
                 self.monitor.finished(request, now)
-        return moved, len(results)
+        return moved, sampled
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was computed once; n choices now share its pages. The scheduler admitted the
@@ -152,20 +156,25 @@ class Engine:
             request.error = f"its {request.params.n} choices could not be started: {error}"
         return [parent, *children]
 
-    def _take_token(self, seq: Sequence, result: SampleResult, now: float) -> None:
-        """A failure in one request's bookkeeping (its grammar, its detokenizer) fails that request alone."""
+    def _take_token(self, seq: Sequence, result: SampleResult, now: float) -> bool:
+        """Whether the sequence goes on. A failure in one request's bookkeeping (its grammar, its detokenizer)
+        fails that request alone."""
+        if seq.request.error is not None:
+            return False
         try:
             self.monitor.token(seq.request, now)
             self.postprocessor.append(seq, result.token_id, result.logprob)
         except Exception as error:
             log.exception("request %s failed while taking token %d", seq.request.request_id, result.token_id)
             seq.request.error = f"internal error after token {result.token_id}: {type(error).__name__}: {error}"
-            return
-        if seq.finish_reason is not None:
-            seq.status = SeqStatus.FINISHED
-            if seq.request.pin is not None and seq.index == 0:
-                self.scheduler.pin(seq, seq.request.pin, now)
-            self.scheduler.free(seq)
+            return False
+        if seq.finish_reason is None:
+            return True
+        seq.status = SeqStatus.FINISHED
+        if seq.request.pin is not None and seq.index == 0:
+            self.scheduler.pin(seq, seq.request.pin, now)
+        self.scheduler.free(seq)
+        return False
 
     def _fail(self, request: Request) -> Request:
         log.warning("request %s failed: %s", request.request_id, request.error)

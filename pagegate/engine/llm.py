@@ -9,7 +9,7 @@ from typing import Any, NotRequired, TypedDict, cast
 
 from tqdm import tqdm
 
-from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
@@ -51,14 +51,16 @@ class LLM:
                  preemption_mode: str | None = None, watermark: float = 0.01, seed: int = 0,
                  served_model_name: str | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None) -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
                                     scheduling_policy=scheduling_policy)
+        speculative = (SpeculativeConfig.from_json(speculative_config) if isinstance(speculative_config, dict)
+                       else speculative_config)
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
-                                          tensor_parallel_size, distributed_timeout_s, cache=cache,
-                                          scheduler=scheduler))
+                                          tensor_parallel_size, distributed_timeout_s, speculative=speculative,
+                                          cache=cache, scheduler=scheduler))
         self._ids = itertools.count()
 
     @classmethod

@@ -93,19 +93,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [S, vocab] for each sequence whose last token was computed this step, in batch order."""
+        """Logits [R, vocab] for each sequence whose last token was computed this step, in batch order: one row,
+        and one more per token guessed for it (speculation)."""
         assert self.builder is not None, "bind() the scheduler's block tables first"
         seqs, counts = batch.seqs, batch.num_tokens
         block_tables, slots, positions, seq_lens, starts = self.builder.build([s.handle for s in seqs], counts)
-        input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)
-                                 for t in s.token_ids[s.num_computed - n:s.num_computed]),
+        input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)  # known tokens, then the guesses
+                                 for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
                                 dtype=np.int64, count=len(slots))
         step = StepInputs(input_ids, positions, slots, block_tables, seq_lens, starts,
                           batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
         if self.workers is not None:
             self.workers.channel.send(step)
         hidden = forward(self.model, self.kv_cache, step, self.native)
-        last = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)]
+        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)
+                for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
         return (self.native or self.model).compute_logits(hidden[last])
 
     def close(self, graceful: bool = True) -> None:

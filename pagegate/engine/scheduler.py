@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagegate.config import CacheConfig, SchedulerConfig
+from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
+from pagegate.engine.speculation import SpeculationStats, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
         self.block_size = cache.block_size
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
@@ -143,10 +145,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
+        if self.speculator is not None:
+            self.speculator.propose(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed == 1:  # decodes go in runs, one core call per run
+            if seq.num_uncomputed == 1 and not seq.draft:  # decodes go in runs, one core call per run
                 added = self._append_decodes(i, budget, batch)
                 i, budget = i + added, budget - added
                 if added:
@@ -155,6 +159,7 @@ class Scheduler:
             if not self._make_room(seq, n, batch, now):
                 break  # seq itself was preempted: everything after it already was
             self._reserve(seq, n)
+            n += self._reserve_draft(seq, budget - n)
             batch.add(seq, n)
             budget -= n
             i += 1
@@ -176,7 +181,7 @@ class Scheduler:
         fits without preempting; returns how many were added."""
         run = []
         for seq in self.running[start:start + budget]:
-            if seq.num_uncomputed != 1:
+            if seq.num_uncomputed != 1 or seq.draft:
                 break
             run.append(seq)
         added = self.tables.append_many([s.handle for s in run], [s.token_ids[-1] for s in run])
@@ -184,6 +189,38 @@ class Scheduler:
             seq.num_computed += 1
             batch.add(seq, 1)
         return added
+
+    def _reserve_draft(self, seq: Sequence, budget: int) -> int:
+        """Uncommitted slots for the tokens guessed for `seq`: as many as the budget allows and the free pages do
+        without taking one that another running sequence's next token may need (a guess never preempts)."""
+        draft = seq.draft[:max(budget, 0)]
+        spare = self.pool.num_free_blocks - self.watermark_blocks - len(self.running)
+        while draft and self.tables.pages_needed(seq.handle, len(draft)) > spare:
+            draft.pop()
+        if draft:
+            self.tables.grow(seq.handle, len(draft))
+        seq.draft = draft
+        return len(draft)
+
+    def keep_guess(self, seq: Sequence, position: int, token: int) -> bool:
+        """The token sampled at `position` of a drafted sequence: when it is the guess there, the guess's KV
+        (computed this step) is the sequence's and the next position's sample counts too."""
+        if position >= len(seq.draft) or seq.draft[position] != token:
+            return False
+        self.tables.commit(seq.handle, [token])
+        seq.num_computed += 1
+        seq.draft_kept += 1
+        return True
+
+    def settle_drafts(self, seqs: list[Sequence]) -> None:
+        """After sampling: the slots of rejected guesses go back, and the speculator learns what was kept."""
+        for seq in seqs:
+            if not seq.draft or self.speculator is None:
+                continue
+            if seq.handle != NO_PAGES:
+                self.tables.truncate(seq.handle, seq.num_computed)
+            self.speculator.settle(seq, seq.draft_kept)
+            seq.draft_kept = 0
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
         """Preempt from the tail until seq's next n tokens fit; False when seq itself had to go."""
@@ -203,6 +240,7 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Sequence, batch: ScheduledBatch, now: float) -> None:
+        victim.draft = []  # not scheduled this step: its guesses took no slots
         batch.preempted += 1
         self.num_preemptions += 1
         if self._should_swap(victim, now):
@@ -302,6 +340,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.pool.stats()
         cpu = self.cpu_pool
+        spec = self.speculator.stats if self.speculator is not None else SpeculationStats()
         return SchedulerStats(
             running=len(self.running), waiting=len(self.waiting), swapped=len(self.swapped),
             num_blocks=pool.total, free_blocks=pool.free, used_blocks=pool.used,
@@ -310,7 +349,9 @@ class Scheduler:
             preemptions=self.num_preemptions, swap_outs=self.num_swap_outs,
             swap_out_blocks=self.num_swapped_out_blocks, swap_in_blocks=self.num_swapped_in_blocks,
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
-            max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks)
+            max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks, spec_drafts=spec.num_drafts,
+            spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
 
 
 def seats(seq: Sequence) -> int:

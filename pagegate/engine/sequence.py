@@ -46,6 +46,8 @@ class Sequence:
     last_swap_in: float = -1.0
     matcher: LLMatcher | None = None  # structured outputs: the grammar state after the tokens so far
     grammar_waits: bool = False  # the model is still reasoning: the grammar starts after grammar_after_token
+    draft: list[int] = field(default_factory=list)  # tokens guessed for this step (pagegate/engine/speculation.py)
+    draft_kept: int = 0  # of them, those the model agreed with so far
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from pagegate.config import (
     EngineConfig,
     KVEventsConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_bytes,
     torchrun_rank,
 )
@@ -75,6 +76,10 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
                        help="JSON, as vLLM's: publish prefix-cache changes over ZMQ for prefix-aware routers, e.g. "
                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                             '"replay_endpoint": "tcp://*:5558", "topic": "kv@pod@model"}\'')
+    group.add_argument("--speculative-config", type=_speculative_config, default=None,
+                       help="JSON, as vLLM's: guess tokens from the sequence's own earlier ones and verify them in "
+                            'one forward, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\'')
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -172,6 +177,13 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayConfig]:
     names = args.served_model_name or []
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -185,7 +197,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
-                          cache=cache, scheduler=scheduler)
+                          speculative=args.speculative_config, cache=cache, scheduler=scheduler)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])

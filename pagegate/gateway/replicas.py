@@ -4,6 +4,7 @@ the CPU cores. A request goes to the core with the longest prefix hit, then the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 from collections import OrderedDict
@@ -191,7 +192,10 @@ def _nth_endpoint(endpoint: str, index: int) -> str:
 
 
 def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
-    totals = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)}
+    totals: dict = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)
+                    if f.name != "spec_accepted_per_position"}
+    per_position = [tuple(s.spec_accepted_per_position) for s in all_stats]
+    totals["spec_accepted_per_position"] = tuple(map(sum, itertools.zip_longest(*per_position, fillvalue=0)))
     totals["kv_cache_usage"] = totals["used_blocks"] / totals["num_blocks"] if totals["num_blocks"] else 0.0
     return EngineStats(**totals)
 

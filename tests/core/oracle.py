@@ -152,6 +152,16 @@ class TablesModel:
         seq["blocks"] += [self.pool.take() for _ in range(new)]
         seq["tokens"] += k
 
+    def truncate(self, handle: int, tokens: int) -> int:
+        seq = self.seqs[handle]
+        if not seq["committed"] <= tokens <= seq["tokens"]:
+            raise ValueError(tokens)
+        keep = self.pages_for(tokens)
+        dropped = seq["blocks"][keep:]
+        self.pool.free(dropped)
+        seq["blocks"], seq["tokens"] = seq["blocks"][:keep], tokens
+        return len(dropped)
+
     def fork(self, handle: int, child: int) -> None:
         seq = self.seqs[handle]
         for block in seq["blocks"]:

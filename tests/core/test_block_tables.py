@@ -197,6 +197,19 @@ class TablesMachine(RuleBasedStateMachine):
         assert self.tables.append_many(handles, tokens) == expected
         self.check_cow()
 
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def truncate(self, data):
+        """Speculative slots given back: to any length from the committed tokens to all of them."""
+        handle = data.draw(st.sampled_from(self.live()))
+        seq = self.model.seqs[handle]
+        tokens = data.draw(st.integers(seq["committed"] - 1, seq["tokens"] + 1))
+        if not seq["committed"] <= tokens <= seq["tokens"]:
+            with pytest.raises(ValueError):
+                self.tables.truncate(handle, tokens)
+            return
+        assert self.tables.truncate(handle, tokens) == self.model.truncate(handle, tokens)
+
     def check_cow(self):
         assert self.tables.take_cow_pairs().tolist() == [list(p) for p in self.model.cow]
         self.model.cow.clear()

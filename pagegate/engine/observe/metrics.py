@@ -63,7 +63,15 @@ class EngineMetrics:
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between tokens of a sequence.")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.request_queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
-        self._last = SchedulerStats(*([0] * len(fields(SchedulerStats))))  # the totals the counters have seen
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Steps in which a sequence guessed tokens.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Tokens guessed (speculation).")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Guessed tokens the model agreed with (kept).")
+        self.spec_accepted_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Guessed tokens kept, by position in the guess.",
+            ["model_name", "position"], registry=self.registry)
+        zeros: dict = {f.name: 0 for f in fields(SchedulerStats)}
+        self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
     def cache_config(self, block_size: int, num_blocks: int) -> None:
         """vllm:cache_config_info, which llm-d's scorers read for the page size and count."""
@@ -88,6 +96,12 @@ class EngineMetrics:
         _advance(self.swap_in_blocks, stats.swap_in_blocks - last.swap_in_blocks)
         _advance(self.prefix_cache_queries, stats.prefix_cache_queries - last.prefix_cache_queries)
         _advance(self.prefix_cache_hits, stats.prefix_cache_hits - last.prefix_cache_hits)
+        _advance(self.spec_drafts, stats.spec_drafts - last.spec_drafts)
+        _advance(self.spec_draft_tokens, stats.spec_draft_tokens - last.spec_draft_tokens)
+        _advance(self.spec_accepted_tokens, stats.spec_accepted_tokens - last.spec_accepted_tokens)
+        for position, total in enumerate(stats.spec_accepted_per_position):
+            before = last.spec_accepted_per_position[position] if position < len(last.spec_accepted_per_position) else 0
+            _advance(self.spec_accepted_per_position.labels(self._model_name, str(position)), total - before)
         self.swap_times.extend([now] * (stats.swap_outs - last.swap_outs))
         while self.swap_times and now - self.swap_times[0] > self.thresholds.window_s:
             self.swap_times.popleft()

@@ -26,6 +26,10 @@ class SchedulerStats:
     prefix_cache_hits: int
     max_num_seqs: int  # the running cap after auto-tuning
     pinned_blocks: int  # pages held by prefix pins (stored conversations' next turns)
+    spec_drafts: int  # speculation totals: steps a sequence guessed tokens in, tokens guessed, tokens kept
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_position: tuple[int, ...]  # tokens kept at each guessed position
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,119 @@
+"""N-gram speculation (prompt lookup): guess a decoding sequence's next tokens from its own earlier ones, compute
+them in the step's one forward with the token it has, and keep the run of guesses the model agrees with.
+
+Exact by construction. Each position is sampled from the target model's distribution with the sequence's own
+sampler state (penalties, logit bias, its grammar, its seed), and a guess is kept only while the sample equals
+it; the first sample that differs is the step's last token. For a deterministic guess this is the rejection rule
+itself (accept x with probability p(x), else draw from p without x), so sampled output follows the model's
+distribution, greedy output is the model's argmax, and a seeded request draws the very numbers it would without
+speculation: one draw per token, in order.
+
+Guesses take slots, never committed tokens: the scheduler grows the block table for them and commits each one
+only once it is kept; `BlockTables.truncate` gives the rest back, so no rejected token reaches the prefix cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+
+from pagegate.config import SpeculativeConfig
+from pagegate.engine.sequence import Sequence
+
+PAUSE_AFTER_MISSES = 3  # steps in a row with no guess kept, after which a sequence pauses guessing
+MAX_PAUSE_STEPS = 64
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens (lo <= n <= hi) last ended, kept current as tokens come."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+    def guess(self, tokens: Tokens[int], k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest suffix found."""
+        for end in range(max(self.indexed, self.lo), len(tokens)):  # not the suffix itself: it ends at len
+            for n in range(self.lo, min(self.hi, end) + 1):
+                self.ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens))
+        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
+            found = self.ends.get(tuple(tokens[len(tokens) - n:]))
+            if found is not None:
+                return list(tokens[found:found + k])
+        return []
+
+
+@dataclass
+class Guessing:
+    """A sequence's speculation state: its index, how many tokens to guess next, and how it went lately."""
+
+    index: NgramIndex
+    k: int
+    misses: int = 0  # steps in a row whose guesses were all rejected
+    paused: int = 0  # steps left before guessing again
+
+
+@dataclass
+class SpeculationStats:
+    """vLLM's counters: drafts (steps a sequence guessed in), tokens guessed, tokens kept (also per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """Guesses tokens for the running decodes of a step, and learns from what the model kept."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config, self.max_model_len = config, max_model_len
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._state: weakref.WeakKeyDictionary[Sequence, Guessing] = weakref.WeakKeyDictionary()
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `draft` of each decode in `running`; none when the batch is large enough that the step is bound by
+        compute rather than by reading the weights (then guesses cost more than they save)."""
+        decodes = [seq for seq in running if seq.num_uncomputed == 1]
+        for seq in running:
+            seq.draft = []
+        if len(decodes) > self.config.max_batch_size:
+            return
+        for seq in decodes:
+            seq.draft = self._guess(seq)
+
+    def _guess(self, seq: Sequence) -> list[int]:
+        state = self._state.get(seq)
+        if state is None:
+            config = self.config
+            state = self._state[seq] = Guessing(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max),
+                                                    config.num_speculative_tokens)
+        if state.paused:
+            state.paused -= 1
+            return []
+        params = seq.request.params
+        left = min((params.max_tokens or self.max_model_len) - len(seq.output_token_ids),
+                   self.max_model_len - len(seq.token_ids))
+        return state.index.guess(seq.token_ids, min(state.k, left - 1)) if left > 1 else []
+
+    def settle(self, seq: Sequence, kept: int) -> None:
+        """After a step: `kept` of the sequence's guesses were accepted. The next guess is one longer than what
+        was kept; after PAUSE_AFTER_MISSES steps of nothing kept the sequence pauses, twice as long each time."""
+        guessed = len(seq.draft)
+        seq.draft = []
+        state = self._state.get(seq)
+        if state is None or not guessed:
+            return
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += guessed
+        stats.num_accepted_tokens += kept
+        for position in range(kept):
+            stats.accepted_per_position[position] += 1
+        state.k = min(kept + 1, self.config.num_speculative_tokens)
+        state.misses = 0 if kept else state.misses + 1
+        if state.misses >= PAUSE_AFTER_MISSES:
+            state.paused = min(2 ** (state.misses - PAUSE_AFTER_MISSES), MAX_PAUSE_STEPS)

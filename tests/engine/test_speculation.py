@@ -1,0 +1,124 @@
+"""N-gram speculation: the index guesses what followed, and the engine's output with speculation is the output
+without it, token for token: greedy and seeded sampling, batches, n > 1, grammars, stops, page pressure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagegate import LLM, SamplingParams
+from pagegate.config import SpeculativeConfig
+from pagegate.engine.speculation import NgramIndex
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_batch_size": 64}
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), cut=st.integers(0, 40), k=st.integers(1, 5))
+def test_the_index_guesses_what_followed_the_latest_earlier_match(tokens: list[int], cut: int, k: int) -> None:
+    index = NgramIndex(2, 3)
+    index.guess(tokens[:cut], k)  # indexed in two goes, as a growing sequence is
+    expected: list[int] = []
+    for n in (3, 2):
+        if len(tokens) < n:
+            continue
+        ends = [end for end in range(n, len(tokens)) if tokens[end - n:end] == tokens[len(tokens) - n:]]
+        if ends:
+            expected = tokens[ends[-1]:ends[-1] + k]
+            break
+    assert index.guess(tokens, k) == expected
+
+
+def test_the_config_reads_vllms_json() -> None:
+    config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 1}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (5, 1, 1)
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"prompt_lookup_min": 3, '
+                '"prompt_lookup_max": 2}', '{"draft": 1}'):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.from_json(bad)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (copy-heavy work), and one that does not."""
+    gen = torch.Generator().manual_seed(3)
+    motifs = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (5, 9, 3, 12)]
+    return [motif * (40 // len(motif)) for motif in motifs] + [torch.randint(3, 250, (30,), generator=gen).tolist()]
+
+
+def generate(speculative: dict | None, params: SamplingParams | list[SamplingParams], **engine) -> tuple:
+    llm = LLM(device="cpu", speculative_config=speculative, **{"num_kv_blocks": 64, "max_model_len": 256, **engine})
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.used_blocks == 0 and stats.running == stats.waiting == stats.swapped == 0
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs], stats
+
+
+SETUPS = {
+    "roomy": {},
+    "chunked": {"max_num_batched_tokens": 24},
+    "recompute": {"num_kv_blocks": 14, "max_num_batched_tokens": 48, "max_model_len": 128},
+    "swap": {"num_kv_blocks": 14, "max_num_batched_tokens": 48, "max_model_len": 128, "swap_space": 0.001},
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_greedy_output_is_the_same_with_speculation(setup: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=1)
+    plain, _ = generate(None, params, **SETUPS[setup])
+    guessed, stats = generate(NGRAM, params, **SETUPS[setup])
+    assert guessed == plain
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert sum(stats.spec_accepted_per_position) == stats.spec_accepted_tokens
+    if setup in ("recompute", "swap"):
+        assert stats.preemptions > 0
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation() -> None:
+    """Every sampling parameter applies to the model's distribution at each guessed position, and a seeded
+    request's generator draws once per token whether or not its tokens were guessed."""
+    params = [SamplingParams(temperature=0.7, seed=seed, max_tokens=30, ignore_eos=True, top_p=0.9, top_k=20,
+                             presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
+                             logit_bias={7: 2.0}, n=2) for seed in range(5)]
+    plain, _ = generate(None, params)
+    guessed, stats = generate(NGRAM, params)
+    assert guessed == plain and stats.spec_accepted_tokens > 0
+
+
+def test_grammars_stops_and_max_tokens_inside_a_kept_run() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["x", "yy"]}}},
+              "required": ["a"]}
+    from pagegate.engine.sampling.structured import StructuredOutputsParams
+
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[100, 101, 102])]
+    for param in params:
+        plain, _ = generate(None, param)
+        guessed, _ = generate(NGRAM, param)
+        assert guessed == plain
+    structured, _ = generate(NGRAM, params[0])
+    for choices in structured:
+        (_, text, reason), = choices
+        if reason == "stop":
+            assert set(json.loads(text)) == {"a"}
+
+
+def test_kept_guesses_are_cached_as_the_tokens_they_are() -> None:
+    """A rejected guess never reaches the prefix cache: the prompt and output again hit every full page."""
+    llm = LLM(device="cpu", speculative_config=NGRAM, num_kv_blocks=64, max_model_len=256)
+    prompt = prompts()[0]
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    tokens = prompt + output[0].outputs[0].token_ids
+    assert llm.stats().spec_accepted_tokens > 0
+    again = llm.generate([tokens], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(tokens) - 1) // 16 * 16
+
+
+def test_speculation_steps_aside_for_a_large_batch() -> None:
+    _, stats = generate({**NGRAM, "max_batch_size": 2}, SamplingParams(temperature=0, max_tokens=10,
+                                                                         ignore_eos=True))
+    assert stats.spec_draft_tokens == 0
