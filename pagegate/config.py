@@ -123,6 +123,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest suffix looked up in the sequence's earlier tokens
     prompt_lookup_min: int = 2  # the shortest
     max_batch_size: int = 8  # more running decodes than this: the step is compute-bound, speculation steps aside
+    max_step_tokens: int = 16  # guesses fill a step up to this many tokens (the CPU decoder's step: bench/spec_decode)
 
     @classmethod
     def from_json(cls, text: str | dict) -> SpeculativeConfig:

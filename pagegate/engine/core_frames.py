@@ -131,7 +131,7 @@ class CoreLoad:
     @classmethod
     def from_wire(cls, wire: list[Any]) -> CoreLoad:
         stats, health, *counts = wire
-        return cls(EngineStats(*stats), EngineHealth(*health), *counts)
+        return cls(EngineStats.from_values(stats), EngineHealth(*health), *counts)
 
 
 # ---- outputs: deltas out of the core, cumulative again in the gateway -------------------------------------

@@ -83,7 +83,7 @@ class PoolSnapshot:
         seq_pages = {q: [(rid, np.frombuffer(raw, dtype=np.int32)) for rid, raw in entries]
                      for q, entries in wire["seq_pages"].items()}
         return cls(wire["taken_at"], np.frombuffer(wire["device"], dtype=np.uint8),
-                   np.frombuffer(wire["cpu"], dtype=np.uint8), EngineStats(*wire["stats"]), wire["health"],
+                   np.frombuffer(wire["cpu"], dtype=np.uint8), EngineStats.from_values(wire["stats"]), wire["health"],
                    wire["health_reason"], seq_pages)
 
     def pages_of(self, request_id: str) -> tuple[Pages, Pages] | None:

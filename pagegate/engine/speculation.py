@@ -75,15 +75,18 @@ class Speculator:
         self._state: weakref.WeakKeyDictionary[Sequence, Guessing] = weakref.WeakKeyDictionary()
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set `draft` of each decode in `running`; none when the batch is large enough that the step is bound by
-        compute rather than by reading the weights (then guesses cost more than they save)."""
+        """Set `draft` of each decode in `running`, within `max_step_tokens` for the whole step; none when the batch
+        is large enough that the step is bound by compute rather than by reading the weights (then guesses cost more
+        than they save)."""
         decodes = [seq for seq in running if seq.num_uncomputed == 1]
         for seq in running:
             seq.draft = []
         if len(decodes) > self.config.max_batch_size:
             return
+        room = self.config.max_step_tokens - len(decodes)  # the most urgent sequences guess first
         for seq in decodes:
-            seq.draft = self._guess(seq)
+            seq.draft = self._guess(seq)[:max(room, 0)]
+            room -= len(seq.draft)
 
     def _guess(self, seq: Sequence) -> list[int]:
         state = self._state.get(seq)

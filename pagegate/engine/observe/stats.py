@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,12 @@ class EngineStats(SchedulerStats):
     requests: int  # unfinished
     prompt_tokens: int  # totals since start
     generation_tokens: int
+
+    @classmethod
+    def from_values(cls, values: list) -> EngineStats:
+        """From its field values in order, as a wire format (msgpack: tuples as lists) carries them."""
+        stats = cls(*values)
+        return replace(stats, spec_accepted_per_position=tuple(stats.spec_accepted_per_position))
 
 
 @dataclass(frozen=True, slots=True)
