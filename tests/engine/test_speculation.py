@@ -4,6 +4,7 @@ without it, token for token: greedy and seeded sampling, batches, n > 1, grammar
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -122,3 +123,35 @@ def test_speculation_steps_aside_for_a_large_batch() -> None:
     _, stats = generate({**NGRAM, "max_batch_size": 2}, SamplingParams(temperature=0, max_tokens=10,
                                                                          ignore_eos=True))
     assert stats.spec_draft_tokens == 0
+
+
+CHI2_DF2_P001 = 13.82  # the chi-square distribution's 0.999 quantile at 2 degrees of freedom
+
+
+def top_logprobs(llm: LLM, prompt: list[int]) -> dict[int, float]:
+    [first] = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)[0].outputs[0].logprobs
+    return first.top
+
+
+def test_a_kept_guess_is_followed_by_the_models_own_distribution() -> None:
+    """Sampled with speculation over many seeds, the token after a kept guess (sampled from the guess's row of
+    the verifying forward) follows the model's distribution there, computed without speculation: chi-square."""
+    plain = LLM(device="cpu", num_kv_blocks=64, max_model_len=256)
+    base = torch.randint(3, 250, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    t0 = max(top_logprobs(plain, base).items(), key=lambda item: item[1])[0]
+    t1 = max(top_logprobs(plain, base + [t0]).items(), key=lambda item: item[1])[0]
+    prompt = [t0, t1, *base]  # after a likely first token t0, the index guesses the likely t1
+    assert NgramIndex(1, 3).guess(prompt + [t0], 1) == [t1]
+    config = {**NGRAM, "num_speculative_tokens": 1, "prompt_lookup_min": 1, "max_batch_size": 4096,
+              "max_step_tokens": 4096}
+    llm = LLM(device="cpu", speculative_config=config, num_kv_blocks=1024, max_model_len=256, max_num_seqs=256,
+              max_num_batched_tokens=4096)
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=seed, max_tokens=3, ignore_eos=True)
+              for seed in range(1500)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+    seen = [third for first, second, third in outputs if (first, second) == (t0, t1)]
+    assert llm.stats().spec_accepted_tokens >= len(seen) > 200
+    weights = {token: math.exp(logprob) for token, logprob in top_logprobs(plain, prompt + [t0, t1]).items()}
+    expected = {token: len(seen) * weight / sum(weights.values()) for token, weight in weights.items()}
+    chi2 = sum((seen.count(token) - count) ** 2 / count for token, count in expected.items())
+    assert set(seen) <= set(weights) and chi2 < CHI2_DF2_P001, (chi2, len(seen), expected)
