@@ -23,7 +23,8 @@ from pagegate.gateway.settings import GatewayConfig
 STATS = EngineStats(running=2, waiting=1, swapped=0, num_blocks=6, free_blocks=3, used_blocks=3, cached_blocks=1,
                     shared_blocks=1, kv_cache_usage=0.5, cpu_blocks=2, cpu_used_blocks=0, preemptions=0,
                     swap_outs=0, swap_out_blocks=0, swap_in_blocks=0, prefix_cache_queries=10,
-                    prefix_cache_hits=4, max_num_seqs=8, pinned_blocks=0, requests=2, prompt_tokens=10, generation_tokens=0)
+                    prefix_cache_hits=4, max_num_seqs=8, pinned_blocks=0, spec_drafts=3, spec_draft_tokens=8,
+                    spec_accepted_tokens=6, spec_accepted_per_position=(3, 2, 1), requests=2, prompt_tokens=10, generation_tokens=0)
 
 
 def snapshot(device: list[int], seq_pages: dict | None = None, stats: EngineStats = STATS) -> PoolSnapshot:
@@ -49,6 +50,7 @@ def test_first_frame_is_whole_and_later_ones_are_xor_deltas() -> None:
     encoder, history = FrameEncoder(), History()
     first = frame_of(encoder, snapshot([2, 1, 1, 0x80, 0, 0]), history)  # no frame before: a key frame anyway
     assert first["key"] and first["total_pages"] == 6 and first["used_pages"] == 3 and first["prefix_hit_rate"] == 0.4
+    assert first["spec_acceptance_rate"] == 0.75
     states = decode(first["pages"], np.zeros(6, np.uint8), delta=False)
     assert states.tolist() == [2, 1, 1, 0x80, 0, 0]
     assert first["queues"]["running"] == {"count": 1, "requests": [["a", 2, 3]]}  # page 0 counted once

@@ -104,6 +104,8 @@ def figures(snapshot: PoolSnapshot) -> dict[str, Any]:
         "cpu_used_pages": stats.cpu_used_blocks, "running": stats.running, "waiting": stats.waiting,
         "swapped": stats.swapped, "running_cap": stats.max_num_seqs, "usage": stats.kv_cache_usage,
         "prefix_hit_rate": stats.prefix_cache_hits / queries if queries else None,
+        "spec_acceptance_rate": (stats.spec_accepted_tokens / stats.spec_draft_tokens
+                                 if stats.spec_draft_tokens else None),  # speculation: guesses kept
         "preemptions": stats.preemptions, "swap_outs": stats.swap_outs,
         "health": snapshot.health, "health_reason": snapshot.health_reason,
     }

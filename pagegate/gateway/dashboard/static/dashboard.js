@@ -219,6 +219,7 @@
     $("f-queues").textContent = `${f.running} · ${f.waiting} · ${f.swapped}`;
     $("f-cap").textContent = number(f.running_cap);
     $("f-hits").textContent = percent(f.prefix_hit_rate);
+    $("f-spec").textContent = percent(f.spec_acceptance_rate);
     $("f-preemptions").textContent = `${number(f.preemptions)} · ${number(f.swap_outs)}`;
   }
 
