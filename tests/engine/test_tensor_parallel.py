@@ -11,6 +11,7 @@ from pagegate import LLM, SamplingParams
 from pagegate.engine.parallel import ParallelError, StepInputs, TensorParallel
 from tests.engine.conftest import TINY, SavedModel, hf, save_hf_model
 from tests.engine.test_llm import ENGINE_SETUPS, assert_all_pages_free, hf_greedy, make_prompts
+from tests.engine.test_speculation import NGRAM, prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)  # as transformers below
@@ -101,3 +102,17 @@ def test_step_inputs_round_trip(tokens: int, seqs: int, width: int, moves: tuple
     for name, dtype in zip(StepInputs.PARTS, StepInputs.DTYPES, strict=True):
         original, copy = getattr(step, name), getattr(back, name)
         assert copy.dtype == dtype and np.array_equal(copy, original.reshape(copy.shape)), name
+
+
+def test_speculation_on_two_ranks_keeps_the_greedy_tokens() -> None:
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    single = LLM(None, device="cpu", num_kv_blocks=64, max_model_len=256)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts(), params, use_tqdm=False)]
+    tp = LLM(None, device="cpu", tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256,
+             speculative_config=NGRAM)
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts(), params, use_tqdm=False)] == want
+        assert tp.stats().spec_accepted_tokens > 0
+        assert_all_pages_free(tp)
+    finally:
+        tp.shutdown()
