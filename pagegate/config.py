@@ -116,9 +116,10 @@ class KVEventsConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative-config`: vLLM's JSON keys for n-gram (prompt lookup) speculation."""
+    """`--speculative-config`: vLLM's JSON keys for n-gram (prompt lookup) or draft-model speculation."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model" (implied by `model`)
+    model: str | None = None  # the draft: a smaller model of the same vocabulary
     num_speculative_tokens: int = 4  # at most this many guesses per sequence and step
     prompt_lookup_max: int = 4  # the longest suffix looked up in the sequence's earlier tokens
     prompt_lookup_min: int = 2  # the shortest
@@ -132,11 +133,15 @@ class SpeculativeConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown --speculative-config key(s) {unknown}; known: {sorted(known)}")
+        if raw.get("model") is not None and "method" not in raw:
+            raw["method"] = "draft_model"
         if "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
             raw["prompt_lookup_min"] = min(cls.prompt_lookup_min, raw["prompt_lookup_max"])
         config = cls(**raw)
-        if config.method != "ngram":
-            raise ValueError(f"--speculative-config method {config.method!r}: only 'ngram' is served")
+        if config.method not in ("ngram", "draft_model"):
+            raise ValueError(f"--speculative-config method {config.method!r}: use 'ngram' or 'draft_model'")
+        if (config.method == "draft_model") != (config.model is not None):
+            raise ValueError("--speculative-config: a draft model needs method 'draft_model' and a 'model' path")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
             raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")

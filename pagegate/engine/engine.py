@@ -31,7 +31,7 @@ class Engine:
         self.runner = runner = ModelRunner(config)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                       runner.max_model_len, config.speculative)
+                                       runner.max_model_len, config.speculative, runner.draft)
             runner.bind(self.scheduler.tables)
             self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool)
         except BaseException:

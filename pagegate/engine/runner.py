@@ -10,6 +10,7 @@ import torch
 
 from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockTables
+from pagegate.engine.draft import DraftModel
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
@@ -57,6 +58,9 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
                                      m.dtype, self.device, self.num_cpu_blocks)
         self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
+        spec = config.speculative
+        self.draft = (DraftModel(spec.model, config, self.device, self.num_blocks, self.max_model_len,
+                                 self.model_config.vocab_size) if spec is not None and spec.model else None)
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
 
     def _size_kv_cache(self) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from pagegate.engine.autotune import RunningCap
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
-from pagegate.engine.speculation import SpeculationStats, Speculator
+from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
-                 max_model_len: int, speculative: SpeculativeConfig | None = None) -> None:
+                 max_model_len: int, speculative: SpeculativeConfig | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
-        self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
+        self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
@@ -90,6 +91,8 @@ class Scheduler:
         if seq.handle != NO_PAGES:
             self.tables.free_sequence(seq.handle)
             seq.handle = NO_PAGES
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def pin(self, seq: Sequence, pin: Pin, now: float) -> bool:
         """Hold the full cached pages of a finishing sequence under `pin.key` (before `free`)."""

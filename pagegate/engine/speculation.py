@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagegate.config import SpeculativeConfig
 from pagegate.engine.sequence import Sequence
@@ -49,11 +50,36 @@ class NgramIndex:
         return []
 
 
+class Proposer(Protocol):
+    """What guesses tokens: n-gram lookup here, a draft model (pagegate/engine/draft.py), heads later."""
+
+    def guess(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]: ...
+    def settle(self, seq: Sequence, kept: int) -> None: ...
+    def release(self, seq: Sequence) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup over each sequence's own tokens."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def guess(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self._indexes.setdefault(seq, NgramIndex(self.lo, self.hi)).guess(seq.token_ids, k) if k else []
+                for seq, k in zip(seqs, ks, strict=True)]
+
+    def settle(self, seq: Sequence, kept: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
 @dataclass
 class Guessing:
-    """A sequence's speculation state: its index, how many tokens to guess next, and how it went lately."""
+    """A sequence's speculation state: how many tokens to guess next, and how it went lately."""
 
-    index: NgramIndex
     k: int
     kept_rate: float = 1.0  # running average of the share of guesses kept
     pause: int = 1  # steps the next pause lasts
@@ -73,8 +99,9 @@ class SpeculationStats:
 class Speculator:
     """Guesses tokens for the running decodes of a step, and learns from what the model kept."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
         self.config, self.max_model_len = config, max_model_len
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self._state: weakref.WeakKeyDictionary[Sequence, Guessing] = weakref.WeakKeyDictionary()
 
@@ -87,30 +114,32 @@ class Speculator:
             seq.draft = []
         if len(decodes) > self.config.max_batch_size:
             return
-        room = self.config.max_step_tokens - len(decodes)  # the most urgent sequences guess first
-        for seq in decodes:
-            seq.draft = self._guess(seq)[:max(room, 0)]
+        room = self.config.max_step_tokens - len(decodes)
+        ks = [max(0, min(self._wanted(seq), room)) for seq in decodes]
+        for seq, draft in zip(decodes, self.proposer.guess(decodes, ks), strict=True):
+            seq.draft = draft[:room]  # the most urgent sequences' guesses first
             room -= len(seq.draft)
 
-    def _guess(self, seq: Sequence) -> list[int]:
-        state = self._state.get(seq)
-        if state is None:
-            config = self.config
-            state = self._state[seq] = Guessing(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max),
-                                                    config.num_speculative_tokens)
+    def _wanted(self, seq: Sequence) -> int:
+        """How many tokens to guess for `seq` this step (0 while it pauses, or when one more token ends it)."""
+        state = self._state.setdefault(seq, Guessing(self.config.num_speculative_tokens))
         if state.paused:
             state.paused -= 1
-            return []
-        params = seq.request.params
-        left = min((params.max_tokens or self.max_model_len) - len(seq.output_token_ids),
+            return 0
+        left = min((seq.request.params.max_tokens or self.max_model_len) - len(seq.output_token_ids),
                    self.max_model_len - len(seq.token_ids))
-        return state.index.guess(seq.token_ids, min(state.k, left - 1)) if left > 1 else []
+        return min(state.k, left - 1)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left (finished, aborted)."""
+        self.proposer.release(seq)
 
     def settle(self, seq: Sequence, kept: int) -> None:
         """After a step: `kept` of the sequence's guesses were accepted. The next guess is one longer than what
         was kept; a sequence whose guesses do not pay (MIN_KEPT_RATE) pauses."""
         guessed = len(seq.draft)
         seq.draft = []
+        self.proposer.settle(seq, kept)
         state = self._state.get(seq)
         if state is None or not guessed:
             return

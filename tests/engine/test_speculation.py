@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pagegate.engine
 from pagegate import LLM, SamplingParams
 from pagegate.config import SpeculativeConfig
 from pagegate.engine.speculation import NgramIndex
+from tests.engine.conftest import TINY, SavedModel, hf, save_hf_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_batch_size": 64}
 
@@ -155,3 +158,39 @@ def test_a_kept_guess_is_followed_by_the_models_own_distribution() -> None:
     expected = {token: len(seen) * weight / sum(weights.values()) for token, weight in weights.items()}
     chi2 = sum((seen.count(token) - count) ** 2 / count for token, count in expected.items())
     assert set(seen) <= set(weights) and chi2 < CHI2_DF2_P001, (chi2, len(seen), expected)
+
+
+# -- a draft model ---------------------------------------------------------------------------------------------
+DEFAULT_MODEL = str(Path(pagegate.engine.__file__).parent / "default_model")
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random one-layer model of the default model's vocabulary: it guesses, mostly wrong."""
+    vocab = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
+    config = hf().LlamaConfig(**{**TINY, "vocab_size": vocab, "num_hidden_layers": 1}, bos_token_id=0,
+                              eos_token_id=1)
+    return str(save_hf_model(tmp_path_factory.mktemp("draft"), config, seed=4).path)
+
+
+def test_the_model_drafting_for_itself_is_right_nearly_always() -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = generate(None, params)
+    drafted, stats = generate({"model": DEFAULT_MODEL, "num_speculative_tokens": 4, "max_batch_size": 64}, params)
+    assert drafted == plain
+    assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("setup", ["roomy", "recompute"])
+def test_a_small_draft_keeps_greedy_and_seeded_output(small_draft: str, setup: str) -> None:
+    config = {"model": small_draft, "num_speculative_tokens": 3, "max_batch_size": 64}
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, n=2)):
+        plain, _ = generate(None, params, **SETUPS[setup])
+        drafted, stats = generate(config, params, **SETUPS[setup])
+        assert drafted == plain and stats.spec_draft_tokens > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama_model: SavedModel) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(device="cpu", num_kv_blocks=64, max_model_len=256, speculative_config={"model": str(llama_model.path)})
