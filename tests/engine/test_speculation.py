@@ -194,3 +194,17 @@ def test_a_small_draft_keeps_greedy_and_seeded_output(small_draft: str, setup: s
 def test_a_draft_of_another_vocabulary_is_refused(llama_model: SavedModel) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(device="cpu", num_kv_blocks=64, max_model_len=256, speculative_config={"model": str(llama_model.path)})
+
+
+def test_kept_tokens_carry_their_logprobs() -> None:
+    def run(speculative: dict | None) -> tuple[list, object]:
+        llm = LLM(device="cpu", speculative_config=speculative, num_kv_blocks=64, max_model_len=256)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+        return [o.outputs[0].logprobs for o in llm.generate(prompts(), params, use_tqdm=False)], llm.stats()
+
+    (plain, _), (guessed, stats) = run(None), run(NGRAM)
+    assert stats.spec_accepted_tokens > 0
+    for a, b in zip(plain, guessed, strict=True):
+        assert [p.token_id for p in a] == [p.token_id for p in b]
+        assert [p.logprob for p in a] == pytest.approx([p.logprob for p in b], abs=1e-5)
+        assert [sorted(p.top) for p in a] == [sorted(p.top) for p in b]
