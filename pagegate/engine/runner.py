@@ -50,6 +50,10 @@ class ModelRunner:
             path, config.dtype, self.device, config.quantization, tp)
         self.model_name = config.served_model_name or (path.name if config.model else "pagegate-default")
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:  # its position tables end there
+            raise ValueError(f"max_model_len={self.max_model_len} is more than the model's "
+                             f"{self.model_config.max_position_embeddings} positions (max_position_embeddings): "
+                             f"give --max-model-len {self.model_config.max_position_embeddings} or less")
         self.model.fit_context(self.max_model_len)
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))

@@ -125,6 +125,12 @@ def test_pool_too_small_for_max_model_len_fails_at_start(llama_model):
         LLM(str(llama_model.path), device="cpu", num_kv_blocks=8)
 
 
+def test_a_max_model_len_past_the_models_positions_fails_at_start(llama_model):
+    """Else a prompt past max_position_embeddings would index past the RoPE tables and end the engine."""
+    with pytest.raises(ValueError, match="more than the model's 256 positions"):
+        LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, max_model_len=512)
+
+
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
