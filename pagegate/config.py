@@ -49,6 +49,10 @@ class SchedulerConfig:
     preemption_window_s: float = 5.0  # auto-tuning window for the running cap
     swap_bounce_s: float = 2.0  # a swap-out this soon after a swap-in is a bounce
 
+    def table_shape(self, max_model_len: int, block_size: int) -> tuple[int, int]:
+        """Block-table rows (running, swapped and forking sequences) and pages a row holds (one spare)."""
+        return max(4 * self.max_num_seqs, 256), -(-max_model_len // block_size) + 1
+
 
 @dataclass
 class HealthThresholds:

@@ -41,8 +41,8 @@ class DraftModel:
         self.kv_cache = PagedKVCache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, m.dtype,
                                      device, 0)
         self.native = NativeDecoder.build(m, self.kv_cache)
-        max_seqs = max(4 * config.scheduler.max_num_seqs, 256)
-        self.tables = BlockTables(BlockPool(num_blocks, block_size, False), max_seqs, -(-max_model_len // block_size) + 1)
+        max_seqs, max_blocks = config.scheduler.table_shape(max_model_len, block_size)
+        self.tables = BlockTables(BlockPool(num_blocks, block_size, False), max_seqs, max_blocks)
         self.builder = BatchBuilder(self.tables, max_seqs, config.scheduler.max_num_batched_tokens + max_seqs)
         self._handles: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         self._guessed_from: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()

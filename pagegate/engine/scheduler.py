@@ -60,8 +60,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
-        max_blocks = -(-max_model_len // cache.block_size) + 1
-        self.tables = BlockTables(self.pool, max(4 * config.max_num_seqs, 256), max_blocks, self.cpu_pool)
+        self.tables = BlockTables(self.pool, *config.table_shape(max_model_len, cache.block_size), self.cpu_pool)
         self.watermark_blocks = int(cache.watermark * num_blocks)
         mode = config.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         if mode not in ("swap", "recompute"):

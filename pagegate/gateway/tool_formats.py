@@ -352,22 +352,26 @@ class ToolFormat:
     (with `example`) to models whose template ignores `tools`."""
 
     name: str
-    reader: Callable[[Schemas, int | None], CallReader]
+    reader: Callable[[Schemas, int | None, Callable[[], str]], CallReader]
     write: Callable[[list[Call]], str]
     example: str
-    new_id: Callable[[], str] = new_call_id
+    new_id: Callable[[], str] = new_call_id  # ids of the calls read
     keeps_special_tokens: bool = False  # its markers are special tokens: the answer's text must keep them
 
+    def read(self, schemas: Schemas, limit: int | None) -> CallReader:
+        """A reader of one answer's calls of the functions `schemas` holds, at most `limit` (None: any)."""
+        return self.reader(schemas, limit, self.new_id)
 
-def _tagged(parse_body: Callable[[str, Schemas], Call | None], new_id: Callable[[], str] = new_call_id
-            ) -> Callable[[Schemas, int | None], CallReader]:
-    return lambda schemas, limit: TaggedReader(schemas, limit, new_id, parse_body=parse_body)
+
+def _tagged(parse_body: Callable[[str, Schemas], Call | None]
+            ) -> Callable[[Schemas, int | None, Callable[[], str]], CallReader]:
+    return lambda schemas, limit, new_id: TaggedReader(schemas, limit, new_id, parse_body=parse_body)
 
 
-def _region(parse: Callable[[str], list[Call] | None], markers: tuple[str, ...], at_start: bool,
-            new_id: Callable[[], str] = new_call_id) -> Callable[[Schemas, int | None], CallReader]:
-    return lambda schemas, limit: RegionReader(schemas, limit, new_id, markers=markers, at_start=at_start,
-                                               parse_region=parse)
+def _region(parse: Callable[[str], list[Call] | None], markers: tuple[str, ...], at_start: bool
+            ) -> Callable[[Schemas, int | None, Callable[[], str]], CallReader]:
+    return lambda schemas, limit, new_id: RegionReader(schemas, limit, new_id, markers=markers, at_start=at_start,
+                                                       parse_region=parse)
 
 
 TOOL_FORMATS = {format.name: format for format in (
@@ -375,7 +379,7 @@ TOOL_FORMATS = {format.name: format for format in (
                '{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>'),
     ToolFormat("qwen3_coder", _tagged(_qwen3_coder_body), _qwen3_coder_write, "one block per call:\n<tool_call>\n"
                "<function=FUNCTION_NAME>\n<parameter=ARGUMENT_NAME>\nvalue\n</parameter>\n</function>\n</tool_call>"),
-    ToolFormat("mistral", _region(_mistral_region, (MISTRAL_MARKER,), False, mistral_call_id), _mistral_write,
+    ToolFormat("mistral", _region(_mistral_region, (MISTRAL_MARKER,), False), _mistral_write,
                f'the marker and a JSON list of calls:\n{MISTRAL_MARKER}[{{"name": "<function name>", '
                '"arguments": {<arguments as JSON>}}]', mistral_call_id, keeps_special_tokens=True),
     ToolFormat("llama3_json", _region(_llama3_json_region, ("{", PYTHON_TAG), True), _llama3_json_write,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,7 +199,7 @@ class CallParsing:
             return NamedCallParser(self.named, self.call_format.new_id)
         if self.required:
             return ListCallReader(self.schemas, self.limit, self.call_format.new_id)
-        return self.call_format.reader(self.schemas, self.limit)
+        return self.call_format.read(self.schemas, self.limit)
 
 
 @dataclass
@@ -207,7 +208,7 @@ class NamedCallParser:
     the call, as OpenAI's is: its finish_reason "length" says the arguments stopped short."""
 
     name: str
-    new_id: Any = new_call_id
+    new_id: Callable[[], str] = new_call_id
     calls: list[ParsedCall] = field(default_factory=list)
     _arguments: str = ""
 
@@ -235,7 +236,7 @@ class ListCallReader:
 
     schemas: Schemas
     limit: int | None = None
-    new_id: Any = new_call_id
+    new_id: Callable[[], str] = new_call_id
     calls: list[ParsedCall] = field(default_factory=list)
     _text: str = ""
     _at: int = 0  # where the next item starts (before the separators)

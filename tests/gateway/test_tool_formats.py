@@ -26,7 +26,7 @@ SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "st
 
 
 def read(call_format: ToolFormat, pieces: list[str], limit: int | None = None) -> tuple[str, list[tuple[str, Any]]]:
-    reader = call_format.reader(SCHEMAS, limit)
+    reader = call_format.read(SCHEMAS, limit)
     events = [event for piece in pieces for event in reader.feed(piece)] + reader.finish()
     assert [e for e in events if isinstance(e, ParsedCall)] == reader.calls  # each call is an event, once
     return "".join(e for e in events if isinstance(e, str)), [(c.name, json.loads(c.arguments)) for c in reader.calls]
@@ -100,7 +100,7 @@ def test_a_limit_keeps_the_first_calls() -> None:
 
 
 def test_mistral_ids_are_what_its_templates_accept() -> None:
-    reader = TOOL_FORMATS["mistral"].reader(SCHEMAS, None)
+    reader = TOOL_FORMATS["mistral"].read(SCHEMAS, None)
     assert reader.feed("[TOOL_CALLS]ping[ARGS]{}") == []  # its calls are read at the end of the answer
     [call] = reader.finish()
     assert isinstance(call, ParsedCall) and re.fullmatch("[A-Za-z0-9]{9}", call.id)
