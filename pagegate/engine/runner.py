@@ -16,6 +16,7 @@ from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, 
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
+from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 
@@ -114,9 +115,12 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.channel.send(step)
         hidden = forward(self.model, self.kv_cache, step, self.native)
+        compute_logits = (self.native or self.model).compute_logits
+        if any(s.request.scoring_prompt for s in seqs):
+            score_prompts(seqs, counts, starts, hidden, compute_logits)
         last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)
                 for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
-        return (self.native or self.model).compute_logits(hidden[last])
+        return compute_logits(hidden[last])
 
     def close(self, graceful: bool = True) -> None:
         """End the tensor-parallel workers."""

@@ -317,7 +317,10 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
         request = seq.request
-        hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1], request.root_hash)
+        limit = len(seq.token_ids) - 1
+        if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
+            limit = min(limit, len(request.prompt_logprobs) - 1)
+        hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit], request.root_hash)
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back

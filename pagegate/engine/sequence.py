@@ -89,9 +89,22 @@ class Request:
     matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
     logit_bias: LogitBias | None = None  # params.logit_bias as tensors, built once
     pin: Pin | None = None  # hold the finished pages for the conversation's next turn
+    prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: scored so far (the first None)
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def scored_prompt(self) -> list[Logprob | None] | None:
+        """The prompt's logprobs once all are in."""
+        return None if self.scoring_prompt else self.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -104,7 +117,7 @@ class Request:
                                     list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
                    for s in self.seqs if self.forked or self.params.n == 1]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, self.finished,
-                             self.num_cached_tokens, self.timings(), self.error)
+                             self.num_cached_tokens, self.timings(), self.error, self.scored_prompt)
 
     def timings(self) -> dict[str, float]:
         out = {"arrival_time": self.arrival_time}
