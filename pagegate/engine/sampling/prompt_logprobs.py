@@ -9,7 +9,8 @@ temperature), as vLLM's and OpenAI's are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import torch
