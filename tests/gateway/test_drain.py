@@ -3,6 +3,8 @@ over REST SSE, msgpack and gRPC run to their end (or, past the timeout, end with
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -18,6 +20,7 @@ import pytest
 from pagegate.clients import GrpcClient, MsgpackClient
 from pagegate.clients.errors import PagegateError
 from pagegate.gateway.cli import build_parser, configs_from_args
+from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.testing.launcher import ServerProcess, free_port
 from tests.gateway.server_args import server_args
 
@@ -174,3 +177,59 @@ def test_shutdown_timeout_flag() -> None:
     for bad in ("-1", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--shutdown-timeout", bad])
+
+
+class FakeHost:
+    """The EngineHost calls GracefulShutdown makes, recorded."""
+
+    def __init__(self, state: str = "ready", busy_s: float = 10.0) -> None:
+        self.state = state
+        self.busy_s = busy_s  # how long the in-flight requests would take
+        self.calls: list[str] = []
+        self.num_active = 3
+
+    def begin_drain(self) -> None:
+        self.calls.append("begin_drain")
+        self.state = "draining"
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        await asyncio.sleep(min(timeout_s, self.busy_s))
+        return self.busy_s <= timeout_s
+
+    def end_all(self, message: str = "") -> None:
+        self.calls.append("end_all")
+
+
+def _signals(host: FakeHost, timeout_s: float, count: int, gap_s: float = 0.05) -> list[str]:
+    """Deliver `count` stop signals `gap_s` apart; what the host and the server saw, in order."""
+    async def run() -> None:
+        shutdown = GracefulShutdown(host, timeout_s, lambda: host.calls.append("stop_server"))  # type: ignore[arg-type]
+        for _ in range(count):
+            shutdown.on_signal()
+            await asyncio.sleep(gap_s)
+        if shutdown.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await shutdown.task
+
+    asyncio.run(run())
+    return host.calls
+
+
+def test_without_a_timeout_a_signal_ends_everything_at_once() -> None:
+    assert _signals(FakeHost(), 0, 1) == ["end_all", "stop_server"]
+
+
+def test_a_drain_stops_the_server_once_idle() -> None:
+    assert _signals(FakeHost(busy_s=0.01), 5, 1) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_drain_past_its_timeout_ends_the_rest() -> None:
+    assert _signals(FakeHost(busy_s=10), 0.1, 1, gap_s=0.2) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_second_signal_ends_the_drain_at_once() -> None:
+    assert _signals(FakeHost(busy_s=10), 30, 2) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_server_still_loading_stops_at_once() -> None:
+    assert _signals(FakeHost(state="loading"), 30, 1) == ["end_all", "stop_server"]
