@@ -16,12 +16,14 @@ import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagegate.clients import GrpcClient, MsgpackClient
 from pagegate.clients.errors import PagegateError
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.testing.launcher import ServerProcess, free_port
+from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
 NUM_STREAMS = 32
@@ -114,6 +116,7 @@ def _assert_new_requests_refused(server: ServerProcess, grpc_port: int) -> None:
     response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=10)
     assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
     assert response.json()["error"]["code"] == "draining", response.text
+    assert response.headers["connection"] == "close"  # the client's next request opens a connection elsewhere
     with MsgpackClient(server.base_url, timeout=10) as client, pytest.raises(PagegateError) as refused:
         client.completions("late", max_tokens=4)
     assert refused.value.status_code == 503 and refused.value.code == "draining"
@@ -121,6 +124,10 @@ def _assert_new_requests_refused(server: ServerProcess, grpc_port: int) -> None:
         client.completions("late", max_tokens=4)
     assert refused.value.grpc_code == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     assert refused.value.retry_after == 1.0
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, "pagegate:server_draining") == 1
 
 
 def test_sigterm_drains_32_live_streams_to_their_end() -> None:
