@@ -1,5 +1,5 @@
 """The gateway's only contact with the engine: load it off the event loop, report health, admit
-requests under --max-queue, start generations, end them all on shutdown."""
+requests under --max-queue, start generations, drain them on shutdown (pagegate.gateway.shutdown)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pagegate.gateway.streaming import OutputMerger
 
 logger = logging.getLogger("pagegate.gateway")
 
-LOADING, READY, FAILED, STOPPING = "loading", "ready", "failed", "stopping"
+LOADING, READY, DRAINING, FAILED, STOPPING = "loading", "ready", "draining", "failed", "stopping"
 MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
 
 
@@ -46,6 +46,8 @@ class EngineHost:
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self.num_rejected = 0
         self._active: set[OutputMerger] = set()
+        self._idle = asyncio.Event()  # set while no generation runs (a drain waits on it)
+        self._idle.set()
         # engine request id -> the identity of the API key that sent it: the dashboard names a request only
         # to viewers with the same key
         self.request_tenants: dict[str, str] = {}
@@ -104,16 +106,30 @@ class EngineHost:
         if self._on_fatal is not None:
             self._on_fatal()
 
-    def drain(self) -> None:
-        """Stop taking requests and end every running generation (the server is going down)."""
+    def begin_drain(self) -> None:
+        """Take no new request (503 + Retry-After, /health 503) while the running generations go on."""
+        if self.state == READY:
+            self.state, self.reason = DRAINING, "draining: finishing in-flight requests before shutting down"
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation runs, at most `timeout_s`; whether none does."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def end_all(self, message: str = "The server is shutting down.") -> None:
+        """Stop taking requests and end every running generation with an error (the server is going down);
+        their engine requests are aborted, which frees their pages."""
         if self.state == STOPPING:
             return
         self.state, self.reason = STOPPING, "shutting down"
         for merger in list(self._active):
-            merger.stop(ServiceUnavailable("The server is shutting down.", code="shutting_down"))
+            merger.stop(ServiceUnavailable(message, code="shutting_down"))
 
     async def stop(self) -> None:
-        self.drain()
+        self.end_all()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         if self.engine is not None:
@@ -131,6 +147,12 @@ class EngineHost:
 
     def require_engine(self) -> tuple[EngineClient, ModelContext]:
         """The running engine and its model, or a 503 that says why not."""
+        if self.state == DRAINING:
+            # NOTE: Connection: close, so a client's next request opens a connection the load balancer routes
+            # elsewhere instead of reusing this one.
+            raise ServiceUnavailable("The server is draining before a restart: retry on another replica.",
+                                     code="draining", headers={"Retry-After": str(self.config.retry_after_s),
+                                                               "Connection": "close"})
         if self.state != READY or self.engine is None or self.model is None:
             raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
         if not self.engine.is_running:
@@ -138,6 +160,8 @@ class EngineHost:
         return self.engine, self.model
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        if self.state == DRAINING:
+            return 503, {"status": self.state, "reason": self.reason, "in_flight": self.num_active}
         if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
@@ -155,6 +179,16 @@ class EngineHost:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    @property
+    def draining(self) -> bool:
+        return self.state == DRAINING
+
+    def engine_for_viewers(self) -> EngineClient:
+        """The engine, also while draining (the dashboard watches the drain); else require_engine's 503."""
+        if self.state == DRAINING and self.engine is not None and self.engine.is_running:
+            return self.engine
+        return self.require_engine()[0]
 
     def pages_summary(self) -> str:
         stats = self.stats()
@@ -238,6 +272,8 @@ class EngineHost:
 
         def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
             self._active.discard(merger)
+            if not self._active:
+                self._idle.set()
             for rid in ids:
                 self.request_tenants.pop(rid, None)
             for index in list(waiting):
@@ -247,6 +283,7 @@ class EngineHost:
 
         merger = OutputMerger(streams, on_first, on_close)
         self._active.add(merger)
+        self._idle.clear()
         # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
         # in the order they are scheduled, so this one runs right after those steps.
         seqs = len(ids) * prepared.params.n
