@@ -19,6 +19,7 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.observe.stats import SchedulerStats
+from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
 from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
@@ -88,6 +89,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         if seq.handle != NO_PAGES:
+            seq.request.timeline.held(self.tables.num_blocks(seq.handle))
             self.tables.free_sequence(seq.handle)
             seq.handle = NO_PAGES
         if self.speculator is not None:
@@ -245,7 +247,9 @@ class Scheduler:
         victim.draft = []  # not scheduled this step: its guesses took no slots
         batch.preempted += 1
         self.num_preemptions += 1
+        pages = self.tables.num_blocks(victim.handle)
         if self._should_swap(victim, now):
+            victim.request.timeline.preempted(SWAP, now, pages, victim.index)
             pairs = self.tables.swap_out(victim.handle)
             batch.swap_out.append(pairs)
             self.num_swap_outs += 1
@@ -253,6 +257,7 @@ class Scheduler:
             victim.status = SeqStatus.SWAPPED
             self.swapped.append(victim)
             return
+        victim.request.timeline.preempted(RECOMPUTE, now, pages, victim.index)
         self.tables.free_sequence(victim.handle)
         victim.handle, victim.num_computed, victim.status = NO_PAGES, 0, SeqStatus.WAITING
         self.waiting.append(victim)  # NOTE: it keeps its arrival time, so it is first in line again
@@ -277,6 +282,7 @@ class Scheduler:
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.remove(seq)
             seq.status, seq.last_swap_in = SeqStatus.RUNNING, now
+            seq.request.timeline.resumed(seq.index, now)
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
@@ -334,6 +340,9 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             request.num_cached_tokens = num_hit
+            request.timeline.prefix_hit_pages = len(hits)
+        else:  # a recomputed sequence comes back
+            request.timeline.resumed(seq.index, now)
         self._reserve(seq, n)
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
