@@ -139,6 +139,10 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--log-level", default=defaults.log_level,
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export a span per request (queue, prefill, decode, preemptions) over OTLP/HTTP to this "
+                            "collector, e.g. http://localhost:4318 (path /v1/traces unless given); needs "
+                            "pip install 'pagegate[otel]'")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="no live KV-page dashboard at /dashboard (and no feed under /dashboard/api/)")
     group.add_argument("--dashboard-max-viewers", type=_positive(int), default=defaults.dashboard_max_viewers,
@@ -230,7 +234,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             idle_connection_timeout_s=args.idle_connection_timeout,
                             max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
                             stream_chunk_rate=args.stream_chunk_rate, shutdown_timeout_s=args.shutdown_timeout,
-                            log_level=args.log_level,
+                            log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                             enable_dashboard=not args.disable_dashboard,
                             dashboard_max_viewers=args.dashboard_max_viewers,
                             chat_template=_read_template(args.chat_template), reasoning_parser=args.reasoning_parser,

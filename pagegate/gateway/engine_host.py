@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -15,6 +15,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.limits import check_choices, check_priority
 from pagegate.engine.observe.stats import EngineStats
+from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.core_client import CoreClient
@@ -22,8 +23,10 @@ from pagegate.gateway.engine_client import EngineClient
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.replicas import Replicas
+from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
+from pagegate.gateway.tracing import RequestTracer, start_tracing
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -52,6 +55,7 @@ class EngineHost:
         # to viewers with the same key
         self.request_tenants: dict[str, str] = {}
         self._load_task: asyncio.Task | None = None
+        self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class EngineHost:
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         if self.engine is not None:
             await self.engine.shutdown()
+            self.timings.shutdown()
             stats = self.stats()
             level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
             logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
@@ -251,9 +256,12 @@ class EngineHost:
         if self.engine is not None and self.engine.is_running:
             self.engine.unpin(key)
 
-    def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
-        """Start one engine request per prompt; the merger yields their newest outputs."""
+    def generate(self, prepared: PreparedRequest, request_id: str,
+                 trace_context: Mapping[str, str] | None = None) -> tuple[OutputMerger, list[str]]:
+        """Start one engine request per prompt; the merger yields their newest outputs. `trace_context`: the
+        client's W3C trace headers, parents of the requests' spans (with --otlp-traces-endpoint)."""
         engine, _ = self.require_engine()
+        started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         salt = self.cache_salt(prepared)
@@ -281,7 +289,11 @@ class EngineHost:
             for index in unfinished:
                 self._abort(ids[index])
 
-        merger = OutputMerger(streams, on_first, on_close)
+        def on_finished(index: int, output: RequestOutput) -> None:
+            attributes = sampling_attributes(prepared.params) if self.timings.tracer is not None else None
+            self.timings.finished(output, started, prepared.model, prepared.tenant, attributes, trace_context)
+
+        merger = OutputMerger(streams, on_first, on_close, on_finished)
         self._active.add(merger)
         self._idle.clear()
         # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
@@ -301,6 +313,11 @@ class EngineHost:
             self.engine.abort(request_id)
         except Exception as exc:  # the request may already be gone; never fail a cleanup over it
             logger.debug("abort %s: %s", request_id, exc)
+
+
+def start_tracer(endpoint: str | None) -> RequestTracer | None:
+    """The request tracer with --otlp-traces-endpoint; without it, OpenTelemetry is never imported."""
+    return start_tracing(endpoint) if endpoint else None
 
 
 async def start_engine(config: EngineConfig, data_parallel_size: int = 1) -> EngineClient:

@@ -12,10 +12,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagegate.engine.observe.timeline import merged_breakdown
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, AnswerSplitter, Reasoning, split_answer
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 from pagegate.gateway.protocol import CompletionRequest
+from pagegate.gateway.request_timing import timing_of
 from pagegate.gateway.tool_formats import ParsedCall
 
 TokenText = Callable[[int], str]
@@ -50,6 +52,7 @@ class Renderer(ABC):
     latest: dict[int, RequestOutput] = field(default_factory=dict)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     widths: dict[int, int] = field(default_factory=dict)
+    timing: bool = False  # X-Pagegate-Timing: the finished usage carries `pagegate_timing`
 
     object_name = ""
     chunk_object = ""
@@ -105,9 +108,18 @@ class Renderer(ABC):
         prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prepared.prompts)
         completion_tokens = sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.latest.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.timing and (breakdown := self.timing_breakdown()) is not None:
+            usage["pagegate_timing"] = breakdown
+        return usage
+
+    def timing_breakdown(self) -> dict | None:
+        """Where the time went (request_timing.py), once every prompt has finished; None before."""
+        timings = [timing_of(out) for out in self.latest.values()]
+        if len(timings) < len(self.prepared.prompts) or any(t is None for t in timings):
+            return None
+        return merged_breakdown([t for t in timings if t is not None])
 
     def usage_chunk(self) -> dict:
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created,

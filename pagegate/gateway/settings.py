@@ -34,6 +34,7 @@ class GatewayConfig:
     shutdown_timeout_s: float = 0.0
     # Then uvicorn's graceful shutdown: how long open responses get to send their last bytes before it cancels them.
     drain_timeout_s: float = 10.0
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: no tracing
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
     dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After
     # Chat: the template (None: the model's own), how <think> blocks and tool calls are read from answers.
