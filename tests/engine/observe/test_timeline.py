@@ -7,7 +7,14 @@ import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.core_frames import DeltaWriter, OutputAssembler
-from pagegate.engine.observe.timeline import RECOMPUTE, SWAP, Preemption, RequestTiming, Timeline, merged_breakdown
+from pagegate.engine.observe.timeline import (
+    RECOMPUTE,
+    SWAP,
+    Preemption,
+    RequestTiming,
+    Timeline,
+    merged_breakdown,
+)
 
 from ..test_llm import assert_all_pages_free, make_prompts
 
