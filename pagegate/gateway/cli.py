@@ -305,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(rank, "env://", engine_config)
         return 0
     holder: list[GatewayServer] = []
-    app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    try:
+        app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    except ImportError as error:  # --otlp-traces-endpoint without the OpenTelemetry SDK installed
+        raise SystemExit(str(error)) from None
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
