@@ -290,8 +290,11 @@ class EngineHost:
                 self._abort(ids[index])
 
         def on_finished(index: int, output: RequestOutput) -> None:
-            attributes = sampling_attributes(prepared.params) if self.timings.tracer is not None else None
-            self.timings.finished(output, started, prepared.model, prepared.tenant, attributes, trace_context)
+            try:  # runs in the request's pump: its timing or its spans must never fail the answer
+                attributes = sampling_attributes(prepared.params) if self.timings.tracer is not None else None
+                self.timings.finished(output, started, prepared.model, prepared.tenant, attributes, trace_context)
+            except Exception:
+                logger.exception("request %s: recording its timing failed", output.request_id)
 
         merger = OutputMerger(streams, on_first, on_close, on_finished)
         self._active.add(merger)

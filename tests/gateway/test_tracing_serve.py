@@ -177,3 +177,13 @@ def test_the_dashboard_lists_the_last_requests(http: httpx.Client) -> None:
     assert 0 < len(rows) <= 20 and rows[0]["request_id"].startswith(body["id"] + "-")
     assert rows[0]["queue_ms"] == body["usage"]["pagegate_timing"]["queue_ms"]
     assert rows[0]["prompt_tokens"] == 20 and rows[0]["completion_tokens"] == 8
+
+
+def test_chat_usage_carries_the_breakdown_too(http: httpx.Client, collector: Collector) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    response = http.post("/v1/chat/completions", json=body, headers=TIMING)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert set(answer["usage"]["pagegate_timing"]) == BREAKDOWN_KEYS
+    (span,) = collector.request_spans(answer["id"])
+    assert span["attributes"]["gen_ai.usage.completion_tokens"] == answer["usage"]["completion_tokens"]
