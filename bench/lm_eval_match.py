@@ -17,6 +17,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagegate.testing.launcher import ServerProcess
@@ -50,7 +51,7 @@ def write_task(folder: Path, items: int, seed: int = 0) -> Path:
         choices = [a + b, *wrong]
         rng.shuffle(choices)
         rows.append({"question": f"Question: What is {a} plus {b}?\nAnswer:",
-                     "choices": [f" {c}" for c in choices], "answer": choices.index(a + b)})
+                     "choices": [str(c) for c in choices], "answer": choices.index(a + b)})
     data = folder / "sums.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data.resolve()))
@@ -77,18 +78,27 @@ def hf_folder(model: Path, cache: Path) -> Path:
     return target
 
 
-def lm_eval(model: str, model_args: str, tasks: Path, out: Path, *extra: str) -> dict[str, float]:
-    """Run the `lm_eval` command; the task's metrics."""
+@dataclass
+class Scores:
+    metrics: dict[str, float]  # acc, acc_norm
+    loglikelihoods: list[list[float]]  # per item (in doc order), each choice's
+
+
+def lm_eval(model: str, model_args: str, tasks: Path, out: Path, *extra: str) -> Scores:
+    """Run the `lm_eval` command; the task's metrics and every choice's loglikelihood."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
-                    "--tasks", TASK, "--include_path", str(tasks), "--output_path", str(out), *extra],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+                    "--tasks", TASK, "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
+                    *extra], check=True, env=env, stdout=subprocess.DEVNULL)
     result = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
-    return {name.split(",")[0]: value for name, value in result.items() if name.split(",")[0] in ("acc", "acc_norm")}
+    samples = [json.loads(line) for line in next(out.rglob(f"samples_{TASK}_*.jsonl")).read_text().splitlines()]
+    return Scores({name.split(",")[0]: value for name, value in result.items()
+                   if name.split(",")[0] in ("acc", "acc_norm")},
+                  [[float(r[0]) for r in s["filtered_resps"]] for s in sorted(samples, key=lambda s: s["doc_id"])])
 
 
-def compare(model: Path, items: int, work: Path) -> dict[str, dict[str, float]]:
-    """{"served": metrics, "hf": metrics} on the same folder and task."""
+def compare(model: Path, items: int, work: Path) -> dict[str, Scores]:
+    """{"served": scores, "hf": scores} on the same folder and task."""
     folder = hf_folder(model, work)
     tasks = write_task(work / "tasks", items)
     with ServerProcess([str(folder), "--dtype", "float32", "--device", "cpu", "--grpc-port", "0",
@@ -96,7 +106,9 @@ def compare(model: Path, items: int, work: Path) -> dict[str, dict[str, float]]:
         served = lm_eval("local-completions",
                          f"base_url={server.base_url}/v1/completions,tokenizer_backend=remote,tokenized_requests=True,"
                          "num_concurrent=2,max_retries=1", tasks, work / "served", "--batch_size", "4")
-    hf = lm_eval("hf", f"pretrained={folder},dtype=float32", tasks, work / "hf", "--device", "cpu",
+    # lm-eval's hf backend encodes with the tokenizer's special tokens (a BOS, for some), local-completions'
+    # remote tokenizer without: the same tokens on both sides need add_bos_token=False
+    hf = lm_eval("hf", f"pretrained={folder},dtype=float32,add_bos_token=False", tasks, work / "hf", "--device", "cpu",
                  "--batch_size", "8")
     return {"served": served, "hf": hf}
 
@@ -109,9 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     scores = compare(args.model, args.items, args.work)
     print(f"{args.items} items of {TASK} on {args.model.name}")
-    for side, metrics in scores.items():
+    for side, score in scores.items():
         print(f"  lm_eval --model {'local-completions' if side == 'served' else 'hf':18s}" +
-              "  ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
+              "  ".join(f"{name} {value:.4f}" for name, value in score.metrics.items()))
+    gaps = [abs(a - b) for ours, theirs in zip(scores["served"].loglikelihoods, scores["hf"].loglikelihoods,
+                                               strict=True) for a, b in zip(ours, theirs, strict=True)]
+    print(f"  largest loglikelihood gap over {len(gaps)} choices: {max(gaps):.2e}")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ class ModelRunner:
         hidden = forward(self.model, self.kv_cache, step, self.native)
         compute_logits = (self.native or self.model).compute_logits
         if any(s.request.scoring_prompt for s in seqs):
-            score_prompts(seqs, counts, starts, hidden, compute_logits)
+            score_prompts(seqs, counts, starts.tolist(), hidden, compute_logits)
         last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)
                 for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
         return compute_logits(hidden[last])

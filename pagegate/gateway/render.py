@@ -172,7 +172,7 @@ class Renderer(ABC):
         {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
         if output.prompt_logprobs is None:
             return None
-        return [lp and self.ranked_entries(lp) for lp in output.prompt_logprobs]
+        return [None if lp is None else self.ranked_entries(lp) for lp in output.prompt_logprobs]
 
     def ranked_entries(self, logprob: Logprob) -> dict[str, dict]:
         def entry(token_id: int, value: float, rank: int | None) -> dict:
