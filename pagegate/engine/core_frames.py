@@ -103,9 +103,10 @@ def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
 
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int,
-              cache_salt: str | None, pin: Pin | None = None) -> list[Any]:
+              cache_salt: str | None, pin: Pin | None = None, embed: bool = False) -> list[Any]:
+    """`embed`: an embedding request (its prompt pooled, not continued)."""
     wire_pin = [pin.key, pin.ttl_s] if pin is not None else None
-    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin]
+    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin, embed]
 
 
 # ---- the core's counts ---------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ class DeltaWriter:
         self._sent: dict[str, dict[int, list[int]]] = {}
 
     def delta(self, request: Request) -> list[Any]:
-        """[request id, finished, error, cached tokens, timings when finished, [choice deltas]]."""
+        """[request id, finished, error, cached tokens, timings when finished, [choice deltas], embedding]: the
+        embedding (little-endian float32 bytes) once an embedding request has it, else None."""
         sent = self._sent.setdefault(request.request_id, {})
         choices = []
         for seq in request.seqs if request.forked or request.params.n == 1 else ():
@@ -175,8 +177,9 @@ class DeltaWriter:
         if finished:
             self._sent.pop(request.request_id, None)
         error = error_to_wire(request.error) if request.error is not None else None
+        embedding = request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None
         return [request.request_id, request.finished, error, request.num_cached_tokens,
-                request.timings() if finished else None, choices]
+                request.timings() if finished else None, choices, embedding]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -196,7 +199,7 @@ class OutputAssembler:
     choices: dict[int, CompletionOutput] = field(default_factory=dict)
 
     def apply(self, delta: list[Any]) -> RequestOutput:
-        _, finished, error, cached, timings, choices = delta
+        _, finished, error, cached, timings, choices, *_ = delta  # an embedding's vector: embedding_of(delta)
         for index, token_ids, text, logprobs, finish_reason, stop_reason in choices:
             choice = self.choices.get(index)
             if choice is None:
@@ -210,3 +213,8 @@ class OutputAssembler:
         outputs = [self.choices[i] for i in sorted(self.choices)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, cached,
                              timings or {}, error[1] if error is not None else None)
+
+
+def embedding_of(delta: list[Any]) -> bytes | None:
+    """The embedding a finished embedding request's delta carries (little-endian float32), else None."""
+    return delta[6] if len(delta) > 6 else None

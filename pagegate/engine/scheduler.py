@@ -317,7 +317,8 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
         request = seq.request
-        hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1], request.root_hash)
+        # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
+        hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1] if not seq.pools else [], request.root_hash)
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
