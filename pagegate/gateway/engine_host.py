@@ -228,11 +228,15 @@ class EngineHost:
             return prepared.cache_salt
         return f"key:{prepared.tenant}:{prepared.cache_salt or ''}"
 
+    def check_generates(self) -> None:
+        """A 400 for a generation sent to an embedding server (--task embed)."""
+        check_task(self.generates, self.embeds, embed=False)
+
     def _check_runnable(self, prepared: PreparedRequest) -> None:
         """The engine's own checks of what the scheduler settings allow, made here before a stream starts
         (InvalidParamError: a 400)."""
         scheduler = self.engine_config.scheduler
-        check_task(self.generates, self.embeds, embed=False)
+        self.check_generates()
         check_priority(prepared.priority, scheduler.scheduling_policy)
         check_choices(prepared.params.n, scheduler.max_num_seqs)
 
