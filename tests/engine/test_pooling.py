@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import InvalidParamError
-from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.pooling import pool_rows
+from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sequence import Request, Sequence
 
 from .conftest import SavedModel
