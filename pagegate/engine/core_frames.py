@@ -150,7 +150,14 @@ def error_from_wire(wire: list[Any]) -> Exception:
 
 
 def _logprob_to_wire(logprob: Logprob) -> list[Any]:
-    return [logprob.token_id, logprob.logprob, logprob.top]
+    return [logprob.token_id, logprob.logprob, logprob.top, logprob.rank]
+
+
+def _logprob_from_wire(wire: list[Any] | None) -> Logprob | None:
+    return None if wire is None else Logprob(*wire)
+
+
+PROMPT_SENT = -1  # DeltaWriter's key (beside the choice indices) once a request's prompt logprobs went out
 
 
 class DeltaWriter:
@@ -160,8 +167,8 @@ class DeltaWriter:
         self._sent: dict[str, dict[int, list[int]]] = {}
 
     def delta(self, request: Request) -> list[Any]:
-        """[request id, finished, error, cached tokens, timings when finished, [choice deltas], embedding]: the
-        embedding (little-endian float32 bytes) once an embedding request has it, else None."""
+        """[request id, finished, error, cached tokens, timings when finished, [choice deltas], prompt logprobs
+        (once, when all are in), embedding (little-endian float32 bytes, once an embedding request has it)]."""
         sent = self._sent.setdefault(request.request_id, {})
         choices = []
         for seq in request.seqs if request.forked or request.params.n == 1 else ():
@@ -177,9 +184,13 @@ class DeltaWriter:
         if finished:
             self._sent.pop(request.request_id, None)
         error = error_to_wire(request.error) if request.error is not None else None
-        embedding = request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None
+        scored = request.scored_prompt if PROMPT_SENT not in sent else None
+        if scored is not None:
+            sent[PROMPT_SENT] = []
         return [request.request_id, request.finished, error, request.num_cached_tokens,
-                request.timings() if finished else None, choices, embedding]
+                request.timings() if finished else None, choices,
+                [lp and _logprob_to_wire(lp) for lp in scored] if scored is not None else None,
+                request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -197,9 +208,12 @@ class OutputAssembler:
     prompt: str | None
     prompt_token_ids: list[int]
     choices: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def apply(self, delta: list[Any]) -> RequestOutput:
-        _, finished, error, cached, timings, choices, *_ = delta  # an embedding's vector: embedding_of(delta)
+        _, finished, error, cached, timings, choices, prompt_logprobs, *_ = delta  # then an embedding: embedding_of
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = [_logprob_from_wire(lp) for lp in prompt_logprobs]
         for index, token_ids, text, logprobs, finish_reason, stop_reason in choices:
             choice = self.choices.get(index)
             if choice is None:
@@ -208,13 +222,13 @@ class OutputAssembler:
             choice.token_ids.extend(token_ids)
             choice.text += text
             if logprobs and choice.logprobs is not None:
-                choice.logprobs.extend(Logprob(t, lp, top) for t, lp, top in logprobs)
+                choice.logprobs.extend(Logprob(*wire) for wire in logprobs)
             choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
         outputs = [self.choices[i] for i in sorted(self.choices)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, cached,
-                             timings or {}, error[1] if error is not None else None)
+                             timings or {}, error[1] if error is not None else None, self.prompt_logprobs)
 
 
 def embedding_of(delta: list[Any]) -> bytes | None:
     """The embedding a finished embedding request's delta carries (little-endian float32), else None."""
-    return delta[6] if len(delta) > 6 else None
+    return delta[7] if len(delta) > 7 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -12,6 +13,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
+    rank: int | None = None  # the token's place in the model's distribution (1: the most likely); prompt tokens
 
 
 @dataclass
@@ -38,5 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # Request.timings(): core monotonic times, timeline
     error: str | None = None  # set when the request failed; the outputs are then incomplete
+    prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: one per prompt token, the first None

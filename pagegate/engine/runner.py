@@ -17,6 +17,7 @@ from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
+from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 
@@ -118,13 +119,16 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.channel.send(step)
         hidden = forward(self.model, self.kv_cache, step, self.native)
+        compute_logits = (self.native or self.model).compute_logits
+        if any(s.request.scoring_prompt for s in seqs):
+            score_prompts(seqs, counts, starts, hidden, compute_logits)
         if self.serves.pooling is not None:  # embedding requests' rows are pooled, not sampled
             pool_step(seqs, counts, starts, hidden, self.serves.pooling)
         last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
                 for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
         if not last:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
-        return (self.native or self.model).compute_logits(hidden[last])
+        return compute_logits(hidden[last])
 
     def close(self, graceful: bool = True) -> None:
         """End the tensor-parallel workers."""

@@ -19,6 +19,7 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.observe.stats import SchedulerStats
+from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
 from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
@@ -88,6 +89,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         if seq.handle != NO_PAGES:
+            seq.request.timeline.held(self.tables.num_blocks(seq.handle))
             self.tables.free_sequence(seq.handle)
             seq.handle = NO_PAGES
         if self.speculator is not None:
@@ -245,7 +247,9 @@ class Scheduler:
         victim.draft = []  # not scheduled this step: its guesses took no slots
         batch.preempted += 1
         self.num_preemptions += 1
+        pages = self.tables.num_blocks(victim.handle)
         if self._should_swap(victim, now):
+            victim.request.timeline.preempted(SWAP, now, pages, victim.index)
             pairs = self.tables.swap_out(victim.handle)
             batch.swap_out.append(pairs)
             self.num_swap_outs += 1
@@ -253,6 +257,7 @@ class Scheduler:
             victim.status = SeqStatus.SWAPPED
             self.swapped.append(victim)
             return
+        victim.request.timeline.preempted(RECOMPUTE, now, pages, victim.index)
         self.tables.free_sequence(victim.handle)
         victim.handle, victim.num_computed, victim.status = NO_PAGES, 0, SeqStatus.WAITING
         self.waiting.append(victim)  # NOTE: it keeps its arrival time, so it is first in line again
@@ -277,6 +282,7 @@ class Scheduler:
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.remove(seq)
             seq.status, seq.last_swap_in = SeqStatus.RUNNING, now
+            seq.request.timeline.resumed(seq.index, now)
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
@@ -317,8 +323,11 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
         request = seq.request
+        limit = len(seq.token_ids) - 1
+        if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
+            limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
-        hits, num_hit = self.pool.match_prefix(seq.token_ids[:-1] if not seq.pools else [], request.root_hash)
+        hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit] if not seq.pools else [], request.root_hash)
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
@@ -332,6 +341,9 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             request.num_cached_tokens = num_hit
+            request.timeline.prefix_hit_pages = len(hits)
+        else:  # a recomputed sequence comes back
+            request.timeline.resumed(seq.index, now)
         self._reserve(seq, n)
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING

@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from llguidance import LLMatcher
 
 from pagegate.core import NO_PAGES
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker
+from pagegate.engine.observe.timeline import Timeline
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
@@ -95,11 +97,25 @@ class Request:
     matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
     logit_bias: LogitBias | None = None  # params.logit_bias as tensors, built once
     pin: Pin | None = None  # hold the finished pages for the conversation's next turn
+    prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: scored so far (the first None)
+    timeline: Timeline = field(default_factory=Timeline)  # preemptions, prefix hits, pages held
     embed: bool = False  # an embedding request: its prompt is pooled, nothing is generated
     embedding: torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def scored_prompt(self) -> list[Logprob | None] | None:
+        """The prompt's logprobs once all are in."""
+        return None if self.scoring_prompt else self.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -112,11 +128,12 @@ class Request:
                                     list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
                    for s in self.seqs if self.forked or self.params.n == 1]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, self.finished,
-                             self.num_cached_tokens, self.timings(), self.error)
+                             self.num_cached_tokens, self.timings(), self.error, self.scored_prompt)
 
-    def timings(self) -> dict[str, float]:
-        out = {"arrival_time": self.arrival_time}
+    def timings(self) -> dict[str, Any]:
+        """Core monotonic times of its milestones, and its timeline (observe/timeline.py)."""
+        out: dict[str, Any] = {"arrival_time": self.arrival_time}
         for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        return out
+        return self.timeline.to_wire(out)

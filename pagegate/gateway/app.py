@@ -45,6 +45,7 @@ ROUTES = [
     Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
     Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
     Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
+    Route("/tokenizer_info", routes_ops.tokenizer_info, methods=["GET"]),
     Route("/health", routes_ops.health, methods=["GET"]),
     Route("/metrics", routes_ops.metrics, methods=["GET"]),
     Route("/version", routes_ops.version, methods=["GET"]),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -29,6 +31,7 @@ from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
 from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
+from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.gateway.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGEGATE_API_KEY"
@@ -135,9 +138,17 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--stream-chunk-rate", type=float, default=defaults.stream_chunk_rate,
                        help="streamed chunks per second across all streams (each of N streams sends at most "
                             "every N/rate s, several tokens per chunk under load); 0: a chunk per update")
+    group.add_argument("--shutdown-timeout", type=_non_negative, default=defaults.shutdown_timeout_s, metavar="S",
+                       help="on SIGTERM or Ctrl-C, seconds in-flight requests get to finish while /health and new "
+                            "requests get 503 (+ Retry-After); the rest then end with an error chunk. 0: end them at "
+                            "once. A second signal ends the drain")
     group.add_argument("--log-level", default=defaults.log_level,
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export a span per request (queue, prefill, decode, preemptions) over OTLP/HTTP to this "
+                            "collector, e.g. http://localhost:4318 (path /v1/traces unless given); needs "
+                            "pip install 'pagegate[otel]'")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="no live KV-page dashboard at /dashboard (and no feed under /dashboard/api/)")
     group.add_argument("--dashboard-max-viewers", type=_positive(int), default=defaults.dashboard_max_viewers,
@@ -174,6 +185,13 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
     return parse
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -222,7 +240,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             request_read_timeout_s=args.request_timeout,
                             idle_connection_timeout_s=args.idle_connection_timeout,
                             max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
-                            stream_chunk_rate=args.stream_chunk_rate, log_level=args.log_level,
+                            stream_chunk_rate=args.stream_chunk_rate, shutdown_timeout_s=args.shutdown_timeout,
+                            log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                             enable_dashboard=not args.disable_dashboard,
                             dashboard_max_viewers=args.dashboard_max_viewers,
                             chat_template=_read_template(args.chat_template), reasoning_parser=args.reasoning_parser,
@@ -246,24 +265,35 @@ def _read_template(path: str | None) -> str | None:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn, plus: a signal first ends every in-flight generation, and a clean stop exits 0."""
+    """uvicorn, plus: a signal first drains (--shutdown-timeout) or ends every in-flight generation, and only
+    then starts uvicorn's shutdown; a clean stop exits 0."""
 
-    def __init__(self, config: uvicorn.Config, host: EngineHost) -> None:
+    def __init__(self, config: uvicorn.Config, host: EngineHost, shutdown_timeout_s: float = 0.0) -> None:
         super().__init__(config)
         self.host = host
         self.exit_code = 0
+        self.graceful = GracefulShutdown(host, shutdown_timeout_s, self._stop_serving)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after the graceful stop.
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
-        self.should_exit = True
         loop = self.host.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self.host.drain)
+        if self.should_exit or loop is None or loop.is_closed():
+            self.should_exit = True
+            return
+        # A fresh context: the signal interrupted some request's task, whose request id the drain must not log.
+        loop.call_soon_threadsafe(self.graceful.on_signal, context=contextvars.Context())
+
+    def _stop_serving(self) -> None:
+        self.should_exit = True  # uvicorn's main loop sees it within 0.1 s and begins its shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.graceful.cancel()
+        await super().shutdown(sockets)
 
     def fail(self) -> None:
-        """The engine could not start: stop with a non-zero exit code."""
+        """The engine could not start or died: stop with a non-zero exit code."""
         self.exit_code = 1
         self.should_exit = True
 
@@ -282,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(rank, "env://", engine_config)
         return 0
     holder: list[GatewayServer] = []
-    app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    try:
+        app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+    except ImportError as error:  # --otlp-traces-endpoint without the OpenTelemetry SDK installed
+        raise SystemExit(str(error)) from None
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).
     uv_config = uvicorn.Config(RequestIdMiddleware(app), host=config.host, port=config.port, log_level=args.log_level,
@@ -294,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
     redact_access_log()  # after uvicorn.Config, which sets up uvicorn's loggers
-    server = GatewayServer(uv_config, app.state.host)
+    server = GatewayServer(uv_config, app.state.host, config.shutdown_timeout_s)
     holder.append(server)
     server.run()
     if not server.started and server.exit_code == 0:

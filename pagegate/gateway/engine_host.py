@@ -1,5 +1,5 @@
 """The gateway's only contact with the engine: load it off the event loop, report health, admit
-requests under --max-queue, start generations, end them all on shutdown."""
+requests under --max-queue, start generations, drain them on shutdown (pagegate.gateway.shutdown)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -15,6 +15,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.limits import check_choices, check_priority, check_task
 from pagegate.engine.observe.stats import EngineStats
+from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.core_client import CoreClient
@@ -22,12 +23,14 @@ from pagegate.gateway.engine_client import EngineClient
 from pagegate.gateway.errors import Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.replicas import Replicas
+from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
+from pagegate.gateway.tracing import RequestTracer, start_tracing
 
 logger = logging.getLogger("pagegate.gateway")
 
-LOADING, READY, FAILED, STOPPING = "loading", "ready", "failed", "stopping"
+LOADING, READY, DRAINING, FAILED, STOPPING = "loading", "ready", "draining", "failed", "stopping"
 MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
 
 
@@ -46,10 +49,13 @@ class EngineHost:
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self.num_rejected = 0
         self._active: set[OutputMerger] = set()
+        self._idle = asyncio.Event()  # set while no generation runs (a drain waits on it)
+        self._idle.set()
         # engine request id -> the identity of the API key that sent it: the dashboard names a request only
         # to viewers with the same key
         self.request_tenants: dict[str, str] = {}
         self._load_task: asyncio.Task | None = None
+        self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
         self.embedding_size: int | None = None  # the model's embedding size, from the warm-up (if it embeds)
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -121,20 +127,35 @@ class EngineHost:
         if self._on_fatal is not None:
             self._on_fatal()
 
-    def drain(self) -> None:
-        """Stop taking requests and end every running generation (the server is going down)."""
+    def begin_drain(self) -> None:
+        """Take no new request (503 + Retry-After, /health 503) while the running generations go on."""
+        if self.state == READY:
+            self.state, self.reason = DRAINING, "draining: finishing in-flight requests before shutting down"
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation runs, at most `timeout_s`; whether none does."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def end_all(self, message: str = "The server is shutting down.") -> None:
+        """Stop taking requests and end every running generation with an error (the server is going down);
+        their engine requests are aborted, which frees their pages."""
         if self.state == STOPPING:
             return
         self.state, self.reason = STOPPING, "shutting down"
         for merger in list(self._active):
-            merger.stop(ServiceUnavailable("The server is shutting down.", code="shutting_down"))
+            merger.stop(ServiceUnavailable(message, code="shutting_down"))
 
     async def stop(self) -> None:
-        self.drain()
+        self.end_all()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         if self.engine is not None:
             await self.engine.shutdown()
+            self.timings.shutdown()
             stats = self.stats()
             level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
             logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
@@ -148,6 +169,12 @@ class EngineHost:
 
     def require_engine(self) -> tuple[EngineClient, ModelContext]:
         """The running engine and its model, or a 503 that says why not."""
+        if self.state == DRAINING:
+            # NOTE: Connection: close, so a client's next request opens a connection the load balancer routes
+            # elsewhere instead of reusing this one.
+            raise ServiceUnavailable("The server is draining before a restart: retry on another replica.",
+                                     code="draining", headers={"Retry-After": str(self.config.retry_after_s),
+                                                               "Connection": "close"})
         if self.state != READY or self.engine is None or self.model is None:
             raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
         if not self.engine.is_running:
@@ -155,6 +182,8 @@ class EngineHost:
         return self.engine, self.model
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        if self.state == DRAINING:
+            return 503, {"status": self.state, "reason": self.reason, "in_flight": self.num_active}
         if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
@@ -172,6 +201,16 @@ class EngineHost:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    @property
+    def draining(self) -> bool:
+        return self.state == DRAINING
+
+    def engine_for_viewers(self) -> EngineClient:
+        """The engine, also while draining (the dashboard watches the drain); else require_engine's 503."""
+        if self.state == DRAINING and self.engine is not None and self.engine.is_running:
+            return self.engine
+        return self.require_engine()[0]
 
     def pages_summary(self) -> str:
         stats = self.stats()
@@ -249,9 +288,12 @@ class EngineHost:
         if self.engine is not None and self.engine.is_running:
             self.engine.unpin(key)
 
-    def generate(self, prepared: PreparedRequest, request_id: str) -> tuple[OutputMerger, list[str]]:
-        """Start one engine request per prompt; the merger yields their newest outputs."""
+    def generate(self, prepared: PreparedRequest, request_id: str,
+                 trace_context: Mapping[str, str] | None = None) -> tuple[OutputMerger, list[str]]:
+        """Start one engine request per prompt; the merger yields their newest outputs. `trace_context`: the
+        client's W3C trace headers, parents of the requests' spans (with --otlp-traces-endpoint)."""
         engine, _ = self.require_engine()
+        started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         salt = self.cache_salt(prepared)
@@ -270,6 +312,8 @@ class EngineHost:
 
         def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
             self._active.discard(merger)
+            if not self._active:
+                self._idle.set()
             for rid in ids:
                 self.request_tenants.pop(rid, None)
             for index in list(waiting):
@@ -277,8 +321,16 @@ class EngineHost:
             for index in unfinished:
                 self._abort(ids[index])
 
-        merger = OutputMerger(streams, on_first, on_close)
+        def on_finished(index: int, output: RequestOutput) -> None:
+            try:  # runs in the request's pump: its timing or its spans must never fail the answer
+                attributes = sampling_attributes(prepared.params) if self.timings.tracer is not None else None
+                self.timings.finished(output, started, prepared.model, prepared.tenant, attributes, trace_context)
+            except Exception:
+                logger.exception("request %s: recording its timing failed", output.request_id)
+
+        merger = OutputMerger(streams, on_first, on_close, on_finished)
         self._active.add(merger)
+        self._idle.clear()
         # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
         # in the order they are scheduled, so this one runs right after those steps.
         seqs = len(ids) * prepared.params.n
@@ -309,6 +361,11 @@ class EngineHost:
             self.engine.abort(request_id)
         except Exception as exc:  # the request may already be gone; never fail a cleanup over it
             logger.debug("abort %s: %s", request_id, exc)
+
+
+def start_tracer(endpoint: str | None) -> RequestTracer | None:
+    """The request tracer with --otlp-traces-endpoint; without it, OpenTelemetry is never imported."""
+    return start_tracing(endpoint) if endpoint else None
 
 
 async def start_engine(config: EngineConfig, data_parallel_size: int = 1) -> EngineClient:

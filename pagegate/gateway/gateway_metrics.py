@@ -29,6 +29,8 @@ class GatewayCollector:
                                 value=float(self.host.num_active))
         yield GaugeMetricFamily("pagegate:http_requests_pending", "Admitted requests without a first token yet.",
                                 value=float(self.host.num_pending))
+        yield GaugeMetricFamily("pagegate:server_draining", "1 while a stop signal drains in-flight requests "
+                                "(--shutdown-timeout): new ones get 503.", value=float(self.host.draining))
         yield CounterMetricFamily("pagegate:http_requests_rejected", "Requests refused with 429 (--max-queue).",
                                   value=float(self.host.num_rejected))
 

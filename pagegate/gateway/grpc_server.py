@@ -227,7 +227,7 @@ class GrpcServer:
         self.port = port
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """NOT_SERVING first, then let running calls end (they see UNAVAILABLE once the host drains)."""
+        """NOT_SERVING first, then let running calls end (they see UNAVAILABLE once the host ends them)."""
         await self.health.stop()
         await self.server.stop(grace_s)
         logger.info("gRPC server on %s stopped", self.address)

@@ -26,6 +26,8 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel], type[
     "/v1/models": ("get", "List the served models", None, schemas.ModelList, None),
     "/tokenize": ("post", "Tokenize a prompt or chat messages", TokenizeRequest, schemas.TokenizeResponse, None),
     "/detokenize": ("post", "Turn token ids back into text", DetokenizeRequest, schemas.DetokenizeResponse, None),
+    "/tokenizer_info": ("get", "The served tokenizer's special tokens and chat template", None,
+                        schemas.TokenizerInfo, None),
     "/health": ("get", "200 when serving, 503 while loading, stopping or when the engine died", None,
                 schemas.HealthResponse, None),
     "/version": ("get", "The server version", None, schemas.VersionResponse, None),

@@ -49,6 +49,8 @@ class TokenizerLike(Protocol):
     """What the gateway uses of a tokenizer (pagegate.engine.loading.tokenizer.Tokenizer fits)."""
 
     eos_token_ids: list[int]
+    special_tokens: dict[str, str | None]
+    chat_template: str | None
 
     @property
     def vocab_size(self) -> int: ...
@@ -158,12 +160,14 @@ def _workers() -> ThreadPoolExecutor:
 def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelContext) -> PreparedRequest:
     request = body if isinstance(body, CompletionRequest) else parse_request(CompletionRequest, body)
     name = model.resolve(request.model)
+    max_tokens = 1 if request.echo_only else request.max_tokens  # the engine samples one token, not returned
     prompts = []
     for item in _prompt_items(request.prompt):  # fail on the first prompt too long, before tokenizing the rest
-        prompt = _completion_prompt(item, model, request.max_tokens)
-        check_context(len(prompt.token_ids), request.max_tokens, model.max_model_len, "prompt")
+        prompt = _completion_prompt(item, model, max_tokens)
+        check_context(len(prompt.token_ids), max_tokens, model.max_model_len, "prompt")
         prompts.append(prompt)
-    params = sampling_params(request, model, request.max_tokens, request.logprobs)
+    scored = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+    params = sampling_params(request, model, max_tokens, request.logprobs, max(scored) if scored else None)
     params.structured_outputs = structured_outputs(request, model)
     return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
 
@@ -179,7 +183,7 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
     check_tool_schemas(request.tools or [], model)  # compiling is the slow part: only once the cheap checks pass
     top = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, model, limit, top)
+    params = sampling_params(request, model, limit, top, request.prompt_logprobs)
     params.structured_outputs = structured_outputs(request, model, _tool_constraint(request, offered))
     if params.structured_outputs is not None and model.reasoning_parser is not None:
         params.grammar_after_token = reasoning_end(prompt, model)
@@ -290,7 +294,8 @@ def _cut_after_final(text: str, final: str) -> str:
 
 
 def sampling_params(
-    request: SamplingFields, model: ModelContext, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields, model: ModelContext, max_tokens: int | None, logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """OpenAI fields -> SamplingParams; out-of-range combinations surface as InvalidParamError (400)."""
     stop_token_ids = request.stop_token_ids or []
@@ -318,6 +323,7 @@ def sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

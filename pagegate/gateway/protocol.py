@@ -175,6 +175,9 @@ class SamplingFields(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="Score the prompt: each prompt token's logprob and this many top alternatives "
+                          "(not with stream).")
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32, description="At most max_tokens."), INTEGRAL] = 0
@@ -202,6 +205,8 @@ class SamplingFields(StrictModel):
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
 
@@ -212,7 +217,8 @@ class CompletionRequest(SamplingFields):
     unsupported: ClassVar[frozenset[str]] = frozenset({"suffix"})
 
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=INT32, description="0 only with echo: the prompt is scored, "
+                                                                 "nothing generated."), INTEGRAL] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     # JSON Schema cannot compare two fields, so only the description carries this rule; the server checks it.
@@ -223,7 +229,14 @@ class CompletionRequest(SamplingFields):
     def _best_of_is_n(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (the prompt is returned, nothing is generated)")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: only the prompt (and its logprobs) comes back."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(StrictModel):

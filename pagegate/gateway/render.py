@@ -12,10 +12,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagegate.engine.observe.timeline import merged_breakdown
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, AnswerSplitter, Reasoning, split_answer
 from pagegate.gateway.prepare import PreparedRequest, TokenizerLike
 from pagegate.gateway.protocol import CompletionRequest
+from pagegate.gateway.request_timing import timing_of
 from pagegate.gateway.tool_formats import ParsedCall
 
 TokenText = Callable[[int], str]
@@ -50,6 +52,7 @@ class Renderer(ABC):
     latest: dict[int, RequestOutput] = field(default_factory=dict)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     widths: dict[int, int] = field(default_factory=dict)
+    timing: bool = False  # X-Pagegate-Timing: the finished usage carries `pagegate_timing`
 
     object_name = ""
     chunk_object = ""
@@ -105,9 +108,18 @@ class Renderer(ABC):
         prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prepared.prompts)
         completion_tokens = sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.latest.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.timing and (breakdown := self.timing_breakdown()) is not None:
+            usage["pagegate_timing"] = breakdown
+        return usage
+
+    def timing_breakdown(self) -> dict | None:
+        """Where the time went (request_timing.py), once every prompt has finished; None before."""
+        timings = [timing_of(out) for out in self.latest.values()]
+        if len(timings) < len(self.prepared.prompts) or any(t is None for t in timings):
+            return None
+        return merged_breakdown([t for t in timings if t is not None])
 
     def usage_chunk(self) -> dict:
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created,
@@ -154,6 +166,21 @@ class Renderer(ABC):
         fresh = (completion.logprobs or [])[state.tokens_sent:]
         state.tokens_sent += len(fresh)
         return fresh
+
+    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token (the first null), the token's and the top alternatives'
+        {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
+        if output.prompt_logprobs is None:
+            return None
+        return [lp and self.ranked_entries(lp) for lp in output.prompt_logprobs]
+
+    def ranked_entries(self, logprob: Logprob) -> dict[str, dict]:
+        def entry(token_id: int, value: float, rank: int | None) -> dict:
+            return {"logprob": finite_logprob(value), "rank": rank, "decoded_token": self.token_text(token_id)}
+        entries = {str(logprob.token_id): entry(logprob.token_id, logprob.logprob, logprob.rank)}
+        for rank, (token_id, value) in enumerate(logprob.top.items(), 1):
+            entries.setdefault(str(token_id), entry(token_id, value, rank))
+        return entries
 
     def ordered(self, finals: dict[int, RequestOutput]) -> list[tuple[int, int, CompletionOutput]]:
         self.latest.update(finals)
@@ -225,8 +252,10 @@ class CompletionRenderer(Renderer):
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        text = self.next_text(state, c)
-        fresh = self.next_logprobs(state, c)
+        text, fresh = self.next_text(state, c), self.next_logprobs(state, c)
+        if self.request.echo_only:  # the engine's one token is not part of the answer
+            text, fresh = "", []
+        first = not state.started
         prefix, prompt_lp = self.echo_prefix(state, prompt_index)
         state.started = True
         state.finished = c.finished
@@ -235,17 +264,34 @@ class CompletionRenderer(Renderer):
         logprobs = None
         if self.prepared.params.logprobs is not None:
             logprobs = self.logprobs_block(state, prompt_lp + [(lp.token_id, lp) for lp in fresh])
-        return [{"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": c.finish_reason}]
+        delta = {"index": index, "text": prefix + text, "logprobs": logprobs,
+                 "finish_reason": "length" if c.finished and self.request.echo_only else c.finish_reason}
+        if first and self.request.prompt_logprobs is not None:
+            delta["prompt_logprobs"] = self.prompt_logprobs(self.latest[prompt_index])
+        return [delta]
+
+    @property
+    def request(self) -> CompletionRequest:
+        assert isinstance(self.prepared.request, CompletionRequest)
+        return self.prepared.request
+
+    def usage(self) -> dict:
+        usage = super().usage()
+        if self.request.echo_only:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
 
     def echo_prefix(self, state: ChoiceState, prompt_index: int) -> tuple[str, list[tuple[int, Logprob | None]]]:
-        request = self.prepared.request
-        if state.started or not (isinstance(request, CompletionRequest) and request.echo):
+        """echo: the prompt's text, and its tokens with their logprobs (the first has none, as OpenAI's)."""
+        if state.started or not self.request.echo:
             return "", []
         prompt_ids = self.prepared.prompts[prompt_index].token_ids
-        return self.prompt_text(prompt_index), [(token_id, None) for token_id in prompt_ids]
+        scored = self.latest[prompt_index].prompt_logprobs or [None] * len(prompt_ids)
+        return self.prompt_text(prompt_index), list(zip(prompt_ids, scored, strict=True))
 
     def logprobs_block(self, state: ChoiceState, rows: list[tuple[int, Logprob | None]]) -> dict:
-        """OpenAI's legacy shape; prompt tokens (echo) carry null logprobs (the engine has no prompt logprobs)."""
+        """OpenAI's legacy shape; the prompt's first token (echo) has a null logprob."""
         block: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, logprob in rows:
             token = self.token_text(token_id)
@@ -334,6 +380,8 @@ class ChatRenderer(Renderer):
                             "finish_reason": finish_reason(completion.finish_reason, bool(message["tool_calls"]))})
         body = self.envelope(self.object_name, choices)
         body["usage"] = self.usage()
+        if self.prepared.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(finals[0])
         return body
 
     def message(self, completion: CompletionOutput) -> dict:

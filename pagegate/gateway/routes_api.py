@@ -17,6 +17,7 @@ from pagegate.gateway.errors import to_api_error
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
 from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
 from pagegate.gateway.request_id import request_id_of
+from pagegate.gateway.request_timing import trace_headers, wants_timing
 from pagegate.gateway.streaming import OutputMerger, collect, stream_body
 
 T = TypeVar("T")
@@ -44,8 +45,9 @@ async def _generate(
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
     host.admit(prepared)
-    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}")
-    merger, _ = host.generate(prepared, renderer.request_id)
+    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}",
+                            timing=wants_timing(request.headers))
+    merger, _ = host.generate(prepared, renderer.request_id, trace_headers(request.headers))
     msgpack_out = wants_msgpack(request)
     if prepared.stream:
         return _stream(merger, renderer, msgpack_out, host.stream_pace)

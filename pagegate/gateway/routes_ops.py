@@ -1,4 +1,4 @@
-"""Operational routes: /health, /metrics, /version, /tokenize, /detokenize, /openapi.json."""
+"""Operational routes: /health, /metrics, /version, /tokenize, /detokenize, /tokenizer_info, /openapi.json."""
 
 from __future__ import annotations
 
@@ -73,3 +73,15 @@ def _detokenize(body: Any, model: ModelContext) -> str:
     model.resolve(req.model)
     check_token_ids(req.tokens, model.vocab_size, "tokens")
     return model.require_tokenizer("tokens").decode(req.tokens)
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's /tokenizer_info: what a client needs to use the served tokenizer remotely (lm-eval's
+    `tokenizer_backend=remote` reads the special tokens and the chat template; /tokenize does the rest)."""
+    host: EngineHost = request.app.state.host
+    _, model = host.require_engine()
+    tokenizer = model.require_tokenizer("model")
+    body = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
+            "eos_token_ids": tokenizer.eos_token_ids, "chat_template": tokenizer.chat_template,
+            "model_max_length": model.max_model_len, "vocab_size": tokenizer.vocab_size}
+    return render(body, msgpack_body=wants_msgpack(request))

@@ -28,11 +28,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, keyed by token id: the prompt token's and the top alternatives'."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token; the first is null
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -90,6 +102,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -162,6 +175,21 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    sep_token: str | None
+    cls_token: str | None
+    mask_token: str | None
+    eos_token_ids: list[int]
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class HealthResponse(BaseModel):

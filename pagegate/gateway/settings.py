@@ -29,7 +29,12 @@ class GatewayConfig:
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
     stream_chunk_rate: float = 500.0
-    drain_timeout_s: float = 10.0  # after SIGTERM, how long in-flight responses get to end
+    # On SIGTERM / Ctrl-C, seconds in-flight requests get to finish (new ones get 503) before the rest are ended;
+    # 0, vLLM's default: end them at once.
+    shutdown_timeout_s: float = 0.0
+    # Then uvicorn's graceful shutdown: how long open responses get to send their last bytes before it cancels them.
+    drain_timeout_s: float = 10.0
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: no tracing
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
     dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After
     # Chat: the template (None: the model's own), how <think> blocks and tool calls are read from answers.

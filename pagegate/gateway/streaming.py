@@ -31,6 +31,7 @@ class OutputMerger:
         streams: list[AsyncIterator[RequestOutput]],
         on_first: Callable[[int], None],
         on_close: Callable[[OutputMerger, set[int]], None],
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
     ) -> None:
         self._latest: dict[int, RequestOutput] = {}
         self._wake = asyncio.Event()
@@ -39,6 +40,7 @@ class OutputMerger:
         self._finished: set[int] = set()
         self._on_first = on_first
         self._on_close = on_close
+        self._on_finished = on_finished  # each request's final output, once (its timing: request_timing.py)
         self._closed = False
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
@@ -51,6 +53,8 @@ class OutputMerger:
                     self._on_first(index)
                 if output.finished:
                     self._finished.add(index)
+                    if self._on_finished is not None:
+                        self._on_finished(index, output)
                 self._latest[index] = output
                 self._wake.set()
         except asyncio.CancelledError:

@@ -75,7 +75,7 @@ class ThreadedServer:
         return asyncio.run_coroutine_threadsafe(call(), self.app.state.host.loop).result(DEADLINE_S)
 
     def stop(self) -> None:
-        self.on_loop(self.app.state.host.drain)  # as SIGTERM does: the feeds end, so uvicorn can stop
+        self.on_loop(self.app.state.host.end_all)  # as SIGTERM does: the feeds end, so uvicorn can stop
         self.server.should_exit = True
         self.thread.join(DEADLINE_S)
 

@@ -45,6 +45,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string or stop token that ended a choice
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many top alternatives
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
     grammar_after_token: int | None = None  # the grammar applies after this token (the end of a <think> block)
@@ -82,6 +83,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
             (len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias",

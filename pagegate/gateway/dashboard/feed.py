@@ -10,6 +10,7 @@ dropped once VIEWER_BUFFER_FRAMES frames wait for it, so a viewer costs a few ap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.gateway.dashboard.frames import Audience, FrameEncoder
 from pagegate.gateway.dashboard.history import HISTORY_INTERVAL_S, History
-from pagegate.gateway.engine_host import READY, STOPPING, EngineHost
+from pagegate.gateway.engine_host import DRAINING, READY, STOPPING, EngineHost
 from pagegate.gateway.errors import ServiceUnavailable
 
 logger = logging.getLogger("pagegate.gateway")
@@ -95,7 +96,7 @@ class DashboardFeed:
     async def sample_history(self) -> None:
         """Forever (cancelled at shutdown): one sample of the engine's counts per second."""
         while True:
-            stats = self.host.stats() if self.host.state == READY else None
+            stats = self.host.stats() if self.host.state in (READY, DRAINING) else None
             if stats is not None:
                 self.history.sample(stats, time.time())
             await asyncio.sleep(HISTORY_INTERVAL_S)
@@ -173,9 +174,12 @@ class DashboardFeed:
 
     async def _ask_engine(self) -> PoolSnapshot:
         try:
-            engine, _ = self.host.require_engine()
-            self.latest = await asyncio.wait_for(engine.pool_snapshot(), SNAPSHOT_TIMEOUT_S)
-            return self.latest
+            engine = self.host.engine_for_viewers()  # the drain is worth watching
+            snapshot = await asyncio.wait_for(engine.pool_snapshot(), SNAPSHOT_TIMEOUT_S)
+            if self.host.draining:  # the badge says what /health says
+                snapshot = dataclasses.replace(snapshot, health="DRAINING", health_reason=self.host.reason)
+            self.latest = snapshot
+            return snapshot
         finally:
             self._pending = None
 

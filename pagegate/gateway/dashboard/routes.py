@@ -1,5 +1,5 @@
 """GET /dashboard (the page), /dashboard/static/* (its files), and the data under /dashboard/api/, which needs
-the API key when the server has one (auth.py): the SSE feed and the two hover queries. With several keys a
+the API key when the server has one (auth.py): the SSE feed, the two hover queries and the recent requests. With several keys a
 viewer sees only its own key's request ids; other requests are listed and counted, not named."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def dashboard_routes() -> list[BaseRoute]:
         Route(API_PREFIX + "feed", feed, methods=["GET"]),
         Route(API_PREFIX + "pages", request_pages, methods=["GET"]),
         Route(API_PREFIX + "page", page_holders, methods=["GET"]),
+        Route(API_PREFIX + "recent", recent_requests, methods=["GET"]),
     ]
 
 
@@ -85,6 +86,14 @@ async def request_pages(request: Request) -> Response:
     visible = shown_id(request_id, audience(request), request.app.state.host.request_tenants) is not None
     device, cpu = (snapshot.pages_of(request_id) if visible else None) or ((), ())  # another key's: as if gone
     return JSONResponse({"request": request_id, "pages": list(map(int, device)), "cpu_pages": list(map(int, cpu))})
+
+
+async def recent_requests(request: Request) -> Response:
+    """The last finished requests, newest first, each with where its time went (request_timing.py); the page
+    polls it. Other keys' requests are listed without their ids."""
+    seen_by = audience(request)
+    rows = request.app.state.host.timings.rows(seen_by, every_id=seen_by is EVERY_ID)
+    return JSONResponse({"requests": rows}, headers={"Cache-Control": "no-store"})
 
 
 async def page_holders(request: Request) -> Response:

@@ -8,6 +8,8 @@
 (() => {
   const KEY_STORE = "pagegate.apiKey";
   const FEED = "/dashboard/api/feed";
+  const RECENT = "/dashboard/api/recent";
+  const RECENT_POLL_MS = 2000;
   const RETRY_MS = 1000;
   const HISTORY_POINTS = 300;
   const CACHED = 0x80;
@@ -163,6 +165,7 @@
   let frames = 0;
   let hovered = null; // { request, fetchedAt }
   let renderQueued = false;
+  let recentPolling = false;
 
   const percent = (v) => (v === null || v === undefined ? "–" : `${(v * 100).toFixed(1)}%`);
   const number = (v) => v.toLocaleString("en-US");
@@ -284,6 +287,31 @@
     queueRender();
   }
 
+  // ---- the last finished requests: where each one's time went ----------------------------------------------
+  async function pollRecent() {
+    const body = document.hidden ? null : await getJSON(RECENT).catch(() => null);
+    if (body) showRecent(body.requests);
+    setTimeout(pollRecent, RECENT_POLL_MS);
+  }
+
+  function showRecent(rows) {
+    const ms = (v) => v.toFixed(v < 10 ? 1 : 0);
+    $("recent-rows").replaceChildren(...rows.map((r) => {
+      const tr = document.createElement("tr");
+      const cells = [r.request_id ?? "another key's request", `${r.prompt_tokens} · ${r.completion_tokens}`,
+        ms(r.queue_ms), ms(r.prefill_ms), ms(r.decode_ms), ms(r.preempted_ms), `${r.preemptions} · ${r.swaps}`,
+        r.prefix_hit_pages, r.pages_held];
+      cells.forEach((text, i) => {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (i === 0) { td.className = "rid"; td.title = text; }
+        tr.append(td);
+      });
+      return tr;
+    }));
+    root.dataset.recentRequests = rows.length;
+  }
+
   function maskOf(pages, n) {
     const mask = new Uint8Array(n);
     for (const page of pages) if (page < n) mask[page] = 1;
@@ -399,6 +427,7 @@
       return;
     }
     setConnection("live");
+    if (!recentPolling) { recentPolling = true; pollRecent(); }
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     try {

@@ -1,0 +1,242 @@
+"""--shutdown-timeout: SIGTERM drains. /health and new requests get 503 (gRPC: UNAVAILABLE) at once, live streams
+over REST SSE, msgpack and gRPC run to their end (or, past the timeout, end with an error), and the server exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagegate.clients import GrpcClient, MsgpackClient
+from pagegate.clients.errors import PagegateError
+from pagegate.gateway.cli import build_parser, configs_from_args
+from pagegate.gateway.shutdown import GracefulShutdown
+from pagegate.testing.launcher import ServerProcess, free_port
+from tests.gateway.conftest import metric_value
+from tests.gateway.server_args import server_args
+
+NUM_STREAMS = 32
+TRANSPORTS = ("sse", "msgpack", "grpc")
+
+
+@dataclass
+class StreamResult:
+    transport: str
+    started: threading.Event = field(default_factory=threading.Event)  # its first token has arrived
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: BaseException | None = None
+    ended_at: float | None = None
+
+
+def _chunks(transport: str, server: ServerProcess, grpc_port: int, max_tokens: int, index: int) -> Iterator[Any]:
+    """One streamed completion's chunks as dicts, whatever the transport."""
+    params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                              "stream_options": {"include_usage": True}}
+    prompt = f"Stream {index} says"
+    if transport == "sse":
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt=prompt, stream=True, max_tokens=max_tokens,
+                                           temperature=0.0, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        for chunk in stream:
+            yield chunk.model_dump()
+    elif transport == "msgpack":
+        with MsgpackClient(server.base_url, timeout=120) as client:
+            yield from client.stream_completions(prompt, **params)
+    else:
+        with GrpcClient(f"127.0.0.1:{grpc_port}", timeout=120) as client:
+            yield from client.stream_completions(prompt, **params)
+
+
+def _run_stream(result: StreamResult, chunks: Callable[[], Iterator[Any]]) -> None:
+    try:
+        for chunk in chunks():
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                result.started.set()
+            if choices and choices[0].get("finish_reason"):
+                result.finish_reason = choices[0]["finish_reason"]
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+    except BaseException as exc:  # noqa: B036 - the test reads it
+        result.error = exc
+    finally:
+        result.ended_at = time.monotonic()
+        result.started.set()
+
+
+def _start_streams(server: ServerProcess, grpc_port: int, count: int,
+                   max_tokens: int) -> tuple[list[StreamResult], list[threading.Thread]]:
+    results = [StreamResult(TRANSPORTS[i % len(TRANSPORTS)]) for i in range(count)]
+    threads = []
+    for i, result in enumerate(results):
+        def chunks(t: str = result.transport, i: int = i) -> Iterator[Any]:
+            return _chunks(t, server, grpc_port, max_tokens, i)
+
+        threads.append(threading.Thread(target=_run_stream, args=(result, chunks), daemon=True))
+        threads[-1].start()
+    for result in results:
+        assert result.started.wait(90), "a stream never started"
+    assert not [r for r in results if r.error is not None], [repr(r.error) for r in results if r.error][:3]
+    return results, threads
+
+
+def _server(shutdown_timeout_s: float) -> tuple[ServerProcess, int]:
+    grpc_port = free_port()
+    args = server_args("--num-kv-blocks", "1024", "--max-num-seqs", str(NUM_STREAMS), "--max-model-len", "2048",
+                       "--grpc-port", str(grpc_port), "--shutdown-timeout", str(shutdown_timeout_s))
+    return ServerProcess(args).start(), grpc_port
+
+
+def _wait_health_503(server: ServerProcess, within_s: float = 1.0) -> dict:
+    deadline = time.monotonic() + within_s
+    while True:
+        response = httpx.get(server.base_url + "/health", timeout=2)
+        if response.status_code == 503 or time.monotonic() > deadline:
+            assert response.status_code == 503, response.text
+            return response.json()
+        time.sleep(0.01)
+
+
+def _assert_new_requests_refused(server: ServerProcess, grpc_port: int) -> None:
+    body = {"prompt": "late", "max_tokens": 4}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=10)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+    assert response.json()["error"]["code"] == "draining", response.text
+    assert response.headers["connection"] == "close"  # the client's next request opens a connection elsewhere
+    with MsgpackClient(server.base_url, timeout=10) as client, pytest.raises(PagegateError) as refused:
+        client.completions("late", max_tokens=4)
+    assert refused.value.status_code == 503 and refused.value.code == "draining"
+    with GrpcClient(f"127.0.0.1:{grpc_port}", timeout=10) as client, pytest.raises(PagegateError) as refused:
+        client.completions("late", max_tokens=4)
+    assert refused.value.grpc_code == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert refused.value.retry_after == 1.0
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, "pagegate:server_draining") == 1
+
+
+def test_sigterm_drains_32_live_streams_to_their_end() -> None:
+    server, grpc_port = _server(60)
+    max_tokens = 160  # long enough that the drain outlasts the checks of /health and of new requests
+    try:
+        results, threads = _start_streams(server, grpc_port, NUM_STREAMS, max_tokens)
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        report = _wait_health_503(server)
+        assert report["status"] == "draining" and report["in_flight"] > 0, report
+        _assert_new_requests_refused(server, grpc_port)
+        assert server.process.wait(60) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < 40
+        for thread in threads:
+            thread.join(5)
+        bad = [(r.transport, repr(r.error), r.finish_reason, r.completion_tokens) for r in results
+               if r.error is not None or r.finish_reason != "length" or r.completion_tokens != max_tokens]
+        assert not bad, (bad[:4], server.log()[-3000:])
+        log = server.log()
+        assert "drained: every in-flight request finished" in log and ", 0 in use" in log, log[-3000:]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_short_timeout_ends_long_streams_with_an_error_and_exits_0(sig: signal.Signals) -> None:
+    server, grpc_port = _server(1.0)
+    try:
+        results, threads = _start_streams(server, grpc_port, 6, 1500)
+        assert server.process is not None
+        server.process.send_signal(sig)
+        signalled = time.monotonic()
+        _wait_health_503(server)
+        for thread in threads:
+            thread.join(20)
+        assert server.process.wait(30) == 0, server.log()[-3000:]
+        for result in results:
+            assert result.ended_at is not None and result.ended_at - signalled < 10, result
+            assert result.finish_reason is None, result
+            assert isinstance(result.error, (openai.APIError, PagegateError)), repr(result.error)
+            assert "shutting down" in str(result.error), repr(result.error)
+        log = server.log()
+        assert "drain timed out after 1 s: ending 6 request(s)\n" in log and ", 0 in use" in log, log[-3000:]
+    finally:
+        server.stop()
+
+
+def test_shutdown_timeout_flag() -> None:
+    parser = build_parser()
+    assert configs_from_args(parser.parse_args([]))[1].shutdown_timeout_s == 0.0  # vLLM's default: no drain
+    assert configs_from_args(parser.parse_args(["--shutdown-timeout", "30"]))[1].shutdown_timeout_s == 30.0
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--shutdown-timeout", bad])
+
+
+class FakeHost:
+    """The EngineHost calls GracefulShutdown makes, recorded."""
+
+    def __init__(self, state: str = "ready", busy_s: float = 10.0) -> None:
+        self.state = state
+        self.busy_s = busy_s  # how long the in-flight requests would take
+        self.calls: list[str] = []
+        self.num_active = 3
+
+    def begin_drain(self) -> None:
+        self.calls.append("begin_drain")
+        self.state = "draining"
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        await asyncio.sleep(min(timeout_s, self.busy_s))
+        return self.busy_s <= timeout_s
+
+    def end_all(self, message: str = "") -> None:
+        self.calls.append("end_all")
+
+
+def _signals(host: FakeHost, timeout_s: float, count: int, gap_s: float = 0.05) -> list[str]:
+    """Deliver `count` stop signals `gap_s` apart; what the host and the server saw, in order."""
+    async def run() -> None:
+        shutdown = GracefulShutdown(host, timeout_s, lambda: host.calls.append("stop_server"))  # type: ignore[arg-type]
+        for _ in range(count):
+            shutdown.on_signal()
+            await asyncio.sleep(gap_s)
+        if shutdown.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await shutdown.task
+
+    asyncio.run(run())
+    return host.calls
+
+
+def test_without_a_timeout_a_signal_ends_everything_at_once() -> None:
+    assert _signals(FakeHost(), 0, 1) == ["end_all", "stop_server"]
+
+
+def test_a_drain_stops_the_server_once_idle() -> None:
+    assert _signals(FakeHost(busy_s=0.01), 5, 1) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_drain_past_its_timeout_ends_the_rest() -> None:
+    assert _signals(FakeHost(busy_s=10), 0.1, 1, gap_s=0.2) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_second_signal_ends_the_drain_at_once() -> None:
+    assert _signals(FakeHost(busy_s=10), 30, 2) == ["begin_drain", "end_all", "stop_server"]
+
+
+def test_a_server_still_loading_stops_at_once() -> None:
+    assert _signals(FakeHost(state="loading"), 30, 1) == ["end_all", "stop_server"]

@@ -1,0 +1,95 @@
+"""Prompt logprobs through the server, in the shapes evaluation harnesses read: `echo` + `logprobs` on
+completions (lm-eval's local-completions), `max_tokens: 0`, vLLM's `prompt_logprobs`, and /tokenizer_info."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+import torch
+
+from pagegate.engine.loading.loader import DEFAULT_MODEL
+
+PROMPT = [(11 * i + 5) % 400 + 10 for i in range(30)]
+pytestmark = pytest.mark.skipif(bool(os.environ.get("PAGEGATE_TEST_MODEL")), reason="compares with the embedded model")
+
+
+@pytest.fixture(scope="module")
+def expected() -> torch.Tensor:
+    """log_softmax of a transformers forward of the embedded model over PROMPT: row p predicts token p + 1."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+
+
+def echo(client: openai.OpenAI, model: str, max_tokens: int, **extra: object):
+    return client.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=max_tokens,
+                                     temperature=0, **extra)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(client: openai.OpenAI, model: str,
+                                                    expected: torch.Tensor) -> None:
+    reply = echo(client, model, max_tokens=1)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(PROMPT) + 1  # the prompt, then the one generated token
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position, (value, top) in enumerate(zip(logprobs.token_logprobs[1:len(PROMPT)],
+                                                logprobs.top_logprobs[1:len(PROMPT)], strict=True)):
+        row = expected[position]
+        assert value == pytest.approx(row[PROMPT[position + 1]].item(), abs=1e-4)
+        assert max(top.values()) == pytest.approx(row.max().item(), abs=1e-4)  # lm-eval's greediness test
+        assert len(top) in (2, 3)  # the top two, and the prompt's token when it is not among them
+    assert reply.usage.completion_tokens == 1
+
+
+def test_max_tokens_0_returns_only_the_scored_prompt(client: openai.OpenAI, model: str) -> None:
+    with_token, only = echo(client, model, max_tokens=1), echo(client, model, max_tokens=0)
+    choice = only.choices[0]
+    assert choice.logprobs.token_logprobs == with_token.choices[0].logprobs.token_logprobs[:len(PROMPT)]
+    assert choice.text == with_token.choices[0].text[:len(choice.text)] and choice.finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.total_tokens == len(PROMPT)
+
+
+def test_a_streamed_echo_carries_the_same_logprobs(client: openai.OpenAI, model: str) -> None:
+    chunks = list(echo(client, model, max_tokens=2, stream=True))
+    streamed = [v for chunk in chunks for c in chunk.choices if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[:len(PROMPT)] == echo(client, model, max_tokens=2).choices[0].logprobs.token_logprobs[:len(PROMPT)]
+
+
+def test_vllms_prompt_logprobs_on_completions_and_chat(http: httpx.Client, model: str,
+                                                       expected: torch.Tensor) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
+    scored = http.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(PROMPT)
+    for position, entries in enumerate(scored[1:]):
+        token = PROMPT[position + 1]
+        first_key, first = next(iter(entries.items()))
+        assert first_key == str(token) and first["logprob"] == pytest.approx(expected[position, token].item(), abs=1e-4)
+        assert first["rank"] == int((expected[position] > expected[position, token]).sum()) + 1
+        top = expected[position].topk(2).indices.tolist()
+        assert {int(key) for key in entries} == {token, *top}
+        assert all(e["rank"] == top.index(int(key)) + 1 for key, e in entries.items() if int(key) != token)
+    chat = http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_bad_scoring_requests_are_400s(http: httpx.Client, model: str, body: dict, param: str) -> None:
+    reply = http.post("/v1/completions", json={"model": model, **body})
+    assert reply.status_code == 400, reply.text
+    assert param in reply.text
+
+
+def test_tokenizer_info_is_what_a_remote_tokenizer_needs(http: httpx.Client) -> None:
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0
+    assert http.post("/detokenize", json={"tokens": info["eos_token_ids"][:1]}).status_code == 200
