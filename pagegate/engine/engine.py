@@ -16,7 +16,7 @@ from pagegate.engine.intake import RequestIntake
 from pagegate.engine.observe import EngineHealth, EngineMonitor, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.postprocess import PostProcessor
-from pagegate.engine.runner import ModelRunner
+from pagegate.engine.runners import make_runner
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import Sampler, SampleResult, SamplingRow
 from pagegate.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = runner = ModelRunner(config)
+        self.runner = runner = make_runner(config)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
                                        runner.max_model_len, config.speculative, runner.draft)
@@ -40,7 +40,7 @@ class Engine:
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids = runner.model_config, runner.eos_token_ids
         self.intake = RequestIntake(runner.tokenizer, runner.model_config.vocab_size, runner.eos_token_ids,
-                                    runner.max_model_len, config.scheduler, runner.device)
+                                    runner.max_model_len, config.scheduler, runner.device, runner.serves)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)
         self.postprocessor = PostProcessor(runner.eos_token_ids, runner.max_model_len)
         self.metrics = self.monitor.metrics
@@ -118,6 +118,10 @@ class Engine:
         guessed for it: the next position counts while the sample equals the guess (speculation.py)."""
         members, row = [], 0
         for seq in sampling:
+            if seq.pools:  # an embedding request's prompt, pooled by the runner: it ends without a token
+                seq.status = SeqStatus.FINISHED
+                self.scheduler.free(seq)
+                continue
             group = self._fork(seq) if seq.request.params.n > 1 and not seq.request.forked else [seq]
             members += [(member, row) for member in group if seq.request.error is None]
             row += 1 + len(seq.draft)

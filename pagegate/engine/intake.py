@@ -11,9 +11,17 @@ from llguidance import LLMatcher
 from pagegate.config import SchedulerConfig
 from pagegate.core import compute_block_hash
 from pagegate.engine.errors import InvalidParamError
-from pagegate.engine.limits import check_choices, check_context, check_priority, check_token_ids
+from pagegate.engine.limits import (
+    check_choices,
+    check_context,
+    check_embedding_length,
+    check_priority,
+    check_task,
+    check_token_ids,
+)
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from pagegate.engine.pins import Pin
+from pagegate.engine.pooling import Serves
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
@@ -22,8 +30,10 @@ from pagegate.engine.sequence import Request, Sequence
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: list[int],
-                 max_model_len: int, scheduler: SchedulerConfig, device: torch.device) -> None:
+                 max_model_len: int, scheduler: SchedulerConfig, device: torch.device,
+                 serves: Serves | None = None) -> None:
         self.tokenizer = tokenizer
+        self.serves = serves or Serves()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.scheduler = scheduler
@@ -31,17 +41,25 @@ class RequestIntake:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer else None
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None) -> Request:
-        """Validate and tokenize; raises InvalidParamError for what the caller must fix."""
+                     priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
+                     embed: bool = False) -> Request:
+        """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
+        prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled."""
+        check_task(self.serves.generate, self.serves.pooling is not None, embed)
+        if embed and params.n != 1:
+            raise InvalidParamError("an embedding request has one choice", "n")
         text, token_ids = self._tokenize(prompt)
-        check_context(len(token_ids), params.max_tokens, self.max_model_len)
+        if embed:
+            check_embedding_length(len(token_ids), self.max_model_len)
+        else:
+            check_context(len(token_ids), params.max_tokens, self.max_model_len)
         check_priority(priority, self.scheduler.scheduling_policy)
         check_choices(params.n, self.scheduler.max_num_seqs)
         root = hash_salt(cache_salt) if cache_salt else 0
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
-                       logit_bias=bias, pin=pin)
+                       logit_bias=bias, pin=pin, embed=embed)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached)."""

@@ -45,3 +45,21 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
                                 f"priority; this one schedules {scheduling_policy}: leave priority at 0", "priority")
     if not low <= priority <= high:
         raise InvalidParamError(f"priority must be in [{low}, {high}], got {priority}", "priority")
+
+
+def check_task(generates: bool, pools: bool, embed: bool) -> None:
+    """A generation needs a generative server; an embedding a server that pools (--pooling, or --task embed)."""
+    if embed and not pools:
+        raise InvalidParamError("This server does not serve embeddings: start it with --pooling last|mean (a "
+                                "generative model) or --task embed (an embedding model).", "model",
+                                code="model_not_supported")
+    if not embed and not generates:
+        raise InvalidParamError("This server serves an embedding model (--task embed): it answers /v1/embeddings "
+                                "only, not generations.", "model", code="model_not_supported")
+
+
+def check_embedding_length(num_tokens: int, max_model_len: int, param: str = "input") -> None:
+    """An input to embed must fit the model's context whole (nothing is generated after it)."""
+    if num_tokens > max_model_len:
+        raise InvalidParamError(f"This model's maximum context length is {max_model_len} tokens. However, an input "
+                                f"has {num_tokens} tokens. Please shorten it.", param, code="context_length_exceeded")

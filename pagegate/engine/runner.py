@@ -16,6 +16,7 @@ from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, 
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
+from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
@@ -31,6 +32,9 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.pooling is not None and config.pooling not in GENERATIVE_POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(GENERATIVE_POOLING)}, got {config.pooling!r}")
+        self.serves = Serves(generate=True, pooling=config.pooling)
         self.device = resolve_device(config.device)
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size > 1:  # the workers load their slices while this rank loads its own
@@ -118,8 +122,12 @@ class ModelRunner:
         compute_logits = (self.native or self.model).compute_logits
         if any(s.request.scoring_prompt for s in seqs):
             score_prompts(seqs, counts, starts.tolist(), hidden, compute_logits)
-        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)
+        if self.serves.pooling is not None:  # embedding requests' rows are pooled, not sampled
+            pool_step(seqs, counts, starts, hidden, self.serves.pooling)
+        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
                 for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
+        if not last:
+            return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         return compute_logits(hidden[last])
 
     def close(self, graceful: bool = True) -> None:

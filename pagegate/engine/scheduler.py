@@ -326,7 +326,8 @@ class Scheduler:
         limit = len(seq.token_ids) - 1
         if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
             limit = min(limit, len(request.prompt_logprobs) - 1)
-        hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit], request.root_hash)
+        # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
+        hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit] if not seq.pools else [], request.root_hash)
         n = min(len(seq.token_ids) - num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back

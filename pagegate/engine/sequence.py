@@ -50,6 +50,12 @@ class Sequence:
     grammar_waits: bool = False  # the model is still reasoning: the grammar starts after grammar_after_token
     draft: list[int] = field(default_factory=list)  # tokens guessed for this step (pagegate/engine/speculation.py)
     draft_kept: int = 0  # of them, those the model agreed with so far
+    pool_sum: torch.Tensor | None = None  # mean pooling of an embedding request: its hidden states so far
+
+    @property
+    def pools(self) -> bool:
+        """An embedding request's prompt: pooled when computed, never sampled (pagegate/engine/pooling.py)."""
+        return self.request.embed
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -93,6 +99,8 @@ class Request:
     pin: Pin | None = None  # hold the finished pages for the conversation's next turn
     prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: scored so far (the first None)
     timeline: Timeline = field(default_factory=Timeline)  # preemptions, prefix hits, pages held
+    embed: bool = False  # an embedding request: its prompt is pooled, nothing is generated
+    embedding: torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

@@ -111,7 +111,7 @@ class Speculator:
         """Set `draft` of each decode in `running`, within `max_step_tokens` for the whole step; none when the batch
         is large enough that the step is bound by compute rather than by reading the weights (then guesses cost more
         than they save)."""
-        decodes = [seq for seq in running if seq.num_uncomputed == 1]
+        decodes = [seq for seq in running if seq.num_uncomputed == 1 and not seq.pools]  # not an embedding prompt's last
         for seq in running:
             seq.draft = []
         if len(decodes) > self.config.max_batch_size:

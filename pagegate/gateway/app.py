@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
-from pagegate.gateway import routes_api, routes_ops
+from pagegate.gateway import embeddings, routes_api, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
@@ -34,6 +34,7 @@ logger = logging.getLogger("pagegate.gateway")
 ROUTES = [
     Route("/v1/completions", routes_api.completions, methods=["POST"]),
     Route("/v1/chat/completions", routes_api.chat_completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
     Route("/v1/models", routes_api.models, methods=["GET"]),
     Route("/v1/models/{model:path}", routes_api.model_detail, methods=["GET"]),
     Route("/v1/responses", responses.create_response, methods=["POST"]),

@@ -68,6 +68,12 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
                             "a request goes to the core with the longest prefix hit, then the fewest pages in use")
     group.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s,
                        help="seconds a tensor-parallel collective may wait before the engine is declared dead")
+    group.add_argument("--task", choices=["generate", "embed"], default=EngineConfig.task,
+                       help="generate: a decoder (completions, chat; embeddings too with --pooling); embed: a BERT "
+                            "sentence encoder folder (sentence-transformers pooling), /v1/embeddings only")
+    group.add_argument("--pooling", choices=["last", "mean"], default=None,
+                       help="serve /v1/embeddings from the generative model: the last prompt token's final hidden "
+                            "state, or their mean, normalised (default: no embeddings)")
 
 
 def _cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -215,7 +221,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
-                          speculative=args.speculative_config, cache=cache, scheduler=scheduler)
+                          speculative=args.speculative_config, cache=cache, scheduler=scheduler, task=args.task,
+                          pooling=args.pooling)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])

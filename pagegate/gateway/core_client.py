@@ -32,11 +32,12 @@ from pagegate.engine.core_frames import (
     FrameReader,
     OutputAssembler,
     add_frame,
+    embedding_of,
     error_from_wire,
     framed,
 )
-from pagegate.engine.errors import EngineDeadError, InvalidParamError, ModelLoadError
-from pagegate.engine.limits import check_context, check_token_ids
+from pagegate.engine.errors import EngineDeadError, InvalidParamError, ModelLoadError, RequestFailedError
+from pagegate.engine.limits import check_context, check_embedding_length, check_token_ids
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -233,6 +234,38 @@ class CoreClient:
                 output = assembler.apply(item)
                 finished = output.finished
                 yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+            self._open_seqs.pop(request_id, None)
+
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+        """The prompt's embedding (little-endian float32), pooled in the core; leaving early aborts it."""
+        self._check_alive()
+        check_token_ids(token_ids, self.vocab_size, "input")
+        check_embedding_length(len(token_ids), self.max_model_len)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._open_seqs[request_id] = 1
+        self._seqs_sent += 1
+        self._send(add_frame(request_id, None, token_ids, SamplingParams(), priority, None, embed=True))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                finished = isinstance(item, BaseException) or item[2] is not None or item[1]
+                if isinstance(item, BaseException):
+                    raise item
+                if item[2] is not None:
+                    raise error_from_wire(item[2])
+                delta = item
+            vector = embedding_of(delta)
+            if vector is None:
+                raise RequestFailedError("the engine finished an embedding request without its embedding")
+            return vector
         finally:
             self._streams.pop(request_id, None)
             if not finished:

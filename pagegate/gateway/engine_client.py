@@ -35,6 +35,10 @@ class EngineClient(Protocol):
         request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""
         ...
 
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+        """The prompt's embedding (little-endian float32 bytes), pooled by the engine; cancelling aborts it."""
+        ...
+
     def abort(self, request_id: str) -> None: ...
 
     def unpin(self, key: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.limits import check_choices, check_priority
+from pagegate.engine.limits import check_choices, check_priority, check_task
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
@@ -56,6 +56,7 @@ class EngineHost:
         self.request_tenants: dict[str, str] = {}
         self._load_task: asyncio.Task | None = None
         self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
+        self.embedding_size: int | None = None  # the model's embedding size, from the warm-up (if it embeds)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -83,14 +84,30 @@ class EngineHost:
             logger.info(serving_line(self))
 
     async def _warm_up(self, engine: EngineClient) -> None:
-        """One short generation through the whole path, so the first client does not pay for lazy set-up."""
+        """One short generation (and embedding, where the server embeds) through the whole path, so the first
+        client does not pay for lazy set-up."""
         started = time.perf_counter()
         tokenizer = engine.tokenizer
         prompt = tokenizer.encode("Hello") if tokenizer is not None else [0]
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
-            pass
-        logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
+        if self.generates:
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
+                pass
+            logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
+        if self.embeds:
+            started = time.perf_counter()
+            self.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
+            logger.info("warm-up: a %d-dimensional embedding took %.0f ms", self.embedding_size,
+                        (time.perf_counter() - started) * 1000)
+
+    @property
+    def generates(self) -> bool:
+        return self.engine_config.task != "embed"
+
+    @property
+    def embeds(self) -> bool:
+        """Whether /v1/embeddings is served: an encoder (--task embed), or a decoder's pooled states (--pooling)."""
+        return self.engine_config.task == "embed" or self.engine_config.pooling is not None
 
     def _model_context(self, engine: EngineClient) -> ModelContext:
         names = tuple(self.config.served_model_names) or (engine.model_name,)
@@ -217,9 +234,19 @@ class EngineHost:
         """400 if n choices could never run at once; 429 unless the request's sequences (prompts x n) fit
         in the engine's free running slots plus --max-queue waiting ones; callers then start the generation
         at once. A 503 if the server began stopping while the request was being prepared."""
-        engine, _ = self.require_engine()
+        self.require_engine()
         self._check_runnable(prepared)
-        num_seqs = len(prepared.prompts) * prepared.params.n
+        self._check_queue(len(prepared.prompts) * prepared.params.n)
+
+    def admit_embeddings(self, num_inputs: int, priority: int) -> None:
+        """`admit` for an embedding request: 400 where the server does not embed, 429 past --max-queue."""
+        self.require_engine()
+        check_task(self.generates, self.embeds, embed=True)
+        check_priority(priority, self.engine_config.scheduler.scheduling_policy)
+        self._check_queue(num_inputs)
+
+    def _check_queue(self, num_seqs: int) -> None:
+        engine, _ = self.require_engine()
         limit = self.config.max_queue
         if limit is None:
             return
@@ -240,10 +267,15 @@ class EngineHost:
             return prepared.cache_salt
         return f"key:{prepared.tenant}:{prepared.cache_salt or ''}"
 
+    def check_generates(self) -> None:
+        """A 400 for a generation sent to an embedding server (--task embed)."""
+        check_task(self.generates, self.embeds, embed=False)
+
     def _check_runnable(self, prepared: PreparedRequest) -> None:
         """The engine's own checks of what the scheduler settings allow, made here before a stream starts
         (InvalidParamError: a 400)."""
         scheduler = self.engine_config.scheduler
+        self.check_generates()
         check_priority(prepared.priority, scheduler.scheduling_policy)
         check_choices(prepared.params.n, scheduler.max_num_seqs)
 
@@ -305,6 +337,19 @@ class EngineHost:
         self._unsubmitted += seqs
         asyncio.get_running_loop().call_soon(self._submitted, seqs)
         return merger, ids
+
+    async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0) -> list[bytes]:
+        """Embed every input at once (one engine request each); if one fails or the caller goes, the others are
+        aborted."""
+        engine, _ = self.require_engine()
+        unique = uuid.uuid4().hex[:8]
+        tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority))
+                 for i, ids in enumerate(inputs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def _submitted(self, seqs: int) -> None:
         self._unsubmitted -= seqs

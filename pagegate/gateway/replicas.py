@@ -128,6 +128,15 @@ class Replicas:
             self._unstarted_pages[index] -= pages
             self._owner.pop(request_id, None)
 
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+        """On the core with the fewest pages in use (embedding requests take no prefix hits)."""
+        index = min(range(len(self.cores)), key=lambda i: (self._pages_in_use(i), i))
+        self._owner[request_id] = core = self.cores[index]
+        try:
+            return await core.embed(token_ids, request_id, priority=priority)
+        finally:
+            self._owner.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         core = self._owner.get(request_id)
         if core is not None:

@@ -40,6 +40,7 @@ async def _generate(
 ) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
+    host.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
