@@ -4,7 +4,7 @@
 
 `lm_eval --model local-completions` scores every choice of a multiple-choice task by sending token-id prompts with
 `echo: true, logprobs: 1, max_tokens: 1` and reading the prompt's logprobs back; `--model hf` runs the forward
-itself. The task is written locally (no dataset hub): two-number sums with four candidate answers. A GGUF model is
+itself. The task is written locally (no dataset hub): sums of two digits with four candidate answers. A GGUF model is
 first dequantized to a float32 Hugging Face folder (transformers reads GGUF), so both sides run the same weights
 in float32 and should agree item by item.
 """
@@ -46,8 +46,8 @@ def write_task(folder: Path, items: int, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     for _ in range(items):
-        a, b = rng.randint(1, 50), rng.randint(1, 50)
-        wrong = rng.sample([a + b + d for d in (-10, -2, -1, 1, 2, 10) if a + b + d > 0], 3)
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        wrong = rng.sample([n for n in range(1, 20) if n != a + b], 3)
         choices = [a + b, *wrong]
         rng.shuffle(choices)
         rows.append({"question": f"Question: What is {a} plus {b}?\nAnswer:",
