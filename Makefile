@@ -7,7 +7,7 @@ MODEL_CACHE := .cache/models
 SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 MINILM := $(MODEL_CACHE)/all-MiniLM-L6-v2/model.safetensors
 
-.PHONY: install serve test bench bench-peers lint clean
+.PHONY: install serve test bench bench-peers gpu-wheels lint clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,19 @@ bench-peers: $(STAMP) $(SMOLLM2)
 	$(PY) bench/serve.py --launch --offline --num-prompts 1 --concurrency 1 --output-len 256 --rounds 7 \
 		--model $(SMOLLM2) --png '' --out bench/results/served-vs-offline-smollm2.json
 	$(PY) -m bench.peers.served --rounds 3
+
+# Wheels for bench/gpu_check.sh on the GPU machine, carried there as .cache/wheels: the runtime and build
+# requirements with theirs (pytest too), for its CPython (the device image's 3.12) on x86-64 Linux. Its image has
+# torch, triton and numpy, and the carried tree must stay under 64 MiB, so those are left out.
+GPU_PYTHON ?= 3.12
+GPU_PLATFORMS = $(foreach tag,manylinux1 manylinux2014 manylinux_2_17 manylinux_2_27 manylinux_2_28,--platform $(tag)_x86_64)
+gpu-wheels: $(STAMP)
+	$(PIP) download -q --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON) $(GPU_PLATFORMS) \
+		-d .cache/wheels pytest $$($(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
+		print(" ".join(r for r in p["project"]["dependencies"] + p["build-system"]["requires"] \
+		if not r.startswith(("torch", "numpy"))))')
+	rm -f .cache/wheels/numpy-*.whl
+	du -sh .cache/wheels
 
 lint: $(STAMP)
 	$(PY) -m ruff check pagegate tests bench scripts

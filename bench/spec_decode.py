@@ -1,18 +1,21 @@
 """N-gram speculation through the served path: `pagegate serve --speculative-config` against the same server without
 it, one run, rounds alternating between the two, each through the OpenAI SDK.
 
-    python -m bench.spec_decode [--model PATH] [--rounds 3] [--max-tokens 160] [--parallel 64]
+    python -m bench.spec_decode [--model PATH] [--rounds 3] [--max-tokens 160] [--parallel 64] [--peer]
 
 Workloads: copy-heavy single streams (repeat, edit or reformat a given text), open-ended single streams (where
 guesses mostly fail and speculation should step aside), and `--parallel` concurrent chats (throughput). Single
 streams report decode tokens/s (after the first token, streamed); greedy outputs must be identical on both
-servers. Medians of the rounds, as ratios speculative / plain, drawn in docs/bench-spec-decode.png.
+servers. Medians of the rounds, as ratios speculative / plain, drawn in docs/bench-spec-decode.png. With --peer,
+llama-server on the same GGUF (plain, and `--spec-type ngram-simple --spec-draft-n-max 4`) takes the single-stream
+workloads in the same alternating rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import statistics
 import time
@@ -75,14 +78,37 @@ def parallel(client: openai.OpenAI, model: str, prompts: list[str], max_tokens: 
     return tokens / (time.perf_counter() - start)
 
 
-def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+LLAMA_NGRAM = ("--spec-type", "ngram-simple", "--spec-draft-n-max", "4")  # llama-server's prompt lookup
+
+
+def start_sides(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, str]:
+    """Each server to compare, started: name -> base URL. pagegate with and without speculation; with --peer
+    also llama-server on the same file, with and without its n-gram speculation."""
     base = [str(args.model), "--device", "cpu", "--grpc-port", "0", "--disable-uvicorn-access-log",
             "--max-model-len", "2048", "--max-num-seqs", str(max(args.parallel, 8))]
-    servers = {"plain": base, "speculative": [*base, "--speculative-config", json.dumps(SPECULATIVE)]}
+    sides = {"plain": stack.enter_context(ServerProcess(base)).base_url,
+             "speculative": stack.enter_context(ServerProcess(
+                 [*base, "--speculative-config", json.dumps(SPECULATIVE)])).base_url}
+    if args.peer:
+        from bench.peers import llamacpp
+        from bench.peers.served import start_llama_server
+
+        llamacpp.build()
+        for name, extra in (("llama.cpp", ()), ("llama.cpp ngram", LLAMA_NGRAM)):
+            process, served = start_llama_server(args.model, threads=2, streams=1, no_repack=llamacpp.repack_crashes(),
+                                                 context=2048, extra=extra)
+            stack.callback(process.wait, 30)
+            stack.callback(process.terminate)
+            sides[name] = served.base_url.removesuffix("/v1")
+    return sides
+
+
+def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     results: dict[str, dict[str, list[float]]] = {"copy": {}, "open": {}, "parallel": {}}
-    with ServerProcess(servers["plain"]) as plain, ServerProcess(servers["speculative"]) as speculative:
-        clients = {name: openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
-                   for name, s in (("plain", plain), ("speculative", speculative))}
+    with contextlib.ExitStack() as stack:
+        sides = start_sides(args, stack)
+        clients = {name: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+                   for name, url in sides.items()}
         model = clients["plain"].models.list().data[0].id
         crowd = [f"{OPEN[i % len(OPEN)]} (request {i})" for i in range(args.parallel)]
         for number in range(args.rounds):
@@ -94,14 +120,17 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                                          strict=True)
                     results[kind].setdefault(name, []).append(statistics.median(rates))
                     texts.setdefault(name, []).extend(outputs)
-                if args.parallel:
+                if args.parallel and not name.startswith("llama"):
                     results["parallel"].setdefault(name, []).append(
                         parallel(clients[name], model, crowd, args.parallel_tokens))
             assert texts["plain"] == texts["speculative"], "greedy outputs differ with speculation"
+            if args.peer:
+                same = texts["llama.cpp"] == texts["llama.cpp ngram"]
+                print(f"llama.cpp's greedy outputs with and without its speculation {'agree' if same else 'differ'}")
             print(f"round {number + 1}: " + "  ".join(f"{kind} {name} {values[name][-1]:.1f}"
                                                       for kind, values in results.items() for name in values),
                   flush=True)
-        text = httpx.get(speculative.base_url + "/metrics").text
+        text = httpx.get(sides["speculative"] + "/metrics").text
         drafted, kept = (metric(text, f"vllm:spec_decode_num_{name}_tokens_total") for name in ("draft", "accepted"))
         print(f"guessed {drafted:.0f} tokens, kept {kept:.0f} ({kept / max(drafted, 1):.0%})")
     return results
@@ -120,6 +149,10 @@ def report(results: dict[str, dict[str, list[float]]], png: Path | None) -> None
         plain, spec = statistics.median(values["plain"]), statistics.median(values["speculative"])
         ratios[kind] = spec / plain
         print(f"{kind:9s}  {plain:11.1f}  {spec:17.1f}  {spec / plain:5.2f}x")
+        if "llama.cpp" in values:
+            theirs, theirs_spec = statistics.median(values["llama.cpp"]), statistics.median(values["llama.cpp ngram"])
+            print(f"{'':9s}  llama-server {theirs:.1f}, with ngram-simple {theirs_spec:.1f} "
+                  f"({theirs_spec / theirs:.2f}x); pagegate speculative / llama-server ngram {spec / theirs_spec:.2f}x")
     if not wanted(png):
         return
     assert png is not None
@@ -140,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--parallel", type=int, default=64)
     parser.add_argument("--parallel-tokens", type=int, default=32)
+    parser.add_argument("--peer", action="store_true",
+                        help="also llama-server on the same file, with and without --spec-type ngram-simple")
     add_png_argument(parser, "spec-decode")
     args = parser.parse_args(argv)
     report(run(args), args.png)

@@ -92,11 +92,13 @@ def measure(served: Served, prompts: list[list[int]]) -> dict[str, float]:
     return figures
 
 
-def start_llama_server(model: Path, threads: int, streams: int, no_repack: bool) -> tuple[subprocess.Popen, Served]:
+def start_llama_server(model: Path, threads: int, streams: int, no_repack: bool, context: int = PROMPT + GEN + 64,
+                       extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Served]:
+    """llama-server with `streams` slots of `context` tokens each (`extra`: more of its flags)."""
     port = free_port()
     command = [str(llamacpp.binary("llama-server")), "-m", str(model), "-t", str(threads), "-tb", str(threads),
-               "--host", "127.0.0.1", "--port", str(port), "-c", str(streams * (PROMPT + GEN + 64)),
-               "-np", str(streams), "--cont-batching", "--no-webui"] + (["--no-repack"] if no_repack else [])
+               "--host", "127.0.0.1", "--port", str(port), "-c", str(streams * context),
+               "-np", str(streams), "--cont-batching", "--no-webui", *extra] + (["--no-repack"] if no_repack else [])
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -196,15 +196,16 @@ def _json_keys(descriptor: Any) -> set[str]:
 
 
 @pytest.mark.parametrize("message, model, left_out", [
-    (pb.CompletionRequest, protocol.CompletionRequest, {"stream"}),  # the RPC decides streaming
-    (pb.ChatRequest, protocol.ChatCompletionRequest, {"stream"}),
+    # the RPC decides streaming; prompt logprobs (evaluation harnesses) are REST's alone
+    (pb.CompletionRequest, protocol.CompletionRequest, {"stream", "prompt_logprobs"}),
+    (pb.ChatRequest, protocol.ChatCompletionRequest, {"stream", "prompt_logprobs"}),
     (pb.ChatMessage, protocol.ChatMessage, set()),
     (pb.ContentPart, protocol.TextPart, set()),
     (pb.StreamOptions, protocol.StreamOptions, set()),
     (pb.Completion, schemas.CompletionResponse, set()),
-    (pb.CompletionChoice, schemas.CompletionChoice, set()),
+    (pb.CompletionChoice, schemas.CompletionChoice, {"prompt_logprobs"}),
     (pb.CompletionLogprobs, schemas.CompletionLogprobs, set()),
-    (pb.ChatCompletion, schemas.ChatCompletionResponse, set()),
+    (pb.ChatCompletion, schemas.ChatCompletionResponse, {"prompt_logprobs"}),
     (pb.ChatCompletionChunk, schemas.ChatCompletionChunk, set()),
     (pb.ChatChunkChoice, schemas.ChatChunkChoice, set()),
     (pb.AssistantMessage, schemas.AssistantMessage, set()),
