@@ -14,7 +14,7 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineStats
-from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sequence import Request
 
@@ -51,7 +51,8 @@ class LLM:
                  preemption_mode: str | None = None, watermark: float = 0.01, seed: int = 0,
                  served_model_name: str | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
-                 scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None) -> None:
+                 scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None,
+                 task: str = "generate", pooling: str | None = None) -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
@@ -60,7 +61,7 @@ class LLM:
                        else speculative_config)
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
                                           tensor_parallel_size, distributed_timeout_s, speculative=speculative,
-                                          cache=cache, scheduler=scheduler))
+                                          cache=cache, scheduler=scheduler, task=task, pooling=pooling))
         self._ids = itertools.count()
 
     @classmethod
@@ -87,6 +88,15 @@ class LLM:
         for request in requests:
             self.engine.add(request)
         return self._run([r.request_id for r in requests], use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`task="embed"`, or `pooling` on a generative model), in prompt order."""
+        requests = [self._make_request(prompt, SamplingParams(), 0, embed=True) for prompt in _as_prompt_list(prompts)]
+        for request in requests:
+            self.engine.add(request)
+        self._run([r.request_id for r in requests], use_tqdm)
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding.tolist()))
+                for r in requests if r.embedding is not None]
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -116,9 +126,10 @@ class LLM:
             prompts.append(TokensPrompt(prompt_token_ids=tokenizer.encode_chat(text), prompt=text))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
-        request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt)
+        request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
+                                                  embed=embed)
         if text is not None:
             request.prompt = text
         return request

@@ -43,3 +43,17 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)  # Request.timings(): core monotonic times, timeline
     error: str | None = None  # set when the request failed; the outputs are then incomplete
     prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: one per prompt token, the first None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # unit length
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's answer for one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

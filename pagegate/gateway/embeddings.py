@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -23,22 +22,11 @@ from pagegate.gateway.codec import read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import BadRequest
 from pagegate.gateway.prepare import ModelContext, off_loop
-from pagegate.gateway.protocol import INTEGRAL, MAX_PRIORITY, MIN_PRIORITY, Prompt, StrictModel, parse_request
+from pagegate.gateway.protocol import EmbeddingRequest, parse_request
 from pagegate.gateway.request_id import request_id_of
 from pagegate.gateway.routes_api import CLIENT_CLOSED, until_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
-
-
-class EmbeddingRequest(StrictModel):
-    """POST /v1/embeddings."""
-
-    input: Prompt
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1), INTEGRAL] | None = None
-    user: str | None = None
-    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY), INTEGRAL] = 0
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pagegate.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 
@@ -23,6 +24,8 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel], type[
                         schemas.CompletionResponse),
     "/v1/chat/completions": ("post", "Create a chat completion", ChatCompletionRequest,
                              schemas.ChatCompletionResponse, schemas.ChatCompletionChunk),
+    "/v1/embeddings": ("post", "Embed texts or token ids (--task embed, or --pooling)", EmbeddingRequest,
+                       schemas.EmbeddingResponse, None),
     "/v1/models": ("get", "List the served models", None, schemas.ModelList, None),
     "/tokenize": ("post", "Tokenize a prompt or chat messages", TokenizeRequest, schemas.TokenizeResponse, None),
     "/detokenize": ("post", "Turn token ids back into text", DetokenizeRequest, schemas.DetokenizeResponse, None),

@@ -239,6 +239,17 @@ class CompletionRequest(SamplingFields):
         return self.echo and self.max_tokens == 0
 
 
+class EmbeddingRequest(StrictModel):
+    """POST /v1/embeddings."""
+
+    input: Prompt
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    user: str | None = None
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY), INTEGRAL] = 0
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str

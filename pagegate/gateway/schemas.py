@@ -177,6 +177,24 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TokenizerInfo(BaseModel):
     tokenizer_class: str
     bos_token: str | None

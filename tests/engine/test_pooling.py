@@ -111,3 +111,28 @@ def test_a_recomputed_prompt_pools_afresh(mode: str):
         pool_rows(seq, rows[start:start + 2], start, mode)
     expected = rows[-1] if mode == "last" else rows.mean(dim=0)
     torch.testing.assert_close(request.embedding, F.normalize(expected, dim=-1))
+
+
+def test_llm_embed_answers_in_prompt_order(llama_model: SavedModel):
+    from pagegate import LLM
+
+    llm = LLM(str(llama_model.path), device="cpu", dtype="float32", num_kv_blocks=64, pooling="mean")
+    outputs = llm.embed(prompts(), use_tqdm=False)
+    assert [out.prompt_token_ids for out in outputs] == prompts()
+    for out, prompt in zip(outputs, prompts(), strict=True):
+        expected = reference(llama_model, prompt, "mean")
+        assert F.cosine_similarity(torch.tensor(out.outputs.embedding), expected, dim=0) > 1 - 1e-5
+    assert llm.generate([prompts()[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_llm_embed_with_a_sentence_encoder_is_sentence_transformers(minilm_folder):
+    from sentence_transformers import SentenceTransformer
+
+    from pagegate import LLM
+
+    texts = ["paged attention keeps the cache in blocks", "a cat sat on the mat", "日本語の文"]
+    ours = LLM(str(minilm_folder), task="embed", device="cpu", dtype="float32", num_kv_blocks=64).embed(
+        texts, use_tqdm=False)
+    theirs = SentenceTransformer(str(minilm_folder), device="cpu").encode(texts, convert_to_tensor=True)
+    for out, expected in zip(ours, theirs, strict=True):
+        assert F.cosine_similarity(torch.tensor(out.outputs.embedding), expected.float(), dim=0) > 1 - 1e-5
