@@ -24,9 +24,9 @@ from pagegate.config import SpeculativeConfig
 from pagegate.engine.sequence import Sequence
 
 # A step of m tokens costs about 1 + 0.3 (m - 1) steps of one on the CPU decoder (8 ms for one token, 16 for four,
-# 24 for eight on SmolLM2 Q4_1): a guess pays when more than ~1 in 3 is kept. A sequence keeping fewer (a running
+# 24 for eight on SmolLM2 Q4_1): a lone guess pays when more than ~2 in 5 are kept. A sequence keeping fewer (a running
 # average) pauses, twice as long each time.
-MIN_KEPT_RATE = 0.3
+MIN_KEPT_RATE = 0.4
 RATE_MEMORY = 0.6  # the running average's weight of the past
 MAX_PAUSE_STEPS = 64
 
