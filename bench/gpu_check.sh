@@ -263,6 +263,7 @@ install_missing() {
 
 setup_env() {
     local deadline=$((SECONDS + SETUP_S < DEADLINE ? SECONDS + SETUP_S : DEADLINE)) start=$SECONDS
+    local extra=("pytest>=8" "triton>=3.0")
     echo "== setup (at most $((deadline - SECONDS)) s; log $LOGS/01-setup.log)"
     if ! find_python "$deadline"; then
         PY=$(command -v "${PYTHON:-python3}") || {
@@ -270,12 +271,14 @@ setup_env() {
             return 1
         }
         echo "   no Python here has torch with $DEVICE; installing torch for $PY from wheels"
+        # the dry run: the pinned CPU build (an unpinned torch is a multi-GB CUDA build that needs CUDA's libraries)
+        [[ $DEVICE == cpu ]] && extra+=("torch==2.13.0")
     fi
     "$PY" -m pip --version >/dev/null 2>&1 || {
         row "environment" FAIL "$PY has no pip: cannot install what is missing"
         return 1
     }
-    if ! install_missing "$deadline" "pytest>=8" "triton>=3.0"; then
+    if ! install_missing "$deadline" "${extra[@]}"; then
         row "environment" FAIL "missing packages (see above); carry their wheels in WHEELS_DIR=$WHEELS_DIR"
         return 1
     fi
