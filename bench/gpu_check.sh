@@ -263,7 +263,8 @@ install_missing() {
 
 setup_env() {
     local deadline=$((SECONDS + SETUP_S < DEADLINE ? SECONDS + SETUP_S : DEADLINE)) start=$SECONDS
-    local extra=("pytest>=8" "triton>=3.0")
+    # typing_extensions: anyio 4.16 imports its `sentinel` (4.16) while asking only for >= 4.5
+    local extra=("pytest>=8" "triton>=3.0" "typing_extensions>=4.16")
     echo "== setup (at most $((deadline - SECONDS)) s; log $LOGS/01-setup.log)"
     if ! find_python "$deadline"; then
         PY=$(command -v "${PYTHON:-python3}") || {
