@@ -189,7 +189,7 @@ class DeltaWriter:
             sent[PROMPT_SENT] = []
         return [request.request_id, request.finished, error, request.num_cached_tokens,
                 request.timings() if finished else None, choices,
-                [lp and _logprob_to_wire(lp) for lp in scored] if scored is not None else None,
+                [None if lp is None else _logprob_to_wire(lp) for lp in scored] if scored is not None else None,
                 request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None]
 
     def forget(self, request_id: str) -> None:

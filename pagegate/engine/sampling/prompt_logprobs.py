@@ -35,7 +35,7 @@ def score_prompts(seqs: Seq[Sequence], num_tokens: Seq[int], starts: Seq[int], h
         first = seq.num_computed - n  # the position of the step's first row
         done = len(request.prompt_logprobs)  # the next token to score is at `done`, predicted at done - 1
         lo, hi = max(first, done - 1), min(seq.num_computed, len(request.prompt_token_ids) - 1)
-        if lo >= hi or lo != done - 1:
+        if lo >= hi or lo != done - 1:  # nothing new, or a gap before this step's rows (never scored out of order)
             continue
         rows = hidden[starts[i] + lo - first:starts[i] + hi - first]
         targets = request.prompt_token_ids[lo + 1:hi + 1]
