@@ -21,6 +21,9 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype
+
+
 @dataclass
 class CacheConfig:
     """The KV page pools."""
@@ -34,6 +37,7 @@ class CacheConfig:
     watermark: float = 0.01  # fraction of the pool kept free when admitting a new prompt
     max_pinned_fraction: float = 0.25  # of the pool, at most, held by prefix pins (released first under pressure)
     default_cpu_kv_cache_memory: str = "1GiB"  # CPU budget when nothing else is given
+    kv_cache_dtype: str = "auto"  # the pages' format (pagegate.kernels.kv_format): auto, float32, ..., int8, fp8_e4m3
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache
+from pagegate.kernels.kv_format import resolve_format
 from pagegate.engine.loading.loader import load_checkpoint
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import StepInputs
@@ -38,7 +39,8 @@ class DraftModel:
                              f"target {vocab_size}: a draft must share the target's tokenizer")
         self.model.fit_context(max_model_len)
         m, block_size = self.model, config.cache.block_size
-        self.kv_cache = PagedKVCache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, m.dtype,
+        kv_format = resolve_format(config.cache.kv_cache_dtype, m.dtype, device)
+        self.kv_cache = PagedKVCache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, kv_format,
                                      device, 0)
         self.native = NativeDecoder.build(m, self.kv_cache)
         max_seqs, max_blocks = config.scheduler.table_shape(max_model_len, block_size)

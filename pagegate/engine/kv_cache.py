@@ -9,16 +9,16 @@ import torch
 
 from pagegate import kernels
 from pagegate.config import CacheConfig, parse_bytes
+from pagegate.kernels.kv_format import KVFormat
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    """K and V of one page in every layer."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_format: KVFormat) -> int:
+    """K and V of one page in every layer, in the pages' format (scales included)."""
+    return block_size * kv_format.bytes_per_token(num_layers, num_kv_heads, head_dim)
 
 
 def device_memory_budget(config: CacheConfig, device: torch.device, profile_peak: int = 0) -> int:
@@ -44,17 +44,20 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes
 
 
 class PagedKVCache:
-    """`layers[i] = (k_cache, v_cache)`, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """`layers[i] = (k_cache, v_cache)`, each [num_blocks, block_size, num_kv_heads, row] in `kv_format`
+    (row: head_dim values, and a one-byte format's scale; see pagegate.kernels.kv_format)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        pin = device.type == "cuda"
-        self.cpu_layers = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+                 head_dim: int, kv_format: KVFormat, device: torch.device, num_cpu_blocks: int = 0) -> None:
+        self.kv_format = kv_format
+
+        def pair(blocks: int, on: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            return (kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin),
+                    kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin))
+
+        self.layers = [pair(num_blocks, device) for _ in range(num_layers)]
+        cpu = torch.device("cpu")
+        self.cpu_layers = [pair(num_cpu_blocks, cpu, device.type == "cuda")
                            for _ in range(num_layers)] if num_cpu_blocks else []
 
     def _flat(self, layers: list) -> list[torch.Tensor]:

@@ -52,9 +52,9 @@ class LLM:
                  served_model_name: str | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
                  scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None,
-                 task: str = "generate", pooling: str | None = None) -> None:
+                 task: str = "generate", pooling: str | None = None, kv_cache_dtype: str = "auto") -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
-                            enable_prefix_caching, watermark)
+                            enable_prefix_caching, watermark, kv_cache_dtype=kv_cache_dtype)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
                                     scheduling_policy=scheduling_policy)
         speculative = (SpeculativeConfig.from_json(speculative_config) if isinstance(speculative_config, dict)

@@ -20,6 +20,7 @@ from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
+from pagegate.kernels.kv_format import resolve_format
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ class ModelRunner:
         self.model.fit_context(self.max_model_len)
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        self.kv_format = resolve_format(config.cache.kv_cache_dtype, self.model.dtype, self.device)
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
         m, cache = self.model, config.cache
         self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
-                                     m.dtype, self.device, self.num_cpu_blocks)
+                                     self.kv_format, self.device, self.num_cpu_blocks)
         self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
         spec = config.speculative
         self.draft = (DraftModel(spec.model, config, self.device, self.num_blocks, self.max_model_len,
@@ -76,16 +78,16 @@ class ModelRunner:
         """Device and CPU pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which
         holds its KV heads of every page; a GPU's own memory budget is per GPU."""
         cache, m, ranks = self.config.cache, self.model, self.model.tp.size
-        block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, self.kv_format)
         shared = ranks if self.device.type == "cpu" or cache.kv_cache_memory is not None else 1
         num_blocks = cache.num_kv_blocks or self._profiled_budget() // shared // block_bytes
         check_fits(num_blocks, cache.block_size, self.max_model_len, block_bytes)
         num_cpu_blocks = int(cache.swap_space * GIB) // ranks // block_bytes
         if self.workers is not None:
             self.workers.share_sizes(num_blocks, num_cpu_blocks)
-        log.info("KV cache: %d pages of %d tokens (%d tokens), %d bytes per page per rank (%.3f GiB), "
+        log.info("KV cache: %d pages of %d tokens (%d tokens), %s pages of %d bytes per rank (%.3f GiB), "
                  "%d CPU swap pages; %d rank(s) of %d KV heads each (%d in the model)",
-                 num_blocks, cache.block_size, num_blocks * cache.block_size, block_bytes,
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, self.kv_format.name, block_bytes,
                  num_blocks * block_bytes / GIB, num_cpu_blocks, ranks, m.num_kv_heads,
                  self.model_config.num_key_value_heads)
         return num_blocks, num_cpu_blocks

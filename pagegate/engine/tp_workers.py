@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from pagegate.config import EngineConfig, torchrun_rank
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache
+from pagegate.kernels.kv_format import resolve_format
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.parallel import StepChannel, TensorParallel, backend_for
@@ -132,8 +133,9 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
 
 def worker_kv_cache(model: CausalLM, config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
                     device: torch.device) -> PagedKVCache:
+    kv_format = resolve_format(config.cache.kv_cache_dtype, model.dtype, device)
     return PagedKVCache(model.num_layers, num_blocks, config.cache.block_size, model.num_kv_heads, model.head_dim,
-                        model.dtype, device, num_cpu_blocks)
+                        kv_format, device, num_cpu_blocks)
 
 
 def _init_group(config: EngineConfig, device: torch.device, rank: int, init: str) -> None:

@@ -15,6 +15,7 @@ from types import FrameType
 import uvicorn
 
 from pagegate.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
@@ -81,6 +82,9 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV pages (wins over budgets)")
     group.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes or like '2GiB'")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
+                       help="the KV pages' format, as vLLM's flag: auto is float16 on CPU and the model's dtype on "
+                            "CUDA; int8 and fp8 keep one float16 scale per token and KV head inside the page")
     group.add_argument("--kv-events-config", type=_kv_events_config, default=None,
                        help="JSON, as vLLM's: publish prefix-cache changes over ZMQ for prefix-aware routers, e.g. "
                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
@@ -213,7 +217,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching,
-                        max_pinned_fraction=args.max_pinned_fraction)
+                        max_pinned_fraction=args.max_pinned_fraction, kv_cache_dtype=args.kv_cache_dtype)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                                 scheduling_policy=args.scheduling_policy)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagegate.kernels.kv_format import as_bytes
+
 IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 
 
@@ -18,7 +20,7 @@ def _index(indices: IndexLike, device: torch.device) -> torch.Tensor:
 def copy_blocks(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                 src: IndexLike, dst: IndexLike) -> None:
     """Copy pages src[i] -> dst[i] in every layer's K and V cache (copy-on-write of shared pages)."""
-    caches = [*k_caches, *v_caches]
+    caches = [as_bytes(cache) for cache in (*k_caches, *v_caches)]  # bytes: the page's format does not matter
     if not caches or len(src) == 0:
         return
     src_index, dst_index = _index(src, caches[0].device), _index(dst, caches[0].device)
@@ -55,7 +57,7 @@ def swap_blocks(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.T
         return indices[column, device]
 
     downloads = []
-    for src, dst in zip(src_caches, dst_caches, strict=True):
+    for src, dst in ((as_bytes(s), as_bytes(d)) for s, d in zip(src_caches, dst_caches, strict=True)):
         src_index, dst_index = ids(0, src.device), ids(1, dst.device)
         if src.device.type == "cpu" or dst.device.type != "cpu":
             dst.index_copy_(0, dst_index, _upload(src, src_index, dst.device))

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagegate.kernels.kv_format import as_bytes, dequantize_rows, format_of, quantize_rows
 from pagegate.kernels.workspace import scratch
 
 # Gathered K+V bytes per decode group (measured on CPU; see bench/bench_kernels.py).
@@ -37,13 +38,21 @@ def check_softcap(softcap: float | None) -> float | None:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into their cache slots; slot -1 marks padding and is skipped."""
+    """Scatter key/value [T, Hkv, D] into their cache slots in the caches' page format; slot -1 marks
+    padding and is skipped."""
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    kv_format = format_of(k_cache)
     for cache, new in ((k_cache, key), (v_cache, value)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+        rows = as_bytes(quantize_rows(new, kv_format))
+        as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+
+
+def load_pages(cache: torch.Tensor, pages: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Pages [n, block_size, Hkv, D] of a cache in float32, whatever its format."""
+    return dequantize_rows(as_bytes(cache).index_select(0, pages).view(cache.dtype), head_dim)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,7 +86,8 @@ def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale,
     first_page = _first_visible(seq_len, q_len, sliding_window) // block_size
     pages = block_table[first_page:-(-seq_len // block_size)].to(k_cache.device, torch.long)
     length = seq_len - first_page * block_size  # slicing to it drops the last page's unwritten tail
-    keys, values = (cache.index_select(0, pages).flatten(0, 1)[:length].float() for cache in (k_cache, v_cache))
+    head_dim = query.shape[-1]
+    keys, values = (load_pages(cache, pages, head_dim).flatten(0, 1)[:length] for cache in (k_cache, v_cache))
     queries = query[start:start + q_len].float()
     mask = None
     if first_page > 0 or q_len < seq_len or sliding_window is not None:
@@ -137,14 +147,14 @@ def _decode(query, k_cache, v_cache, block_tables, seqs, lens, starts, scale, sl
         visible &= key_pos >= seq_len - sliding_window
     rows = torch.tensor([starts[b] for b in seqs], device=query.device)
     queries = query.index_select(0, rows).float()
-    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()
+    token_bytes = 2 * k_cache.shape[2] * query.shape[-1] * 4  # K and V of a slot as gathered: float32
     results = []
     for lo, hi in _groups(num_pages, block_size * token_bytes):
         width = num_pages[hi - 1]
         # every slot visible to its query (Python ints, so no tensor ops): no mask, nothing to zero
         full = sliding_window is None and all(lens[b] == width * block_size for b in seqs[lo:hi])
         group_visible = None if full else visible[lo:hi, :width * block_size]
-        keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], group_visible)
+        keys, values = _gather_group(k_cache, v_cache, pages[lo:hi, :width], group_visible, query.shape[-1])
         mask = None if full else group_visible[:, None, None]
         results.append(_attend_decode(queries[lo:hi], keys, values, mask, scale, softcap))
     out.index_copy_(0, rows, torch.cat(results).to(out.dtype))
@@ -174,21 +184,23 @@ def _groups(num_pages: list[int], page_bytes: int) -> list[tuple[int, int]]:
     return groups + [(lo, len(num_pages))]
 
 
-def _gather_group(k_cache, v_cache, pages, visible):
+def _gather_group(k_cache, v_cache, pages, visible, head_dim):
     """K and V [n, P * block_size, Hkv, D] in float32 from reused buffers; slots no query sees
     (visible False; None: all seen) are zeroed, because they may hold stale data or NaN and a
     masked score still multiplies its value."""
     n, width = pages.shape
-    shape = (n * width, *k_cache.shape[1:])
     hidden = None if visible is None else (~visible).flatten().nonzero().flatten()
     gathered = []
     for name, cache in (("k", k_cache), ("v", v_cache)):
-        buffer = torch.index_select(cache, 0, pages.flatten(), out=_buffer(name, shape, cache.dtype, cache.device))
+        stored = as_bytes(cache)
+        shape = (n * width, *stored.shape[1:])
+        buffer = torch.index_select(stored, 0, pages.flatten(), out=_buffer(name, shape, stored.dtype, cache.device))
         if cache.dtype != torch.float32:
-            buffer = _buffer(name + "32", shape, torch.float32, cache.device).copy_(buffer)
-        buffer = buffer.view(n, -1, *cache.shape[2:])
+            values = dequantize_rows(buffer.view(cache.dtype), head_dim)
+            buffer = _buffer(name + "32", tuple(values.shape), torch.float32, cache.device).copy_(values)
+        buffer = buffer.view(n, -1, *buffer.shape[2:])
         if hidden is not None and len(hidden):
-            buffer.view(-1, cache[0, 0].numel()).index_fill_(0, hidden, 0)
+            buffer.view(-1, buffer[0, 0].numel()).index_fill_(0, hidden, 0)
         gathered.append(buffer)
     return gathered
 

@@ -1,0 +1,110 @@
+"""KV page formats: how one (token, KV head) row of K or V is stored in a page.
+
+Float formats store the head_dim values as they are (float32, float16, bfloat16). The one-byte formats (int8,
+fp8 e4m3, fp8 e5m2) store head_dim values and then that row's float16 scale in the row's last two bytes, so a
+cache tensor is [num_blocks, block_size, num_kv_heads, head_dim + 2] of the format's own dtype and a page is
+self-contained bytes: copy-on-write, swap, prefix hits, TP slices and rollback move it without knowing its format.
+
+NOTE: one scale per token and KV head (llama.cpp's q8_0 keeps one per 32 values). At head_dim 64 that costs 2 bytes
+in 66 (3.88x fewer bytes than float32) against 4 in 68 for q8_0-style blocks, each row is quantized once when it is
+written (no page ever changes scale later), and a dot product needs one multiply by the scale per key, not two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+SCALE_BYTES = 2  # a float16 per scaled row
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One page format: `dtype` is the cache tensor's, `max_value` the largest magnitude a scaled value holds."""
+
+    name: str
+    dtype: torch.dtype
+    max_value: float = 0.0  # 0: a float format, stored unscaled
+
+    @property
+    def scaled(self) -> bool:
+        return self.max_value > 0
+
+    def row_width(self, head_dim: int) -> int:
+        """Elements of one stored row: head_dim values (and the scale's two bytes)."""
+        return head_dim + SCALE_BYTES if self.scaled else head_dim
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_width(head_dim) * self.dtype.itemsize
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one token in every layer."""
+        return 2 * num_layers * num_kv_heads * self.row_bytes(head_dim)
+
+    def empty(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+              device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+        """A zeroed cache tensor [num_blocks, block_size, num_kv_heads, row_width] (zero bytes: zero values)."""
+        shape = (num_blocks, block_size, num_kv_heads, self.row_bytes(head_dim))
+        return torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin_memory).view(self.dtype)
+
+
+FORMATS = {f.name: f for f in (
+    KVFormat("float32", torch.float32), KVFormat("float16", torch.float16), KVFormat("bfloat16", torch.bfloat16),
+    KVFormat("int8", torch.int8, 127.0), KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
+    KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0))}
+_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
+
+
+def resolve_format(name: str, model_dtype: torch.dtype, device: torch.device) -> KVFormat:
+    """The format `--kv-cache-dtype name` gives pages of a model computing in model_dtype on device: "auto" is
+    float16 on CPU (half the bytes of float32, read as fast: see bench/kv_speed.py), the model's dtype on CUDA."""
+    if name != "auto" and name not in FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(FORMATS)}")
+    if name == "auto":
+        if device.type == "cpu" and model_dtype == torch.float32:
+            return FORMATS["float16"]
+        return _BY_DTYPE.get(model_dtype, FORMATS["float32"])
+    return FORMATS[name]
+
+
+def format_of(cache: torch.Tensor) -> KVFormat:
+    """The format a cache tensor holds (its dtype says it)."""
+    try:
+        return _BY_DTYPE[cache.dtype]
+    except KeyError:
+        raise ValueError(f"a KV cache of dtype {cache.dtype} is no page format") from None
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head size of a cache tensor's rows (its last dimension, less a scaled format's scale bytes)."""
+    return cache.shape[-1] - (SCALE_BYTES if format_of(cache).scaled else 0)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's one-byte formats as uint8 (fp8 tensors lack index ops on CPU); float formats as they are."""
+    return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+
+
+def quantize_rows(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """rows [..., D] as stored rows [..., row_width] of `fmt`: a scaled row is round(x / s) (int8) or x / s
+    (fp8) with s = amax / max_value rounded to float16, then s's two bytes."""
+    if not fmt.scaled:
+        return rows.to(fmt.dtype)
+    x = rows.float()
+    scale = (x.abs().amax(-1, keepdim=True) / fmt.max_value).to(torch.float16)
+    s = scale.float()
+    values = x * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    values = values.clamp(-fmt.max_value, fmt.max_value)
+    stored = values.round().to(torch.int8) if fmt.dtype == torch.int8 else values.to(fmt.dtype)
+    return torch.cat([stored.view(torch.uint8), scale.view(torch.uint8)], -1).view(fmt.dtype)
+
+
+def dequantize_rows(stored: torch.Tensor, head_dim: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored rows [..., row_width] of any format back as values [..., head_dim]."""
+    fmt = format_of(stored)
+    if not fmt.scaled:
+        return stored.to(out_dtype)
+    raw = stored.view(torch.uint8)
+    values = raw[..., :head_dim].view(fmt.dtype).float()
+    scale = raw[..., head_dim:].contiguous().view(torch.float16).float()
+    return (values * scale).to(out_dtype)
