@@ -61,8 +61,6 @@ def resolve_format(name: str, model_dtype: torch.dtype, device: torch.device) ->
     if name != "auto" and name not in FORMATS:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(FORMATS)}")
     if name == "auto":
-        if device.type == "cpu" and model_dtype == torch.float32:
-            return FORMATS["float16"]
         return _BY_DTYPE.get(model_dtype, FORMATS["float32"])
     return FORMATS[name]
 
