@@ -27,6 +27,12 @@ from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
 log = logging.getLogger(__name__)
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+# NOTE: while generations wait or run, embedding requests (prefill-only, pooled: pooling.py) may take at most this
+# share of a step's token budget, and a generation may be admitted past waiting embeddings once that share is spent.
+# An embedding request of 48 x 2,000 tokens is ~50 full steps of prefill: under plain FCFS a 16-token completion
+# sent after it waited for all of them; with a share, each of its decode steps carries one embedding chunk and the
+# embeddings still advance every step (no starvation either way). Alone, embeddings take the whole budget.
+POOLING_SHARE = 0.25
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.pooling: set[Sequence] = set()  # the embedding sequences in the queues above
+        self._pooling_left = 0  # tokens embedding sequences may still take in the step being scheduled
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         if not 0.0 <= cache.max_pinned_fraction <= 1.0:
@@ -82,12 +90,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        if seq.pools:
+            self.pooling.add(seq)
 
     def free(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from its queue and release its pages."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+        self.pooling.discard(seq)
         if seq.handle != NO_PAGES:
             seq.request.timeline.held(self.tables.num_blocks(seq.handle))
             self.tables.free_sequence(seq.handle)
@@ -147,6 +158,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self._pooling_left = self._pooling_budget(budget)
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
         if self.speculator is not None:
@@ -154,17 +166,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed == 1 and not seq.draft:  # decodes go in runs, one core call per run
+            if _decodes(seq):  # decodes go in runs, one core call per run
                 added = self._append_decodes(i, budget, batch)
                 i, budget = i + added, budget - added
                 if added:
                     continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self._allowance(seq, budget))
+            if n == 0:  # an embedding whose share of this step is spent: the next sequences still run
+                i += 1
+                continue
             if not self._make_room(seq, n, batch, now):
                 break  # seq itself was preempted: everything after it already was
             self._reserve(seq, n)
             n += self._reserve_draft(seq, budget - n)
-            batch.add(seq, n)
+            self._add(batch, seq, n)
             budget -= n
             i += 1
         if not batch.preempted:
@@ -176,6 +191,21 @@ class Scheduler:
                         len(self.waiting) + len(self.swapped))
         return batch
 
+    def _pooling_budget(self, budget: int) -> int:
+        """The tokens embedding sequences may take this step: all of them alone, POOLING_SHARE beside generations."""
+        if 0 < len(self.pooling) < self.num_unfinished:
+            return max(1, int(budget * POOLING_SHARE))
+        return budget
+
+    def _allowance(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest."""
+        return min(budget, self._pooling_left) if seq.pools else budget
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.add(seq, n)
+        if seq.pools:
+            self._pooling_left -= n
+
     def _reserve(self, seq: Sequence, n: int) -> None:
         self.tables.append(seq.handle, seq.token_ids[seq.num_computed:seq.num_computed + n])
         seq.num_computed += n
@@ -185,7 +215,7 @@ class Scheduler:
         fits without preempting; returns how many were added."""
         run = []
         for seq in self.running[start:start + budget]:
-            if seq.num_uncomputed != 1 or seq.draft:
+            if not _decodes(seq):
                 break
             run.append(seq)
         added = self.tables.append_many([s.handle for s in run], [s.token_ids[-1] for s in run])
@@ -284,10 +314,10 @@ class Scheduler:
             seq.status, seq.last_swap_in = SeqStatus.RUNNING, now
             seq.request.timeline.resumed(seq.index, now)
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self._allowance(seq, budget))
             if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
                 self._reserve(seq, n)
-                batch.add(seq, n)
+                self._add(batch, seq, n)
                 budget -= n
         return budget
 
@@ -297,6 +327,9 @@ class Scheduler:
         occupied = self.num_occupied_seats
         pending_forks = occupied - len(self.running) - len(self.swapped)
         for seq in self._waiting_by_urgency(now):
+            allowance = self._allowance(seq, budget)
+            if allowance <= 0 < budget:
+                continue  # an embedding whose share is spent: generations behind it may pass (POOLING_SHARE)
             wanted = seats(seq)
             # NOTE: an n > 1 prompt is admitted only when all n choices fit, under the running cap and in the
             # block tables' slots, since it forks into them at once; one that fits nothing waits for an empty
@@ -305,10 +338,10 @@ class Scheduler:
             no_slots = self.tables.num_sequences + pending_forks + wanted > self.tables.max_seqs
             if budget <= 0 or over_cap or no_slots:
                 return  # head of line waits: later ones must not overtake it forever
-            n = self._try_admit(seq, budget, now)
+            n = self._try_admit(seq, allowance, now)
             if n == 0:
                 return
-            batch.add(seq, n)
+            self._add(batch, seq, n)
             budget -= n
             occupied += wanted
             pending_forks += wanted - 1
@@ -367,6 +400,11 @@ class Scheduler:
             max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks, spec_drafts=spec.num_drafts,
             spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position))
+
+
+def _decodes(seq: Sequence) -> bool:
+    """A generation's one-token step without guesses (an embedding's last prompt token is no decode)."""
+    return seq.num_uncomputed == 1 and not seq.draft and not seq.pools
 
 
 def seats(seq: Sequence) -> int:

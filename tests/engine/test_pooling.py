@@ -136,3 +136,39 @@ def test_llm_embed_with_a_sentence_encoder_is_sentence_transformers(minilm_folde
     theirs = SentenceTransformer(str(minilm_folder), device="cpu").encode(texts, convert_to_tensor=True)
     for out, expected in zip(ours, theirs, strict=True):
         assert F.cosine_similarity(torch.tensor(out.outputs.embedding), expected.float(), dim=0) > 1 - 1e-5
+
+
+def test_a_later_generation_is_not_behind_every_embedding(llama_model: SavedModel):
+    """Issue 41 (5): embeddings take at most a share of each step beside generations (scheduler.POOLING_SHARE), so a
+    short completion sent after a big embedding request is admitted at once and ends long before it; the
+    embeddings still advance every step and come out as they would alone."""
+    engine = Engine(EngineConfig(model=str(llama_model.path), device="cpu", dtype="float32", pooling="last",
+                                 cache=CacheConfig(num_kv_blocks=64),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+    try:
+        long_prompts = [list(range(3 + i, 43 + i)) for i in range(8)]  # 8 x 40 tokens: 20 steps of the budget
+        embeds = [engine.intake.make_request(f"e{i}", p, SamplingParams(), embed=True)
+                  for i, p in enumerate(long_prompts)]
+        for request in embeds:
+            engine.add(request)
+        engine.step()
+        victim = greedy(engine, [5, 6, 7], "victim")
+        engine.add(victim)
+
+        def pooled() -> int:
+            return sum(seq.num_computed for request in embeds for seq in request.seqs)
+
+        steps = 0
+        while not victim.finished and steps < 100:
+            before = pooled()
+            engine.step()
+            steps += 1
+            assert pooled() > before  # the embeddings advance in every step
+        assert steps <= 1 + victim.params.max_tokens  # its prefill, then a token a step
+        assert not all(request.finished for request in embeds)  # they were still running when it ended
+        run(engine, [])
+        for request, prompt in zip(embeds, long_prompts, strict=True):
+            assert request.error is None
+            torch.testing.assert_close(request.embedding, reference(llama_model, prompt, "last"), atol=1e-4, rtol=1e-4)
+    finally:
+        engine.close()
