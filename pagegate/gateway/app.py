@@ -28,6 +28,7 @@ from pagegate.gateway.messages import routes as messages
 from pagegate.gateway.responses import routes as responses
 from pagegate.gateway.responses.store import ResponseStore
 from pagegate.gateway.settings import GatewayConfig
+from pagegate.gateway.shutdown import InFlightMiddleware
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -82,6 +83,7 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
         cors = Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
         middleware.insert(0, cors)
+    middleware.insert(0, Middleware(InFlightMiddleware, host=host))  # outermost: every request a drain waits for
     handlers = {HTTPException: _http_error, APIError: _any_error, InvalidParamError: _any_error,
                 EngineDeadError: _any_error, RequestFailedError: _any_error, Exception: _any_error}
     routes = ROUTES + (dashboard_routes() if dashboard is not None else [])

@@ -146,6 +146,10 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="on SIGTERM or Ctrl-C, seconds in-flight requests get to finish while /health and new "
                             "requests get 503 (+ Retry-After); the rest then end with an error chunk. 0: end them at "
                             "once. A second signal ends the drain")
+    group.add_argument("--engine-step-timeout", type=_non_negative, default=defaults.engine_step_timeout_s,
+                       metavar="S", help="an engine core with work that finishes no step in S seconds is taken for "
+                       "hung: /health turns 503, its requests fail (503 engine_stalled), new ones go to the other "
+                       "cores (or get 503) until it steps again. 0: never")
     group.add_argument("--log-level", default=defaults.log_level,
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -245,6 +249,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             idle_connection_timeout_s=args.idle_connection_timeout,
                             max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
                             stream_chunk_rate=args.stream_chunk_rate, shutdown_timeout_s=args.shutdown_timeout,
+                            engine_step_timeout_s=args.engine_step_timeout,
                             log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                             enable_dashboard=not args.disable_dashboard,
                             dashboard_max_viewers=args.dashboard_max_viewers,

@@ -13,6 +13,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -45,10 +46,12 @@ from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
+from pagegate.gateway.errors import EngineStalled
 
 log = logging.getLogger("pagegate.gateway")
 
 STOP_TIMEOUT_S = 15.0  # a core that does not exit after `shutdown` in this long is killed
+MAX_STALL_CHECK_S = 1.0  # how often, at most this far apart, a core's silence is checked (--engine-step-timeout)
 
 
 class _CoreProtocol(asyncio.Protocol):
@@ -63,8 +66,13 @@ class _CoreProtocol(asyncio.Protocol):
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, index: int = 0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: EngineConfig, index: int = 0, env: dict[str, str] | None = None, *,
+                 step_timeout_s: float = 0.0) -> None:
         self.config, self.index, self._env = config, index, env
+        self.step_timeout_s = step_timeout_s  # --engine-step-timeout (0: never taken for hung)
+        self.stalled_error: EngineStalled | None = None  # set while the core is taken for hung
+        self._last_heard = time.monotonic()  # the core's last frame, or when an idle core was last given work
+        self._stall_watch: asyncio.Task[None] | None = None
         self.on_dead: Callable[[], None] | None = None
         self.dead_error: BaseException | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -98,6 +106,8 @@ class CoreClient:
         self._watcher = loop.create_task(self._watch())
         info = await self._ready
         self._take_info(info)
+        if self.step_timeout_s > 0:
+            self._stall_watch = loop.create_task(self._watch_steps())
 
     def _take_info(self, info: dict[str, Any]) -> None:
         self.model_name: str = info["model_name"]
@@ -148,9 +158,70 @@ class CoreClient:
         if first and self._ready is not None and self._ready.done() and self.on_dead is not None:
             self.on_dead()
 
+    # ---- a hung core (--engine-step-timeout) -----------------------------------------------------------
+
+    async def _watch_steps(self) -> None:
+        while True:
+            await asyncio.sleep(min(MAX_STALL_CHECK_S, self.step_timeout_s / 4))
+            self._check_stall()
+
+    def _has_work(self) -> bool:
+        return bool(self._streams or self._calls)
+
+    def _check_stall(self) -> None:
+        """Take the core for hung when it has work and has sent nothing for --engine-step-timeout.
+
+        NOTE: a busy core sends a frame at least every step it finishes, and an idle one has nothing to send, so
+        silence only counts while something waits on it (a request's outputs, a call's reply), from the later of
+        its last frame and the moment it was given work while idle. A step longer than the bound (a huge prefill on
+        a slow machine) is taken for a hang too: the default (60 s) is vLLM's engine iteration timeout."""
+        if self.stalled_error is not None or self.step_timeout_s <= 0 or not self.is_running or not self._has_work():
+            return
+        silent = time.monotonic() - self._last_heard
+        if silent >= self.step_timeout_s:
+            self._stall(EngineStalled(f"engine core {self.index} has had work and finished no step for {silent:.0f} s "
+                                      f"(--engine-step-timeout {self.step_timeout_s:g})"))
+
+    def _stall(self, error: EngineStalled) -> None:
+        """Fail what waits on a hung core and abort its requests (their pages are freed if it ever steps again);
+        until it sends a frame, it takes no new work."""
+        log.error("%s: its requests fail and it takes no new ones until it steps again", error)
+        self.stalled_error = error
+        for request_id in list(self._open_seqs):
+            self.abort(request_id)
+        for stream in self._streams.values():
+            stream.put_nowait(EngineStalled(error.message))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineStalled(error.message))
+
+    def stalled(self) -> str | None:
+        """Why this core is taken for hung (None when it steps)."""
+        self._check_stall()
+        return str(self.stalled_error) if self.stalled_error is not None else None
+
+    @property
+    def accepting(self) -> bool:
+        """Whether it takes new work (not while it is taken for hung)."""
+        return self.stalled() is None
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        if self.stalled_error is not None:
+            log.warning("engine core %d steps again: it takes new work", self.index)
+            self.stalled_error = None
+
+    def _giving_work(self) -> None:
+        """Before a request or a call is sent: an idle core's silence so far was no hang."""
+        self._check_alive()
+        if not self._has_work():
+            self._last_heard = time.monotonic()
+
     async def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the core to stop (it aborts every request, freeing every page) and wait for it to exit."""
         self._stopping = True
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         process = self.process
         if process is not None and process.poll() is None:
             self._send([SHUTDOWN])
@@ -171,6 +242,7 @@ class CoreClient:
     # ---- frames from the core --------------------------------------------------------------------
 
     def _take(self, frame: list[Any]) -> None:
+        self._heard()
         kind = frame[0]
         if kind == OUTPUTS:
             for delta in frame[1]:
@@ -194,7 +266,7 @@ class CoreClient:
 
     async def _call(self, name: str) -> Any:
         """A question the core answers between two steps."""
-        self._check_alive()
+        self._giving_work()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
@@ -210,7 +282,7 @@ class CoreClient:
                        priority: int = 0, cache_salt: str | None = None,
                        pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come; leaving the loop early aborts the request."""
-        self._check_alive()
+        self._giving_work()
         text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         if request_id in self._streams:
@@ -242,7 +314,7 @@ class CoreClient:
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
         """The prompt's embedding (little-endian float32), pooled in the core; leaving early aborts it."""
-        self._check_alive()
+        self._giving_work()
         check_token_ids(token_ids, self.vocab_size, "input")
         check_embedding_length(len(token_ids), self.max_model_len)
         if request_id in self._streams:
@@ -307,6 +379,8 @@ class CoreClient:
     def _check_alive(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        if self.stalled_error is not None:
+            raise EngineStalled(self.stalled_error.message)
 
     # ---- counts ----------------------------------------------------------------------------------
 

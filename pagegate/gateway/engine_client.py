@@ -28,6 +28,15 @@ class EngineClient(Protocol):
     @property
     def is_running(self) -> bool: ...
 
+    @property
+    def accepting(self) -> bool:
+        """Whether a new request has a core to go to (one not taken for hung: --engine-step-timeout)."""
+        ...
+
+    def stalled(self) -> str | None:
+        """Why a core with work has finished no step within --engine-step-timeout (None when every core steps)."""
+        ...
+
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
                  pin: Pin | None = None) -> AsyncIterator[RequestOutput]:

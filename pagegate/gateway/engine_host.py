@@ -4,10 +4,11 @@ requests under --max-queue, start generations, drain them on shutdown (pagegate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -20,7 +21,7 @@ from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.gateway.core_client import CoreClient
 from pagegate.gateway.engine_client import EngineClient
-from pagegate.gateway.errors import Overloaded, ServiceUnavailable
+from pagegate.gateway.errors import EngineStalled, Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
 from pagegate.gateway.replicas import Replicas
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
@@ -49,7 +50,9 @@ class EngineHost:
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self.num_rejected = 0
         self._active: set[OutputMerger] = set()
-        self._idle = asyncio.Event()  # set while no generation runs (a drain waits on it)
+        self._embeddings: set[asyncio.Future[None]] = set()  # admitted embedding requests: end_all's way to end them
+        self._in_flight = 0  # API requests being served, REST or gRPC, whatever the route (`serving`)
+        self._idle = asyncio.Event()  # set while no API request is being served (a drain waits on it)
         self._idle.set()
         # engine request id -> the identity of the API key that sent it: the dashboard names a request only
         # to viewers with the same key
@@ -66,7 +69,8 @@ class EngineHost:
 
     async def _load(self) -> None:
         try:
-            self.engine = engine = await start_engine(self.engine_config, self.config.data_parallel_size)
+            self.engine = engine = await start_engine(self.engine_config, self.config.data_parallel_size,
+                                                      self.config.engine_step_timeout_s)
             engine.on_dead = self._engine_died
             self.model = self._model_context(engine)
             await self._warm_up(engine)
@@ -118,7 +122,8 @@ class EngineHost:
         return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
                             engine.compile_grammar if tokenizer is not None else None,
                             reasoning_parser=self.config.reasoning_parser,
-                            tool_call_parser=self.config.tool_call_parser)
+                            tool_call_parser=self.config.tool_call_parser,
+                            max_scoring_tokens=self.config.max_scoring_tokens)
 
     def _engine_died(self) -> None:
         """An engine core (or one of its tensor-parallel workers) died. /health already says so; the server
@@ -132,8 +137,21 @@ class EngineHost:
         if self.state == READY:
             self.state, self.reason = DRAINING, "draining: finishing in-flight requests before shutting down"
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count one API request as in flight while it is served (the REST middleware and the gRPC door call
+        this for every request, whatever its route)."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no generation runs, at most `timeout_s`; whether none does."""
+        """Wait until no API request is being served, at most `timeout_s`; whether none is."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -148,6 +166,9 @@ class EngineHost:
         self.state, self.reason = STOPPING, "shutting down"
         for merger in list(self._active):
             merger.stop(ServiceUnavailable(message, code="shutting_down"))
+        for stopped in list(self._embeddings):
+            if not stopped.done():
+                stopped.set_exception(ServiceUnavailable(message, code="shutting_down"))
 
     async def stop(self) -> None:
         self.end_all()
@@ -182,16 +203,22 @@ class EngineHost:
         return self.engine, self.model
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        """`in_flight`: API requests being served (what a drain waits for); `admitted`: those of them whose
+        generation or embedding has started."""
+        counts = {"in_flight": self.num_in_flight, "admitted": self.num_admitted}
         if self.state == DRAINING:
-            return 503, {"status": self.state, "reason": self.reason, "in_flight": self.num_active}
+            return 503, {"status": self.state, "reason": self.reason, **counts}
         if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
-            report = {**asdict(self.engine.health()), "status": "ok"}
+            report = {**asdict(self.engine.health()), "status": "ok", **counts}
+            stalled = self.engine.stalled()
         except Exception as exc:
             return 503, {"status": "dead", "reason": f"engine health failed: {exc}"}
         if not self.engine.is_running:
             return 503, {**report, "status": "dead"}
+        if stalled is not None:
+            return 503, {**report, "status": "stalled", "reason": stalled}
         return 200, report
 
     @property
@@ -200,7 +227,16 @@ class EngineHost:
 
     @property
     def num_active(self) -> int:
+        """Generations the gateway is driving."""
         return len(self._active)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self._active) + len(self._embeddings)
 
     @property
     def draining(self) -> bool:
@@ -237,6 +273,7 @@ class EngineHost:
         self.require_engine()
         self._check_runnable(prepared)
         self._check_queue(len(prepared.prompts) * prepared.params.n)
+        self._check_stepping()
 
     def admit_embeddings(self, num_inputs: int, priority: int) -> None:
         """`admit` for an embedding request: 400 where the server does not embed, 429 past --max-queue."""
@@ -244,6 +281,15 @@ class EngineHost:
         check_task(self.generates, self.embeds, embed=True)
         check_priority(priority, self.engine_config.scheduler.scheduling_policy)
         self._check_queue(num_inputs)
+        self._check_stepping()
+
+    def _check_stepping(self) -> None:
+        """A 503 when no engine core could take the request: each has work it has not stepped on within
+        --engine-step-timeout (hung). With several cores, the router passes over the stalled ones."""
+        engine, _ = self.require_engine()
+        if not engine.accepting:
+            raise EngineStalled(f"The engine is not stepping: {engine.stalled()}. Retry later.",
+                                headers={"Retry-After": str(self.config.retry_after_s)})
 
     def _check_queue(self, num_seqs: int) -> None:
         engine, _ = self.require_engine()
@@ -312,8 +358,6 @@ class EngineHost:
 
         def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
             self._active.discard(merger)
-            if not self._active:
-                self._idle.set()
             for rid in ids:
                 self.request_tenants.pop(rid, None)
             for index in list(waiting):
@@ -330,7 +374,6 @@ class EngineHost:
 
         merger = OutputMerger(streams, on_first, on_close, on_finished)
         self._active.add(merger)
-        self._idle.clear()
         # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
         # in the order they are scheduled, so this one runs right after those steps.
         seqs = len(ids) * prepared.params.n
@@ -339,17 +382,26 @@ class EngineHost:
         return merger, ids
 
     async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0) -> list[bytes]:
-        """Embed every input at once (one engine request each); if one fails or the caller goes, the others are
-        aborted."""
+        """Embed every input at once (one engine request each); if one fails, the caller goes or `end_all` ends
+        it, the others are aborted."""
         engine, _ = self.require_engine()
         unique = uuid.uuid4().hex[:8]
         tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority))
                  for i, ids in enumerate(inputs)]
+        gathered = asyncio.gather(*tasks)
+        stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._embeddings.add(stopped)
         try:
-            return list(await asyncio.gather(*tasks))
+            await asyncio.wait({gathered, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stopped.done():
+                stopped.result()  # end_all's error
+            return list(gathered.result())
         finally:
+            self._embeddings.discard(stopped)
             for task in tasks:
                 task.cancel()
+            if gathered.done() and not gathered.cancelled():
+                gathered.exception()  # read, so that an error after end_all's is never logged as unretrieved
 
     def _submitted(self, seqs: int) -> None:
         self._unsubmitted -= seqs
@@ -368,13 +420,15 @@ def start_tracer(endpoint: str | None) -> RequestTracer | None:
     return start_tracing(endpoint) if endpoint else None
 
 
-async def start_engine(config: EngineConfig, data_parallel_size: int = 1) -> EngineClient:
-    """The engine cores, each its own process (loading in the background: /health answers meanwhile)."""
+async def start_engine(config: EngineConfig, data_parallel_size: int = 1,
+                       step_timeout_s: float = 0.0) -> EngineClient:
+    """The engine cores, each its own process (loading in the background: /health answers meanwhile);
+    `step_timeout_s`: --engine-step-timeout (0: a core is never taken for hung)."""
     if data_parallel_size == 1:
-        core = CoreClient(config)
+        core = CoreClient(config, step_timeout_s=step_timeout_s)
         await core.start()
         return core
-    return await Replicas.start(config, data_parallel_size)
+    return await Replicas.start(config, data_parallel_size, step_timeout_s)
 
 
 def serving_line(host: EngineHost) -> str:

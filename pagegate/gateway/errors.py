@@ -82,6 +82,12 @@ class ServiceUnavailable(APIError):
     default_code = "service_unavailable"
 
 
+class EngineStalled(ServiceUnavailable):
+    """An engine core with work has not finished a step within --engine-step-timeout (it hangs)."""
+
+    default_code = "engine_stalled"
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
     """The exact shape OpenAI returns (and its SDK parses) for every error."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

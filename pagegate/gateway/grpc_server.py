@@ -247,20 +247,21 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
 
 
 def _decoding(servicer: GenerationServicer, name: str, request_cls: type[Message]) -> Callable[..., Any]:
-    """The servicer's method behind an authorization check and our own decoding of the request."""
+    """The servicer's method behind an authorization check and our own decoding of the request, counted in flight."""
     method = getattr(servicer, name)
 
     async def behaviour(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            servicer._authorize(context)  # the key first: strangers learn nothing about message formats
-        except Exception as exc:
-            await _abort(context, exc)
-        try:
-            request = request_cls.FromString(raw)
-        except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"malformed {request_cls.DESCRIPTOR.full_name} message: {exc}")
-        return await method(request, context)
+        with servicer.host.serving():  # every Generation call is in flight for a drain, as REST requests are
+            try:
+                servicer._authorize(context)  # the key first: strangers learn nothing about message formats
+            except Exception as exc:
+                await _abort(context, exc)
+            try:
+                request = request_cls.FromString(raw)
+            except DecodeError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"malformed {request_cls.DESCRIPTOR.full_name} message: {exc}")
+            return await method(request, context)
 
     return behaviour
 

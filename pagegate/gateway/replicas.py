@@ -25,6 +25,7 @@ from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.core_client import CoreClient
+from pagegate.gateway.errors import EngineStalled
 
 
 class PrefixIndex:
@@ -76,14 +77,14 @@ class Replicas:
         self._owner: dict[str, CoreClient] = {}
 
     @classmethod
-    async def start(cls, config: EngineConfig, size: int) -> Replicas:
+    async def start(cls, config: EngineConfig, size: int, step_timeout_s: float = 0.0) -> Replicas:
         cpus = sorted(os.sched_getaffinity(0))
         share = max(1, len(cpus) // size)
         cores = []
         for index in range(size):
             mine = cpus[index * share:(index + 1) * share] or cpus[-share:]
             env = {**os.environ, "OMP_NUM_THREADS": str(len(mine)), CPUS_ENV: ",".join(map(str, mine))}
-            cores.append(CoreClient(core_config(config, index), index, env))
+            cores.append(CoreClient(core_config(config, index), index, env, step_timeout_s=step_timeout_s))
         results = await asyncio.gather(*(core.start() for core in cores), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -98,12 +99,20 @@ class Replicas:
     # ---- routing -----------------------------------------------------------------------------------
 
     def route(self, token_ids: list[int], cache_salt: str | None) -> int:
-        """The core with the longest prefix hit, then the fewest pages in use (counting prefills on their way)."""
+        """The core with the longest prefix hit, then the fewest pages in use (counting prefills on their way),
+        among those that step (a core taken for hung is passed over)."""
         chain = self.prefixes.chain(token_ids, cache_salt)
-        index = max(range(len(self.cores)),
+        index = max(self._accepting_cores(),
                     key=lambda i: (self.prefixes.hits(i, chain), -self._pages_in_use(i), -i))
         self.prefixes.record(index, chain)
         return index
+
+    def _accepting_cores(self) -> list[int]:
+        """The cores that take new work; EngineStalled (503) when none does."""
+        accepting = [i for i, core in enumerate(self.cores) if core.accepting]
+        if not accepting:
+            raise EngineStalled(f"no engine core is stepping: {self.stalled()}")
+        return accepting
 
     def _pages_in_use(self, index: int) -> int:
         return self.cores[index].stats().used_blocks + self._unstarted_pages[index]
@@ -130,7 +139,7 @@ class Replicas:
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
         """On the core with the fewest pages in use (embedding requests take no prefix hits)."""
-        index = min(range(len(self.cores)), key=lambda i: (self._pages_in_use(i), i))
+        index = min(self._accepting_cores(), key=lambda i: (self._pages_in_use(i), i))
         self._owner[request_id] = core = self.cores[index]
         try:
             return await core.embed(token_ids, request_id, priority=priority)
@@ -154,6 +163,14 @@ class Replicas:
     @property
     def is_running(self) -> bool:
         return all(core.is_running for core in self.cores)
+
+    @property
+    def accepting(self) -> bool:
+        return any(core.accepting for core in self.cores)
+
+    def stalled(self) -> str | None:
+        reasons = [reason for core in self.cores if (reason := core.stalled()) is not None]
+        return "; ".join(reasons) if reasons else None
 
     def queue_load(self) -> tuple[int, int]:
         loads = [core.queue_load() for core in self.cores]

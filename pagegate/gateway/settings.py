@@ -34,6 +34,9 @@ class GatewayConfig:
     shutdown_timeout_s: float = 0.0
     # Then uvicorn's graceful shutdown: how long open responses get to send their last bytes before it cancels them.
     drain_timeout_s: float = 10.0
+    # An engine core with work that sends nothing (no finished step) this long is taken for hung: /health 503, its
+    # requests fail, new ones go to other cores (or get 503); 0: never.
+    engine_step_timeout_s: float = 60.0
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: no tracing
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
     dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After

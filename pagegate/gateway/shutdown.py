@@ -6,6 +6,11 @@ an error chunk (its pages freed in the core), and only then does uvicorn's own s
 
 NOTE: the drain runs before uvicorn's shutdown because that one closes the listening sockets first: during the
 drain new clients must get a 503 they can act on, not a refused connection.
+
+NOTE: what is in flight is counted where every request passes (InFlightMiddleware for REST, the gRPC door's
+decoding wrapper), from its first byte to its last, not where each route starts its engine work: counted there,
+a route that started work another way (embeddings) was forgotten, so the drain ended at once, uvicorn closed the
+sockets and then cut the request off.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagegate.gateway.engine_host import READY, EngineHost
 
@@ -39,13 +46,14 @@ class GracefulShutdown:
         self.task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        running = self.host.num_active
+        running = self.host.num_in_flight
         logger.info("draining: %d request(s) in flight, up to %g s to finish (--shutdown-timeout); new requests "
                     "get 503", running, self.timeout_s)
         if await self.host.wait_idle(self.timeout_s):
             logger.info("drained: every in-flight request finished")
         else:
-            logger.warning("drain timed out after %g s: ending %d request(s)", self.timeout_s, self.host.num_active)
+            logger.warning("drain timed out after %g s: ending %d request(s)", self.timeout_s,
+                           self.host.num_in_flight)
         self._stop_now(f"The server is shutting down: the generation did not finish within --shutdown-timeout "
                        f"{self.timeout_s:g} s.")
 
@@ -57,3 +65,27 @@ class GracefulShutdown:
         """The server stops for another reason (the engine died): no drain outlives the loop."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+# Routes whose requests a drain does not wait for: probes (they watch the drain) and the dashboard, whose feeds
+# run until their viewer leaves.
+NOT_COUNTED = ("/health", "/metrics", "/dashboard")
+
+
+class InFlightMiddleware:
+    """Counts every HTTP request being served (EngineHost.serving), whatever its route, body format or stream."""
+
+    def __init__(self, app: ASGIApp, host: EngineHost) -> None:
+        self.app = app
+        self.host = host
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _not_counted(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        with self.host.serving():
+            await self.app(scope, receive, send)
+
+
+def _not_counted(path: str) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in NOT_COUNTED)

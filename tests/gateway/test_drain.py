@@ -1,10 +1,12 @@
 """--shutdown-timeout: SIGTERM drains. /health and new requests get 503 (gRPC: UNAVAILABLE) at once, live streams
-over REST SSE, msgpack and gRPC run to their end (or, past the timeout, end with an error), and the server exits 0."""
+over REST SSE, msgpack and gRPC and every other kind of request (embeddings, Responses, Messages, scoring) run to
+their end (or, past the timeout, end with an error), and the server exits 0."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -12,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -22,7 +25,7 @@ from pagegate.clients import GrpcClient, MsgpackClient
 from pagegate.clients.errors import PagegateError
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.shutdown import GracefulShutdown
-from pagegate.testing.launcher import ServerProcess, free_port
+from pagegate.testing.launcher import ServerProcess, alive, core_pids, free_port
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
@@ -177,6 +180,141 @@ def test_short_timeout_ends_long_streams_with_an_error_and_exits_0(sig: signal.S
         server.stop()
 
 
+# -- every kind of request counts -------------------------------------------------------------------
+KIND_TOKENS = 6
+
+
+def _kinds(server: ServerProcess, grpc_port: int) -> dict[str, Callable[[], Any]]:
+    """One request of each kind a drain must wait for; each returns what the test then checks."""
+    oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=180)
+    model = oai.models.list().data[0].id
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    def chat_stream() -> list[Any]:
+        stream = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                             max_tokens=KIND_TOKENS, extra_body=greedy)
+        return [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+
+    def scoring() -> dict:
+        body = {"model": model, "prompt": "Score every token of this prompt.", "echo": True, "logprobs": 1,
+                "max_tokens": 0}
+        response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=180)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def grpc_completion() -> dict:
+        with GrpcClient(f"127.0.0.1:{grpc_port}", timeout=180) as client:
+            return client.completions("Over gRPC", max_tokens=KIND_TOKENS, **greedy)
+
+    return {
+        "completions": lambda: oai.completions.create(model=model, prompt="Once", max_tokens=KIND_TOKENS,
+                                                      extra_body=greedy),
+        "chat": chat_stream,
+        "embeddings": lambda: oai.embeddings.create(model=model, input=["First text to embed.", "Second one."]),
+        "responses": lambda: oai.responses.create(model=model, input="Say hello.", max_output_tokens=KIND_TOKENS,
+                                                  temperature=0),
+        "messages": lambda: claude.messages.create(model=model, max_tokens=KIND_TOKENS,
+                                                   messages=[{"role": "user", "content": "Say hello."}]),
+        "scoring": scoring,
+        "grpc": grpc_completion,
+    }
+
+
+def _check_answer(kind: str, answer: Any) -> None:
+    """Each kind's answer is a normal, whole one."""
+    if kind == "completions":
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == KIND_TOKENS
+    elif kind == "chat":
+        assert answer == ["length"]
+    elif kind == "embeddings":
+        assert len(answer.data) == 2 and all(len(item.embedding) > 0 for item in answer.data)
+    elif kind == "responses":
+        assert answer.status in ("completed", "incomplete") and answer.usage.output_tokens > 0
+    elif kind == "messages":
+        assert answer.stop_reason in ("end_turn", "max_tokens") and answer.usage.output_tokens > 0
+    elif kind == "scoring":
+        assert len(answer["choices"][0]["logprobs"]["token_logprobs"]) > 3
+    else:
+        assert answer["usage"]["completion_tokens"] == KIND_TOKENS
+
+
+def _wait_admitted(server: ServerProcess, count: int, calls: dict[str, Call]) -> None:
+    """Until the gateway has started the engine work of `count` requests (the core, stopped, finishes none)."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        report = httpx.get(server.base_url + "/health", timeout=5).json()
+        failed = {kind: repr(call.error) for kind, call in calls.items() if call.error is not None}
+        assert not failed, failed
+        if report.get("admitted") == count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not all {count} requests were admitted: {report}")
+
+
+@dataclass
+class Call:
+    answer: Any = None
+    error: BaseException | None = None
+
+
+def _call_in_thread(call: Call, fn: Callable[[], Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            call.answer = fn()
+        except BaseException as exc:  # noqa: B036 - the test reads it
+            call.error = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_every_kind_of_request_counts_in_a_drain() -> None:
+    """Embeddings, Responses, Messages, prompt scoring, gRPC, completions and a chat stream are all in flight when
+    SIGTERM comes: the drain waits for each (none is cut off), and new requests meanwhile get the 503.
+
+    The engine core is stopped (SIGSTOP) before the requests are sent and until the checks are done, so none can
+    finish early, however fast the machine."""
+    grpc_port = free_port()
+    server = ServerProcess(server_args("--num-kv-blocks", "256", "--pooling", "mean", "--grpc-port", str(grpc_port),
+                                       "--shutdown-timeout", "120", "--engine-step-timeout", "0")).start()
+    assert server.process is not None
+    [core] = core_pids(server.process.pid)
+    try:
+        kinds = _kinds(server, grpc_port)
+        os.kill(core, signal.SIGSTOP)
+        calls = {kind: Call() for kind in kinds}
+        threads = [_call_in_thread(calls[kind], fn) for kind, fn in kinds.items()]
+        _wait_admitted(server, len(kinds), calls)
+        server.process.send_signal(signal.SIGTERM)
+        report = _wait_health_503(server, within_s=10)
+        assert report["status"] == "draining" and report["in_flight"] == len(kinds), report
+        late = httpx.post(server.base_url + "/v1/embeddings", json={"input": "late"}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining", late.text
+        late = httpx.post(server.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining", late.text
+        with GrpcClient(f"127.0.0.1:{grpc_port}", timeout=10) as client, pytest.raises(PagegateError) as refused:
+            client.completions("late", max_tokens=2)
+        assert refused.value.grpc_code == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert all(call.answer is None and call.error is None for call in calls.values())
+        os.kill(core, signal.SIGCONT)
+        assert server.process.wait(150) == 0, server.log()[-3000:]
+        for thread in threads:
+            thread.join(10)
+        failed = {kind: repr(call.error) for kind, call in calls.items() if call.error is not None}
+        assert not failed, (failed, server.log()[-3000:])
+        for kind, call in calls.items():
+            _check_answer(kind, call.answer)
+        log = server.log()
+        assert f"draining: {len(kinds)} request(s) in flight" in log, log[-3000:]
+        assert "drained: every in-flight request finished" in log and ", 0 in use" in log, log[-3000:]
+    finally:
+        if alive(core):
+            os.kill(core, signal.SIGCONT)
+        server.stop()
+
+
 def test_shutdown_timeout_flag() -> None:
     parser = build_parser()
     assert configs_from_args(parser.parse_args([]))[1].shutdown_timeout_s == 0.0  # vLLM's default: no drain
@@ -193,7 +331,7 @@ class FakeHost:
         self.state = state
         self.busy_s = busy_s  # how long the in-flight requests would take
         self.calls: list[str] = []
-        self.num_active = 3
+        self.num_in_flight = 3
 
     def begin_drain(self) -> None:
         self.calls.append("begin_drain")
