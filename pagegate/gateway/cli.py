@@ -189,6 +189,9 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    group.add_argument("--responses-max-input-items", type=_positive(int),
+                       default=defaults.responses_max_input_items,
+                       help="items one /v1/responses request's input may hold (OpenAI's bound); more is a 400")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
@@ -268,6 +271,7 @@ def _read_template(path: str | None) -> str | None:
         return None
     try:
         with open(path, encoding="utf-8") as file:
+                            responses_max_input_items=args.responses_max_input_items,
             return file.read()
     except OSError as error:
         raise SystemExit(f"--chat-template: cannot read {path}: {error.strerror}") from None

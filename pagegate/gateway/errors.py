@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 
 class APIError(Exception):
     """An error the client should see as `{"error": {"message", "type", "param", "code"}}`."""
@@ -119,6 +122,32 @@ def to_api_error(exc: BaseException) -> APIError:
     return ServerError(f"Internal error: {type(exc).__name__}: {exc}")
 
 
+@contextmanager
+def client_params(rename: Callable[[str], str]) -> Iterator[None]:
+    """A 400 raised inside names the field the client sent: `rename` maps a chat completion's param (the
+    request another API is translated into) to its own, in `param` and where the message quotes it."""
+    from pagegate.engine.errors import InvalidParamError
+
+    try:
+        yield
+    except (APIError, InvalidParamError) as exc:
+        error = to_api_error(exc)
+        if error.param is not None:
+            theirs = rename(error.param)
+            error.message = error.message.replace(f"'{error.param}'", f"'{theirs}'")
+            error.args = (error.message,)
+            error.param = theirs
+        raise error from None
+
+
+def rename_prefix(param: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    """`param` with the first matching dotted prefix of `pairs` (ours, theirs) replaced."""
+    for ours, theirs in pairs:
+        if param == ours or param.startswith(ours + "."):
+            return theirs + param[len(ours):]
+    return param
+
+
 # -- Anthropic's shape, on /v1/messages ---------------------------------------------------------------
 MESSAGES_PATH = "/v1/messages"
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -132,7 +161,11 @@ def speaks_anthropic(path: str) -> bool:
 
 
 def anthropic_error_body(error: APIError) -> dict:
-    """{"type": "error", "error": {"type", "message"}}."""
+    """{"type": "error", "error": {"type", "message"}}; Anthropic's shape has no param, so a message that does
+    not name its field starts with it, as Anthropic's own do (`stop_sequences: ...`)."""
     status = error.status_code
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if error.param is not None and error.param not in message:
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}

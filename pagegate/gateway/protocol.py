@@ -525,8 +525,10 @@ def _fields(loc: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _is_field(part: Any) -> bool:
-    """Keep field names and list indexes of an error location, drop pydantic's union-member tags."""
-    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS)
+    """Keep field names and list indexes of an error location, drop pydantic's union-member tags (a type's
+    name, or a model class's: NamedToolChoice is no field a client sends; every API field is lower case)."""
+    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS
+                                     and not part[0].isupper())
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})

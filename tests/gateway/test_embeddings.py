@@ -8,6 +8,7 @@ import base64
 import threading
 from pathlib import Path
 
+import anthropic
 import httpx
 import msgpack
 import numpy as np
@@ -110,6 +111,12 @@ def test_an_embedding_server_refuses_generations(embed_client: openai.OpenAI):
         embed_client.completions.create(model="all-MiniLM-L6-v2", prompt="Hello", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         embed_client.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="embedding model"):  # not "no chat template"
+        embed_client.responses.create(model="all-MiniLM-L6-v2", input="x")
+    claude = anthropic.Anthropic(base_url=str(embed_client.base_url).removesuffix("/v1/"), api_key="unused",
+                                 max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="embedding model"):
+        claude.messages.create(model="all-MiniLM-L6-v2", max_tokens=4, messages=[{"role": "user", "content": "x"}])
 
 
 # ---- a generative model's pooled hidden states ---------------------------------------------------------------

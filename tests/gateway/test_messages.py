@@ -101,6 +101,15 @@ def test_count_tokens_is_the_prompt_a_message_would_have(claude: anthropic.Anthr
     {"max_tokens": 4, "messages": HELLO, "temperature": 1.5},
     {"max_tokens": 4, "messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]},
     {"max_tokens": 4, "messages": HELLO, "frobnicate": 1},
+    {"max_tokens": 4, "messages": [{"role": "user", "content": []}]},  # a message without content
+    {"max_tokens": 4, "messages": [*HELLO, {"role": "assistant", "content": ""}, *HELLO]},
+    {"max_tokens": 4, "messages": [  # a tool_result answering no tool_use of the message before
+        *HELLO, {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+    {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+    {"max_tokens": 4, "messages": HELLO, "metadata": {"user_id": "u" * 257}},  # Anthropic: at most 256
+    {"max_tokens": 4, "messages": HELLO, "metadata": {f"key{i}": "v" for i in range(1000)}},  # only user_id
 ])
 def test_bad_requests_are_anthropic_400s(http: httpx.Client, model: str, body: dict) -> None:
     reply = http.post("/v1/messages", json={"model": model, **body})
@@ -108,6 +117,25 @@ def test_bad_requests_are_anthropic_400s(http: httpx.Client, model: str, body: d
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"]
+
+
+@pytest.mark.parametrize("request_fields, named, not_named", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name", "NamedToolChoice"),
+    ({"stop_sequences": [""]}, "stop_sequences", "'stop'"),
+    ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences", "'stop'"),
+    ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools.0.input_schema", "function"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "Hi."},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "x"}]}]},
+     "messages.2.content.0", "tool_call"),
+])
+def test_errors_name_the_fields_sent(claude: anthropic.Anthropic, model: str, request_fields: dict, named: str,
+                                     not_named: str) -> None:
+    """A Messages request runs as a chat request; its errors still name the Messages fields."""
+    fields = {"messages": HELLO, **request_fields}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=model, max_tokens=4, **fields)
+    message = caught.value.body["error"]["message"]
+    assert named in message and not_named not in message, message
 
 
 def test_the_sdk_raises_its_own_errors(claude: anthropic.Anthropic) -> None:

@@ -141,6 +141,15 @@ def test_unstored_responses_are_not_kept(client: openai.OpenAI, model: str) -> N
     ({"input": "x", "tool_choice": "required"}, None),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "flag"}}}, "text.format.schema"),
+    ({"input": "x", "metadata": {f"key{i}": "v" for i in range(17)}}, "metadata"),  # OpenAI: at most 16 keys,
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),  # of at most 64 characters,
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),  # with values of at most 512
+    ({"input": [{"type": "reasoning", "summary": []}] * 16_385}, "input"),  # OpenAI's bound on input items
+    # the chat request a Responses request becomes: its errors name the Responses fields
+    ({"input": "word " * 200_000}, "input"),
+    ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+    ({"input": "x", "max_output_tokens": 1 << 30}, "input"),
 ])
 def test_bad_input_is_a_400(http: httpx.Client, model: str, body: dict, param: str | None) -> None:
     reply = http.post("/v1/responses", json={"model": model, **body})
@@ -149,6 +158,43 @@ def test_bad_input_is_a_400(http: httpx.Client, model: str, body: dict, param: s
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_errors_name_the_fields_sent(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=model, input="x", text={"format": {"type": "json_schema", "name": "x"}})
+    assert caught.value.body["param"] == "text.format.schema" and "text.format.schema" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=model, input="word " * 200_000)
+    assert caught.value.body["param"] == "input" and caught.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=model, input=[{"role": "user", "content": "x"}] * 16_385)
+    assert caught.value.body["param"] == "input" and caught.value.code == "array_above_max_length"
+
+
+def test_metadata_within_openai_s_bounds_is_echoed(client: openai.OpenAI, model: str) -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    response = client.responses.create(model=model, input="Hi", max_output_tokens=1, store=False, metadata=metadata)
+    assert response.metadata == metadata
+
+
+def test_a_long_stored_conversation_lists_every_item_once(client: openai.OpenAI, model: str) -> None:
+    """Each turn hands back 300 reasoning items (as agents do); every turn's items are listed once, in order,
+    newest first by default, and pages walk the whole chain."""
+    previous = None
+    sent: list[str] = []
+    for turn in range(4):
+        reasoning = [{"type": "reasoning", "id": f"rs_{turn}_{i}", "summary": [{"type": "summary_text", "text": "t"}]}
+                     for i in range(300)]
+        response = client.responses.create(model=model, input=[*reasoning, {"role": "user", "content": f"Turn {turn}"}],
+                                           previous_response_id=previous, max_output_tokens=2, temperature=0)
+        sent += [item["id"] for item in reasoning] + ["?"] + [item.id for item in response.output]
+        previous = response.id
+    listed = [item.id for item in client.responses.input_items.list(previous, order="asc", limit=100)]
+    assert len(listed) == len(sent) - len(response.output)  # the last turn's output is no input
+    assert all(want in ("?", got) for want, got in zip(sent, listed, strict=False))
+    newest = client.responses.input_items.list(previous, limit=3)
+    assert [item.id for item in newest.data] == listed[::-1][:3] and newest.has_more
 
 
 def test_a_stored_response_is_its_key_s_and_outlives_a_restart(tmp_path) -> None:

@@ -12,10 +12,10 @@ from starlette.responses import Response
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, read_body, render
 from pagegate.gateway.engine_host import EngineHost
-from pagegate.gateway.errors import anthropic_error_body, to_api_error
+from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
 from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest
 from pagegate.gateway.messages.render import MessagesRenderer
-from pagegate.gateway.prepare import PreparedRequest, off_loop, prepare_chat
+from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
 from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
 from pagegate.gateway.streaming import collect, stream_body
@@ -24,11 +24,19 @@ from pagegate.gateway.streaming import collect, stream_body
 async def _prepare(request: Request, host: EngineHost,
                    request_cls: type[MessagesRequest] = MessagesRequest) -> tuple[MessagesRequest, PreparedRequest]:
     _, model = host.require_engine()
+    host.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
-    parsed = parse_request(request_cls, body)
-    prepared = await off_loop(prepare_chat, parsed.chat_body(), model)
+    parsed = await off_loop(parse_request, request_cls, body)
+    prepared = await off_loop(_prepare_chat, parsed, model)
     prepared.tenant = request_key_identity(request.scope)
     return parsed, prepared
+
+
+def _prepare_chat(parsed: MessagesRequest, model: ModelContext) -> PreparedRequest:
+    """The chat request it is, prepared; a 400 names the field of the Messages request, not of the chat one."""
+    parsed.check_conversation()
+    with client_params(parsed.client_param):
+        return prepare_chat(parsed.chat_body(), model)
 
 
 async def create_message(request: Request) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagegate.gateway.errors import BadRequest
+from pagegate.gateway.errors import BadRequest, rename_prefix
 from pagegate.gateway.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -93,9 +93,28 @@ def chat_body(request: ResponsesRequest, conversation: list[Message]) -> dict[st
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise BadRequest("Missing required parameter: 'text.format.schema'.", param="text.format.schema",
+                             code="missing_required_parameter")
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
     return {key: value for key, value in body.items() if value is not None}
+
+
+_CHAT_TO_RESPONSES = (("max_completion_tokens", "max_output_tokens"),
+                      ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                      ("reasoning_effort", "reasoning.effort"), ("tool_choice.function.name", "tool_choice.name"),
+                      ("tool_choice.function", "tool_choice"))
+
+
+def client_param(param: str) -> str:
+    """The field of a Responses request a param of its chat body (chat_body) stands for."""
+    parts = param.split(".")
+    if parts[0] == "tools" and len(parts) >= 3 and parts[2] == "function":
+        return ".".join(parts[:2] + parts[3:])  # tools.N.function.parameters -> tools.N.parameters
+    if parts[0] == "messages":
+        return "input"  # the conversation's messages come from this and earlier turns' items, not one by one
+    return rename_prefix(param, _CHAT_TO_RESPONSES)
 
 
 def describe(request: ResponsesRequest) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from pagegate.engine.sampling.structured import MAX_TOOLS
 from pagegate.gateway.protocol import FUNCTION_NAME, INT32, INTEGRAL, StrictModel
@@ -109,6 +109,25 @@ class ReasoningOptions(StrictModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+# OpenAI's bounds on a request's metadata: its keys, and the characters of a key and of a value.
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"too many properties: at most {MAX_METADATA_KEYS}, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"a key is {len(key)} characters long, at most {MAX_METADATA_KEY_CHARS}: {key[:32]!r}...")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"the value of {key!r} is {len(value)} characters long, at most "
+                             f"{MAX_METADATA_VALUE_CHARS}")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
+
+
 class ResponsesRequest(StrictModel):
     """POST /v1/responses."""
 
@@ -128,7 +147,7 @@ class ResponsesRequest(StrictModel):
     max_output_tokens: Annotated[int, Field(ge=1, le=INT32), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     include: list[str] | None = None  # nothing extra to include: accepted and ignored
     truncation: Literal["disabled", "auto"] | None = None

@@ -7,9 +7,10 @@ turn, whose own pin covers the same pages, continues it), so the next turn prefi
 
 from __future__ import annotations
 
+import itertools
 import secrets
-import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -18,35 +19,58 @@ from starlette.responses import Response
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
-from pagegate.gateway.errors import BadRequest, NotFound, to_api_error
-from pagegate.gateway.prepare import off_loop, prepare_chat
+from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error
+from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
 from pagegate.gateway.responses.conversation import (
+    Message,
     answer_message,
     call_ids,
     chat_body,
+    client_param,
     describe,
     input_items,
     input_messages,
 )
 from pagegate.gateway.responses.protocol import ResponsesRequest
 from pagegate.gateway.responses.render import ResponsesRenderer, item_id
-from pagegate.gateway.responses.store import ResponseStore, StoredResponse
+from pagegate.gateway.responses.store import Item, ResponseStore, StoredResponse
 from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
 from pagegate.gateway.streaming import collect, stream_body
+
+
+@dataclass
+class NewTurn:
+    """What one request adds to its conversation, prepared off the event loop."""
+
+    history: list[Message]  # the conversation so far, as chat messages
+    messages: list[Message]  # this turn's input as chat messages
+    items: list[dict[str, Any]]  # this turn's input items with ids (stored: GET .../input_items)
+    prepared: PreparedRequest
+
+
+def prepare_turn(parsed: ResponsesRequest, previous: StoredResponse | None, model: ModelContext) -> NewTurn:
+    """The turn as a chat request over the whole conversation; a 400 names the Responses request's field."""
+    history = previous.conversation if previous is not None else []
+    messages = input_messages(parsed, call_ids(history))
+    with client_params(client_param):
+        prepared = prepare_chat(chat_body(parsed, history + messages), model)
+    items = _with_ids(input_items(parsed)) if parsed.store else []
+    return NewTurn(history, messages, items, prepared)
 
 
 async def create_response(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     store: ResponseStore = request.app.state.responses
     _, model = host.require_engine()
+    host.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
     tenant = request_key_identity(request.scope)
-    parsed = parse_request(ResponsesRequest, body)
+    check_input_count(body, host.config.responses_max_input_items)
+    parsed = await off_loop(parse_request, ResponsesRequest, body)
     previous = _previous(store, parsed, tenant)
-    history = previous.conversation if previous is not None else []
-    turn = input_messages(parsed, call_ids(history))
-    prepared = await off_loop(prepare_chat, chat_body(parsed, history + turn), model)
+    turn = await off_loop(prepare_turn, parsed, previous, model)
+    prepared = turn.prepared
     prepared.tenant = tenant
     response_id = "resp_" + secrets.token_hex(16)
     if parsed.store:
@@ -54,16 +78,15 @@ async def create_response(request: Request) -> Response:
     host.admit(prepared)
     renderer = ResponsesRenderer(prepared, model.tokenizer, response_id, base=describe(parsed))
     merger, _ = host.generate(prepared, response_id)
-    items = _with_ids((previous.input_items + previous.response["output"]) if previous else []) + _with_ids(
-        input_items(parsed))
 
-    def keep() -> None:
-        """Store the finished response; its continuation's pin now holds what the previous one pinned."""
+    async def keep() -> None:
+        """Store the finished response (its own turn only: the rest is its previous response's); its
+        continuation's pin now holds what the previous one pinned."""
         if renderer.final is None or not parsed.store:
             return
         answer = answer_message(renderer.final["output"])
-        conversation = history + turn + ([answer] if answer else [])
-        store.put(StoredResponse(response_id, tenant, time.time(), conversation, items, renderer.final))
+        messages = turn.messages + ([answer] if answer else [])
+        await store.add(StoredResponse.new(response_id, tenant, previous, messages, turn.items, renderer.final))
         if previous is not None:
             host.unpin(previous.id)
 
@@ -72,7 +95,7 @@ async def create_response(request: Request) -> Response:
             async for chunk in stream_body(merger, renderer, lambda exc: to_api_error(exc).body(),
                                            wants_msgpack(request), host.stream_pace):
                 yield chunk
-            keep()
+            await keep()
 
         return GenerationStreamResponse(events(), merger, headers={"Cache-Control": "no-cache"},
                                         media_type=MSGPACK if wants_msgpack(request) else EVENT_STREAM)
@@ -80,8 +103,17 @@ async def create_response(request: Request) -> Response:
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
     result = renderer.response(finals)
-    keep()
+    await keep()
     return render(result, msgpack_body=wants_msgpack(request))
+
+
+def check_input_count(body: Any, limit: int) -> None:
+    """OpenAI's bound on the items of one request's input (--responses-max-input-items), checked before they
+    are parsed."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if isinstance(items, list) and len(items) > limit:
+        raise BadRequest(f"Invalid 'input': array too long. Expected an array with maximum length {limit}, but got "
+                         f"an array with length {len(items)} instead.", param="input", code="array_above_max_length")
 
 
 def _previous(store: ResponseStore, parsed: ResponsesRequest, tenant: str | None) -> StoredResponse | None:
@@ -110,7 +142,7 @@ def _stored(request: Request) -> StoredResponse:
 
 
 async def get_response(request: Request) -> Response:
-    return render(_stored(request).response, msgpack_body=wants_msgpack(request))
+    return render(_stored(request).response_object(), msgpack_body=wants_msgpack(request))
 
 
 async def delete_response(request: Request) -> Response:
@@ -121,18 +153,25 @@ async def delete_response(request: Request) -> Response:
 
 
 async def list_input_items(request: Request) -> Response:
-    items = list(_stored(request).input_items)
-    if request.query_params.get("order", "desc") == "desc":
-        items.reverse()
+    record = _stored(request)
     after = request.query_params.get("after")
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        items = items[at + 1:] if at is not None else []
     limit = _limit(request.query_params.get("limit"))
-    page = items[:limit]
+    newest_first = request.query_params.get("order", "desc") == "desc"
+    page, more = await off_loop(_page, record, newest_first, after, limit)  # a long conversation: off the loop
     return render({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit},
+                   "last_id": page[-1]["id"] if page else None, "has_more": more},
                   msgpack_body=wants_msgpack(request))
+
+
+def _page(record: StoredResponse, newest_first: bool, after: str | None, limit: int) -> tuple[list[Item], bool]:
+    """Up to `limit` input items after the one with id `after` (from the start without), and whether more follow."""
+    items = record.input_items(newest_first)
+    if after is not None:
+        for item in items:
+            if item["id"] == after:
+                break
+    page = list(itertools.islice(items, limit + 1))
+    return page[:limit], len(page) > limit
 
 
 def _limit(text: str | None) -> int:

@@ -1,73 +1,223 @@
 """Stored responses: bounded in count, bytes and age, oldest out first; optionally kept in a SQLite file.
 
-A record holds what a later turn needs (`previous_response_id`): the conversation as chat messages, the input
-items as the client sent them (GET .../input_items), and the response object (GET /v1/responses/{id}). Each
-belongs to the API key that made it; to any other it does not exist.
+A stored response's conversation is a chain of turns: each turn holds only what it added (the chat messages of
+its input and answer, the input items it was sent, its output items) and links to the turn it continued. A later
+turn (`previous_response_id`) walks the links, so a conversation's items are stored once, not once per turn.
+A turn lives while a stored response ends on it or a living turn continues it (reference counted): deleting or
+evicting a response keeps the turns its continuations still need. Each response belongs to the API key that
+made it; to any other it does not exist.
+
+The byte bound counts what the store really holds in memory: every object of a record and of a turn, measured
+with sys.getsizeof (`deep_size`), not the length of its JSON (a Python dict of short strings takes several
+times its JSON). Measuring, encoding and SQLite writes run in one writer thread, never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
+import sys
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
+Item = dict[str, Any]
 
-@dataclass
+
+@dataclass(eq=False, slots=True)
+class Turn:
+    """What one response added to its conversation; `parent` is the turn it continued (None: the first)."""
+
+    id: str  # the response that made it
+    parent: Turn | None
+    messages: list[Item]  # chat messages: this turn's input and its answer
+    input_items: list[Item]  # the input items it was sent, with ids
+    output: list[Item]  # its response's output items
+    size: int = 0  # bytes it holds (set when measured)
+    refs: int = 0  # stored responses that end on it + stored turns that continue it
+    stored: bool = False
+
+    def chain(self) -> list[Turn]:
+        """The conversation's turns, first to this one."""
+        turns: list[Turn] = []
+        turn: Turn | None = self
+        while turn is not None:
+            turns.append(turn)
+            turn = turn.parent
+        turns.reverse()
+        return turns
+
+    def body(self) -> dict[str, Any]:
+        return {"messages": self.messages, "input_items": self.input_items, "output": self.output}
+
+
+@dataclass(eq=False, slots=True)
 class StoredResponse:
     id: str
     tenant: str | None
     created_at: float  # time.time()
-    conversation: list[dict[str, Any]]  # chat messages up to and including this response's answer
-    input_items: list[dict[str, Any]]  # every input item of the conversation, in order
-    response: dict[str, Any]
-
-    def encode(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"))
+    turn: Turn  # the last turn of its conversation, its own
+    response: dict[str, Any]  # the response object without its output (that lives in the turn)
+    size: int = field(default=0)
 
     @classmethod
-    def decode(cls, text: str) -> StoredResponse:
-        return cls(**json.loads(text))
+    def new(cls, response_id: str, tenant: str | None, previous: StoredResponse | None, messages: list[Item],
+            input_items: list[Item], response: dict[str, Any]) -> StoredResponse:
+        """A response continuing `previous` (None: a new conversation) with this turn's messages and items."""
+        output = response.get("output", [])
+        turn = Turn(response_id, previous.turn if previous is not None else None, messages, input_items, output)
+        rest = {key: value for key, value in response.items() if key != "output"}
+        return cls(response_id, tenant, time.time(), turn, rest)
+
+    @property
+    def conversation(self) -> list[Item]:
+        """Chat messages up to and including this response's answer."""
+        return [message for turn in self.turn.chain() for message in turn.messages]
+
+    def response_object(self) -> dict[str, Any]:
+        return {**self.response, "output": self.turn.output}
+
+    def input_items(self, newest_first: bool = False) -> Iterator[Item]:
+        """Every input item of the conversation in order (earlier turns' outputs among them), lazily."""
+        turns = self.turn.chain()
+        groups = [group for turn in turns[:-1] for group in (turn.input_items, turn.output)]
+        groups.append(turns[-1].input_items)
+        if not newest_first:
+            return (item for group in groups for item in group)
+        return (item for group in reversed(groups) for item in reversed(group))
 
 
+# -- measuring ------------------------------------------------------------------------------------------
+def deep_size(*values: object) -> int:
+    """Bytes the objects reachable from `values` occupy (dicts, lists, strings, numbers), each object once.
+
+    NOTE: counted per object, shared objects once per call: a dict key like "type" is one string shared by every
+    item of a turn (pydantic and json.loads both reuse it), so it costs once, as it does in memory."""
+    seen: set[int] = set()
+    stack: list[object] = list(values)
+    total = 0
+    while stack:
+        value = stack.pop()
+        if value is None or value is True or value is False or id(value) in seen:
+            continue
+        seen.add(id(value))
+        total += sys.getsizeof(value)
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return total
+
+
+# What a record costs beyond its objects: the record and turn objects, and the index's entry.
+_RECORD_OVERHEAD = 2 * 64 + 104
+_TURN_OVERHEAD = 3 * 64 + 8
+
+
+def measure(record: StoredResponse) -> StoredResponse:
+    """Set the sizes of `record` and of its own turn (the earlier turns are measured already)."""
+    _measure_record(record)
+    _measure_turn(record.turn)
+    return record
+
+
+def _measure_record(record: StoredResponse) -> None:
+    record.size = deep_size(record.id, record.tenant, record.response) + sys.getsizeof(record) + _RECORD_OVERHEAD
+
+
+def _measure_turn(turn: Turn) -> None:
+    turn.size = deep_size(turn.messages, turn.input_items, turn.output) + sys.getsizeof(turn) + _TURN_OVERHEAD
+
+
+def _encode(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+# -- the store ------------------------------------------------------------------------------------------
 class ResponseStore:
-    """In memory, in insertion (= creation) order; written through to `path` when given."""
+    """In memory, in insertion (= creation) order; written through to `path` when given.
+
+    The index (records, turns' counts, the byte total) is only touched on the caller's thread (the event
+    loop); the writer thread measures records and runs every SQLite statement, in the order they were asked."""
 
     def __init__(self, max_items: int, max_bytes: int, ttl_s: float, path: str | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
         self.max_items, self.max_bytes, self.ttl_s = max_items, max_bytes, ttl_s
         self.on_evict = on_evict
-        self._records: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # id -> (record, bytes)
+        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         self.num_bytes = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagegate-responses")
+        self._pending: Future[None] | None = None
+        self._lock = threading.Lock()  # orders the writer's jobs with `flush`
         self._db = _open(path) if path else None
         if self._db is not None:
-            for (text,) in self._db.execute("SELECT body FROM responses ORDER BY created_at"):
-                record = StoredResponse.decode(text)
-                self._records[record.id] = (record, len(text.encode()))
-                self.num_bytes += len(text.encode())
-            self._trim(time.time())
+            self._load(self._db)
 
     def __len__(self) -> int:
         return len(self._records)
 
+    # -- adding ---------------------------------------------------------------------------------------
+    async def add(self, record: StoredResponse) -> None:
+        """Store a new response: measured on the writer thread, then indexed here, written there."""
+        await asyncio.get_running_loop().run_in_executor(self._writer, measure, record)
+        self._insert(record)
+
     def put(self, record: StoredResponse) -> None:
-        text = record.encode()
-        size = len(text.encode())
+        """`add` on the caller's thread (tests, tools)."""
+        self._insert(measure(record))
+
+    def _insert(self, record: StoredResponse, loading: bool = False) -> None:
         self._drop(record.id)
-        self._records[record.id] = (record, size)
-        self.num_bytes += size
+        self._records[record.id] = record
+        self.num_bytes += record.size
+        revived = self._hold(record.turn)
+        if loading:
+            return  # in the file already; trimmed once all are in
         if self._db is not None:
-            with self._db:
-                self._db.execute("INSERT INTO responses VALUES (?, ?, ?)", (record.id, record.created_at, text))
+            self._write(_write_rows, record, revived)
         self._trim(time.time())
 
+    def _hold(self, turn: Turn) -> list[Turn]:
+        """One more reference to `turn`; a turn not stored (new, or freed while a continuation of it ran) is
+        stored again with the turns it continues. Returns the turns newly stored."""
+        revived: list[Turn] = []
+        current: Turn | None = turn
+        while current is not None:
+            current.refs += 1
+            if current.stored:
+                break
+            current.stored = True
+            self.num_bytes += current.size
+            revived.append(current)
+            current = current.parent
+        return revived
+
+    def _release(self, turn: Turn) -> None:
+        """One reference less; a turn nobody needs is freed, and with it its hold on the turn it continued."""
+        current: Turn | None = turn
+        freed: list[str] = []
+        while current is not None and current.stored:
+            current.refs -= 1
+            if current.refs > 0:
+                break
+            current.stored = False
+            self.num_bytes -= current.size
+            freed.append(current.id)
+            current = current.parent
+        if freed and self._db is not None:
+            self._write(_delete_turns, freed)
+
+    # -- reading --------------------------------------------------------------------------------------
     def get(self, response_id: str, tenant: str | None) -> StoredResponse | None:
         self._trim(time.time())
         found = self._records.get(response_id)
-        return found[0] if found is not None and found[0].tenant == tenant else None
+        return found if found is not None and found.tenant == tenant else None
 
     def delete(self, response_id: str, tenant: str | None) -> bool:
         if self.get(response_id, tenant) is None:
@@ -75,10 +225,11 @@ class ResponseStore:
         self._evict(response_id)
         return True
 
+    # -- bounds ---------------------------------------------------------------------------------------
     def _trim(self, now: float) -> None:
         """Oldest first: past their age, then while over the count or byte bound."""
         while self._records:
-            oldest_id, (oldest, _) = next(iter(self._records.items()))
+            oldest_id, oldest = next(iter(self._records.items()))
             over = len(self._records) > self.max_items or self.num_bytes > self.max_bytes
             if not over and now - oldest.created_at <= self.ttl_s:
                 return
@@ -92,14 +243,110 @@ class ResponseStore:
         found = self._records.pop(response_id, None)
         if found is None:
             return False
-        self.num_bytes -= found[1]
+        self.num_bytes -= found.size
         if self._db is not None:
-            with self._db:
-                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            self._write(_delete_record, response_id)
+        self._release(found.turn)
         return True
+
+    # -- the SQLite file ------------------------------------------------------------------------------
+    def _write(self, job: Callable[..., None], *args: Any) -> None:
+        db = self._db
+        assert db is not None
+        with self._lock:
+            self._pending = self._writer.submit(job, db, *args)
+
+    def flush(self) -> None:
+        """Wait until every write asked for so far is in the file."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    def _load(self, db: sqlite3.Connection) -> None:
+        """Records oldest first, each on its chain of turns; turns nobody needs any more are deleted."""
+        _migrate(db)
+        turns: dict[str, Turn] = {}
+        rows = {turn_id: (parent, body) for turn_id, parent, body in db.execute(
+            "SELECT id, parent, body FROM response_turns")}
+        for response_id, tenant, created_at, body in db.execute(
+                "SELECT id, tenant, created_at, body FROM response_records ORDER BY created_at").fetchall():
+            turn = _turn_of(response_id, rows, turns)
+            if turn is None:
+                continue  # its chain is broken: nothing to continue from
+            record = StoredResponse(response_id, tenant, created_at, turn, json.loads(body))
+            _measure_record(record)  # its turn is measured already
+            self._insert(record, loading=True)
+        unused = [turn_id for turn_id in rows if turn_id not in turns or not turns[turn_id].stored]
+        orphans = [record_id for record_id, in db.execute("SELECT id FROM response_records")
+                   if record_id not in self._records]
+        with db:
+            db.executemany("DELETE FROM response_turns WHERE id = ?", [(turn_id,) for turn_id in unused])
+            db.executemany("DELETE FROM response_records WHERE id = ?", [(rid,) for rid in orphans])
+        self._trim(time.time())
+
+
+def _turn_of(turn_id: str, rows: dict[str, tuple[str | None, str]], turns: dict[str, Turn]) -> Turn | None:
+    """The turn `turn_id` with its parents, decoded once each (None if one is missing from the file)."""
+    missing: list[str] = []
+    current: str | None = turn_id
+    while current is not None and current not in turns:
+        if current not in rows:
+            return None
+        missing.append(current)
+        current = rows[current][0]
+    parent = turns[current] if current is not None else None
+    for made in reversed(missing):
+        body = json.loads(rows[made][1])
+        turn = Turn(made, parent, body["messages"], body["input_items"], body["output"])
+        _measure_turn(turn)
+        turns[made] = parent = turn
+    return parent
+
+
+def _write_rows(db: sqlite3.Connection, record: StoredResponse, turns: list[Turn]) -> None:
+    with db:
+        db.executemany("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?)",
+                       [(turn.id, turn.parent.id if turn.parent else None, _encode(turn.body())) for turn in turns])
+        db.execute("INSERT OR REPLACE INTO response_records VALUES (?, ?, ?, ?)",
+                   (record.id, record.tenant, record.created_at, _encode(record.response)))
+
+
+def _delete_turns(db: sqlite3.Connection, turn_ids: list[str]) -> None:
+    with db:
+        db.executemany("DELETE FROM response_turns WHERE id = ?", [(turn_id,) for turn_id in turn_ids])
+
+
+def _delete_record(db: sqlite3.Connection, response_id: str) -> None:
+    with db:
+        db.execute("DELETE FROM response_records WHERE id = ?", (response_id,))
 
 
 def _open(path: str) -> sqlite3.Connection:
     db = sqlite3.connect(path, check_same_thread=False)
-    db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at REAL, body TEXT)")
+    with db:
+        db.execute("CREATE TABLE IF NOT EXISTS response_turns (id TEXT PRIMARY KEY, parent TEXT, body TEXT)")
+        db.execute("CREATE TABLE IF NOT EXISTS response_records "
+                   "(id TEXT PRIMARY KEY, tenant TEXT, created_at REAL, body TEXT)")
     return db
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """A file of the earlier layout (one row per response, its whole conversation in it): each response
+    becomes a record on a turn of its own."""
+    if db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'responses'").fetchone() is None:
+        return
+    with db:
+        for (text,) in db.execute("SELECT body FROM responses").fetchall():
+            old = json.loads(text)
+            response = dict(old["response"])
+            output = response.pop("output", [])
+            db.execute("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?)", (old["id"], None, _encode(
+                {"messages": old["conversation"], "input_items": old["input_items"], "output": output})))
+            db.execute("INSERT OR REPLACE INTO response_records VALUES (?, ?, ?, ?)",
+                       (old["id"], old["tenant"], old["created_at"], _encode(response)))
+        db.execute("DROP TABLE responses")
