@@ -50,9 +50,10 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
 def check_task(generates: bool, pools: bool, embed: bool) -> None:
     """A generation needs a generative server; an embedding a server that pools (--pooling, or --task embed)."""
     if embed and not pools:
-        raise InvalidParamError("This server does not serve embeddings: start it with --pooling last|mean (a "
-                                "generative model) or --task embed (an embedding model).", "model",
-                                code="model_not_supported")
+        raise InvalidParamError("This server does not serve embeddings: it was started with --pooling none. Start "
+                                "`pagegate serve` without that flag (embeddings from the last token's hidden state) "
+                                "or with --pooling mean, or serve an embedding model with --task embed --model "
+                                "FOLDER (offline: LLM(..., pooling='last')).", "model", code="model_not_supported")
     if not embed and not generates:
         raise InvalidParamError("This server serves an embedding model (--task embed): it answers /v1/embeddings "
                                 "only, not generations.", "model", code="model_not_supported")

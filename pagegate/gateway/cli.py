@@ -70,11 +70,13 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s,
                        help="seconds a tensor-parallel collective may wait before the engine is declared dead")
     group.add_argument("--task", choices=["generate", "embed"], default=EngineConfig.task,
-                       help="generate: a decoder (completions, chat; embeddings too with --pooling); embed: a BERT "
-                            "sentence encoder folder (sentence-transformers pooling), /v1/embeddings only")
-    group.add_argument("--pooling", choices=["last", "mean"], default=None,
-                       help="serve /v1/embeddings from the generative model: the last prompt token's final hidden "
-                            "state, or their mean, normalised (default: no embeddings)")
+                       help="generate: a decoder (completions, chat, and embeddings from its hidden states: "
+                            "--pooling); embed: a BERT sentence encoder folder (sentence-transformers pooling), "
+                            "/v1/embeddings only")
+    group.add_argument("--pooling", choices=["last", "mean", "none"], default=None,
+                       help="how a generative model answers /v1/embeddings: the last prompt token's final hidden "
+                            "state (the default), or the mean over the prompt, normalised; none: no embeddings "
+                            "(a 400 that says how to enable them)")
 
 
 def _cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -129,6 +131,11 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="CORS origins (space or comma separated; '*' for any)")
     group.add_argument("--max-request-size", default=str(defaults.max_request_bytes),
                        help="largest request body in bytes or like '16MiB' (413 beyond)")
+    group.add_argument("--max-scoring-tokens", type=_positive(int), default=defaults.max_scoring_tokens,
+                       help="prompt scoring one request may ask for (prompt_logprobs, echo + logprobs): its prompt "
+                            "tokens x (1 + the alternatives asked for), over its prompts and choices; 400 beyond")
+    group.add_argument("--max-embedding-tokens", type=_positive(int), default=defaults.max_embedding_tokens,
+                       help="tokens of all the inputs of one /v1/embeddings request (OpenAI: 300,000); 400 beyond")
     group.add_argument("--request-timeout", type=float, default=defaults.request_read_timeout_s,
                        help="seconds to receive a whole request (head and body); 408 beyond, 0: no limit")
     group.add_argument("--idle-connection-timeout", type=_positive(float), default=defaults.idle_connection_timeout_s,
@@ -233,7 +240,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
                           speculative=args.speculative_config, cache=cache, scheduler=scheduler, task=args.task,
-                          pooling=args.pooling)
+                          pooling=_pooling(args.task, args.pooling))
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
@@ -247,6 +254,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             served_model_names=list(names), prefix_cache_scope=args.prefix_cache_scope,
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
+                            max_scoring_tokens=args.max_scoring_tokens,
+                            max_embedding_tokens=args.max_embedding_tokens,
                             max_header_bytes=parse_bytes(args.max_header_size),
                             request_read_timeout_s=args.request_timeout,
                             idle_connection_timeout_s=args.idle_connection_timeout,
@@ -264,6 +273,19 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             responses_store_path=args.responses_store_path,
                             responses_pin_ttl_s=args.responses_pin_ttl)
     return engine, gateway
+
+
+def _pooling(task: str, pooling: str | None) -> str | None:
+    """--pooling as the engine takes it. NOTE: a generative server answers embeddings by default (as Ollama does),
+    from the last prompt token's final hidden state: the OpenAI SDK's embeddings.create (and LangChain's, and
+    LlamaIndex's) then work against a plain `pagegate serve` instead of failing. It costs generations nothing (an
+    embedding is a prefill-only request under the same scheduler, its share of a step bounded) and the vectors
+    are documented as what they are: a decoder's hidden states, not a trained embedding model's (for retrieval,
+    serve one with --task embed). Last-token, not mean: in a causal decoder only the last position has seen the
+    whole prompt (vLLM's default for decoders used as embedders). An encoder (--task embed) pools its own way."""
+    if task == "embed" or pooling == "none":
+        return None if pooling in (None, "none") else pooling  # the encoder refuses an explicit --pooling
+    return pooling or "last"
 
 
 def _read_template(path: str | None) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -51,10 +52,53 @@ def dumps_msgpack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def dumps_in_pieces(obj: Any, *, msgpack_body: bool) -> bytes:
+    """The same bytes as dumps_json / dumps_msgpack, written a piece at a time: for a large answer built in a worker
+    thread (scored prompts), so the event loop's thread gets the GIL between pieces.
+
+    NOTE: both encoders are C code that holds the GIL for a whole call: one call on a 600 MB answer stalled the
+    event loop (/health) for seconds even from another thread. Here each list of objects is written an element at
+    a time and each object holding a list a member at a time; what is left (a prompt position's alternatives, a
+    list of floats) is small enough to encode in one call."""
+    pieces: list[bytes] = []
+    if msgpack_body:
+        packer = msgpack.Packer(use_bin_type=True)
+        _pieces(obj, pieces.append, packer.pack, packer.pack_array_header, packer.pack_map_header)
+    else:
+        _pieces(obj, pieces.append, dumps_json, None, None)
+    return b"".join(pieces)
+
+
+def _pieces(obj: Any, out: Callable[[bytes], Any], dumps: Callable[[Any], bytes],
+            array_header: Callable[[int], bytes] | None, map_header: Callable[[int], bytes] | None) -> None:
+    json_out = array_header is None
+    if isinstance(obj, list) and any(isinstance(item, (list, dict)) for item in obj[:4]):
+        out(b"[" if json_out else array_header(len(obj)))  # type: ignore[misc]
+        for i, item in enumerate(obj):
+            if i and json_out:
+                out(b",")
+            _pieces(item, out, dumps, array_header, map_header)
+        out(b"]" if json_out else b"")
+    elif (isinstance(obj, dict) and any(isinstance(value, list) for value in obj.values())
+          and all(isinstance(key, str) for key in obj)):
+        out(b"{" if json_out else map_header(len(obj)))  # type: ignore[misc]
+        for i, (key, value) in enumerate(obj.items()):
+            out((b"," if i else b"") + dumps(key) + b":" if json_out else dumps(key))
+            _pieces(value, out, dumps, array_header, map_header)
+        out(b"}" if json_out else b"")
+    else:
+        out(dumps(obj))
+
+
 def render(obj: Any, *, msgpack_body: bool, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
     if msgpack_body:
         return Response(dumps_msgpack(obj), status_code, headers, media_type=MSGPACK)
     return Response(dumps_json(obj), status_code, headers, media_type=JSON)
+
+
+def render_in_pieces(obj: Any, *, msgpack_body: bool) -> Response:
+    """`render` of a large answer, encoded by dumps_in_pieces (call it off the event loop)."""
+    return Response(dumps_in_pieces(obj, msgpack_body=msgpack_body), 200, media_type=MSGPACK if msgpack_body else JSON)
 
 
 def render_error(error: APIError, *, msgpack_body: bool, anthropic: bool = False) -> Response:

@@ -40,15 +40,17 @@ class PreparedEmbeddings:
         return sum(len(ids) for ids in self.inputs)
 
 
-def prepare_embeddings(body: Any, model: ModelContext) -> PreparedEmbeddings:
-    """Validate and tokenize (text gets the tokenizer's special tokens, token ids are taken as they are)."""
+def prepare_embeddings(body: Any, model: ModelContext, max_tokens: int | None = None) -> PreparedEmbeddings:
+    """Validate and tokenize (text gets the tokenizer's special tokens, token ids are taken as they are); at most
+    `max_tokens` over all the inputs (--max-embedding-tokens), counted as they are tokenized."""
     request = parse_request(EmbeddingRequest, body)
     name = model.resolve(request.model)
     items = _inputs(request.input)
     if len(items) > MAX_INPUTS:
         raise BadRequest(f"At most {MAX_INPUTS} inputs can be embedded in one request; this one has {len(items)}.",
                          param="input")
-    inputs = []
+    inputs: list[list[int]] = []
+    total = 0
     for item in items:
         if isinstance(item, str):
             if not item:
@@ -59,8 +61,21 @@ def prepare_embeddings(body: Any, model: ModelContext) -> PreparedEmbeddings:
             check_token_ids(item, model.vocab_size, "input")
             token_ids = item
         check_embedding_length(len(token_ids), model.max_model_len)
+        total += len(token_ids)
+        check_total_tokens(total, len(inputs) + 1, len(items), max_tokens)
         inputs.append(token_ids)
     return PreparedEmbeddings(request, name, inputs)
+
+
+def check_total_tokens(total: int, counted: int, num_inputs: int, limit: int | None) -> None:
+    """OpenAI's cap on one request (300,000 tokens over all its inputs): one request's prefill must not hold the
+    engine, nor its vectors the gateway, beyond a bound."""
+    if limit is None or total <= limit:
+        return
+    so_far = "its inputs have" if counted == num_inputs else f"its first {counted} of {num_inputs} inputs have"
+    raise BadRequest(f"This request asks to embed more tokens than one request may: {so_far} {total} tokens, "
+                     f"more than this server's {limit} (--max-embedding-tokens). Split the inputs over several "
+                     "requests.", param="input", code="max_tokens_per_request")
 
 
 def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -93,7 +108,7 @@ async def create_embeddings(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
     body = await read_body(request, host.config.max_request_bytes)
-    prepared = await off_loop(prepare_embeddings, body, model)
+    prepared = await off_loop(prepare_embeddings, body, model, host.config.max_embedding_tokens)
     if host.embedding_size is not None:  # known since the warm-up: a wrong size is refused before any work
         check_dimensions(prepared.request.dimensions, host.embedding_size)
     host.admit_embeddings(len(prepared.inputs), prepared.request.priority)

@@ -24,7 +24,7 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel], type[
                         schemas.CompletionResponse),
     "/v1/chat/completions": ("post", "Create a chat completion", ChatCompletionRequest,
                              schemas.ChatCompletionResponse, schemas.ChatCompletionChunk),
-    "/v1/embeddings": ("post", "Embed texts or token ids (--task embed, or --pooling)", EmbeddingRequest,
+    "/v1/embeddings": ("post", "Embed texts or token ids (an encoder, or a decoder's hidden states)", EmbeddingRequest,
                        schemas.EmbeddingResponse, None),
     "/v1/models": ("get", "List the served models", None, schemas.ModelList, None),
     "/tokenize": ("post", "Tokenize a prompt or chat messages", TokenizeRequest, schemas.TokenizeResponse, None),

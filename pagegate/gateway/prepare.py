@@ -43,6 +43,7 @@ from pagegate.gateway.tools import (
 
 T = TypeVar("T")
 PREPARE_THREADS = 4  # worker threads for request preparation, shared by every door: a flood queues, never spawns
+RENDER_THREADS = 2  # worker threads that build and encode large answers (scored prompts), apart from preparation
 
 
 class TokenizerLike(Protocol):
@@ -81,6 +82,7 @@ class ModelContext:
     compile_grammar: Callable[[StructuredOutputsParams], None] | None = None  # None: no tokenizer, no grammars
     reasoning_parser: str | None = None  # splits <think> blocks off chat answers (--reasoning-parser)
     tool_call_parser: str = "hermes"  # the format the model writes tool calls in (--tool-call-parser)
+    max_scoring_tokens: int | None = None  # --max-scoring-tokens: the bound of check_scoring (None: none)
 
     @property
     def call_format(self) -> ToolFormat:
@@ -132,6 +134,7 @@ class PreparedRequest:
     reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
     pin: Pin | None = None  # a stored response keeps its conversation's pages in the prefix cache
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
+    scoring_size: int = 0  # entries of scored prompt in the answer (check_scoring); 0: it scores no prompt
 
     @property
     def stream(self) -> bool:
@@ -148,13 +151,28 @@ async def off_loop(work: Callable[..., T], *args: Any) -> T:
 
     `tokenizers` releases the GIL for most of an encode; the part it holds grows with the text, which
     `check_text_fits` bounds before tokenizing (bench/health_latency.py measures the loop meanwhile)."""
+    return await _in_thread(_workers(), work, *args)
+
+
+async def render_off_loop(work: Callable[..., T], *args: Any) -> T:
+    """Run `work(*args)` (build and encode a large answer) in the render threads, so the event loop keeps
+    answering meanwhile and the preparation threads keep preparing."""
+    return await _in_thread(_render_workers(), work, *args)
+
+
+async def _in_thread(pool: ThreadPoolExecutor, work: Callable[..., T], *args: Any) -> T:
     call = functools.partial(contextvars.copy_context().run, work, *args)  # log lines keep the request id
-    return await asyncio.get_running_loop().run_in_executor(_workers(), call)
+    return await asyncio.get_running_loop().run_in_executor(pool, call)
 
 
 @functools.cache
 def _workers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagegate-prepare")
+
+
+@functools.cache
+def _render_workers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="pagegate-render")
 
 
 def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelContext) -> PreparedRequest:
@@ -167,9 +185,13 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
         check_context(len(prompt.token_ids), max_tokens, model.max_model_len, "prompt")
         prompts.append(prompt)
     scored = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+    # each choice carries its prompt's scores (prompt_logprobs, and the echoed prompt's logprobs)
+    size = check_scoring(sum(len(p.token_ids) for p in prompts), scored, request.n,
+                         "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs",
+                         model.max_scoring_tokens)
     params = sampling_params(request, model, max_tokens, request.logprobs, max(scored) if scored else None)
     params.structured_outputs = structured_outputs(request, model)
-    return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt)
+    return PreparedRequest(request, name, prompts, params, request.priority, request.cache_salt, scoring_size=size)
 
 
 def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelContext) -> PreparedRequest:
@@ -181,6 +203,8 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
                          variables=template_variables(request, model), continue_final=request.continue_final_message)
     limit = request.completion_limit
     check_context(len(prompt.token_ids), limit, model.max_model_len, "messages")
+    scored = [] if request.prompt_logprobs is None else [request.prompt_logprobs]  # once per answer, not per choice
+    size = check_scoring(len(prompt.token_ids), scored, 1, "prompt_logprobs", model.max_scoring_tokens)
     check_tool_schemas(request.tools or [], model)  # compiling is the slow part: only once the cheap checks pass
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, model, limit, top, request.prompt_logprobs)
@@ -190,7 +214,30 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
     if offered and model.call_format.keeps_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
-                           CallParsing.of(request, offered, model.call_format), model.reasoning_parser)
+                           CallParsing.of(request, offered, model.call_format), model.reasoning_parser,
+                           scoring_size=size)
+
+
+def check_scoring(num_prompt_tokens: int, alternatives: list[int], copies: int, param: str,
+                  limit: int | None) -> int:
+    """The size of the scored prompt an answer carries, in entries (a prompt token with k alternatives is 1 + k,
+    once per kind of score asked for and per copy of the prompt's scores); a 400 past `limit`.
+
+    NOTE: scoring is cheap for the engine (prefill only) but not for the answer: every entry is a JSON object
+    of ~80 bytes, several hundred bytes of Python objects while it is built. Unbounded, 200 prompts x 2,000
+    tokens with 20 alternatives made a 638 MB body and 4 GB of gateway memory. So the bound counts what the
+    answer holds, not the tokens the engine computes. Its default (1,000,000: an answer of ~80 MB) leaves
+    lm-eval's loglikelihood batches (echo + logprobs 1: 2 entries a token; 64 prompts of 2,048 tokens are
+    262,144) and a 100,000-token document with 5 alternatives room."""
+    size = num_prompt_tokens * sum(1 + k for k in alternatives) * copies
+    if limit is None or size <= limit:
+        return size
+    per_token = " + ".join(f"(1 + {k})" for k in alternatives)
+    choices = f" x {copies} choices" if copies > 1 else ""
+    raise BadRequest(f"This request asks for {size:,} scored prompt entries ({num_prompt_tokens:,} prompt tokens x "
+                     f"{per_token} alternatives{choices}), more than the {limit:,} this server answers in one request "
+                     "(--max-scoring-tokens). Score fewer or shorter prompts per request, or ask for fewer "
+                     "alternatives.", param=param, code="scoring_too_large")
 
 
 def check_tool_schemas(tools: list[Tool], model: ModelContext) -> None:

@@ -10,11 +10,19 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagegate.engine.outputs import RequestOutput
 from pagegate.gateway.auth import request_key_identity
-from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
+from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, render_in_pieces, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import to_api_error
-from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
+from pagegate.gateway.prepare import (
+    ModelContext,
+    PreparedRequest,
+    off_loop,
+    prepare_chat,
+    prepare_completion,
+    render_off_loop,
+)
 from pagegate.gateway.render import ChatRenderer, CompletionRenderer, Renderer
 from pagegate.gateway.request_id import request_id_of
 from pagegate.gateway.request_timing import trace_headers, wants_timing
@@ -54,7 +62,15 @@ async def _generate(
     finals = await until_disconnect(request, collect(merger))
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    return render(renderer.response(finals), msgpack_body=msgpack_out)
+    return await whole_answer(renderer, finals, msgpack_out)
+
+
+async def whole_answer(renderer: Renderer, finals: dict[int, RequestOutput], msgpack_out: bool) -> Response:
+    """The non-streamed response. One that carries a scored prompt (up to --max-scoring-tokens entries) is built
+    and encoded in a render thread, a piece at a time, so the event loop keeps answering meanwhile."""
+    if not renderer.prepared.scoring_size:
+        return render(renderer.response(finals), msgpack_body=msgpack_out)
+    return await render_off_loop(lambda: render_in_pieces(renderer.response(finals), msgpack_body=msgpack_out))
 
 
 def _stream(merger: OutputMerger, renderer: Renderer, msgpack_out: bool, pace: Callable[[], float]) -> Response:

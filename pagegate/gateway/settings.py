@@ -17,6 +17,10 @@ class GatewayConfig:
     retry_after_s: int = 1  # the Retry-After a 429 carries
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
+    # Scoring work one request may ask for (prompt_logprobs, echo + logprobs): prompt tokens x (1 + alternatives),
+    # summed over the prompts and the choices that carry them (pagegate/gateway/prepare.py); 400 beyond.
+    max_scoring_tokens: int = 1_000_000
+    max_embedding_tokens: int = 300_000  # tokens of all the inputs of one /v1/embeddings request (OpenAI's); 400 beyond
     max_header_bytes: int = 64 * 1024  # request line + headers; larger heads get 431
     request_read_timeout_s: float = 30.0  # from a request's first byte to its last; 408 beyond (0: none)
     # A connection that sends nothing this long (before its first request or between two) is closed.

@@ -8,13 +8,15 @@ one delta for however many tokens arrived meanwhile. That keeps 64 streams cheap
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagegate.engine.outputs import RequestOutput
-from pagegate.gateway.codec import dumps_json, dumps_msgpack
+from pagegate.gateway.codec import dumps_in_pieces, dumps_json, dumps_msgpack
 from pagegate.gateway.errors import APIError
+from pagegate.gateway.prepare import render_off_loop
 from pagegate.gateway.render import Renderer
 
 logger = logging.getLogger("pagegate.gateway")
@@ -126,13 +128,29 @@ async def collect(merger: OutputMerger) -> dict[int, RequestOutput]:
     return finals
 
 
-def sse_frame(obj: Any) -> bytes:
-    return b"data: " + dumps_json(obj) + b"\n\n"
+def sse_frame(obj: Any, encode: Callable[[Any], bytes] = dumps_json) -> bytes:
+    return b"data: " + encode(obj) + b"\n\n"
 
 
-def sse_event_frame(obj: Any) -> bytes:
+def sse_event_frame(obj: Any, encode: Callable[[Any], bytes] = dumps_json) -> bytes:
     """A frame that names its event (Responses and Anthropic streams): `event: <obj["type"]>` then the data."""
-    return b"event: " + str(obj.get("type", "error")).encode() + b"\n" + sse_frame(obj)
+    return b"event: " + str(obj.get("type", "error")).encode() + b"\n" + sse_frame(obj, encode)
+
+
+def framer(msgpack_frames: bool, named_events: bool, in_pieces: bool = False) -> Callable[[Any], bytes]:
+    """How a stream's chunks become bytes; `in_pieces`: encoded by dumps_in_pieces (large chunks, off the loop)."""
+    if msgpack_frames:
+        return functools.partial(dumps_in_pieces, msgpack_body=True) if in_pieces else dumps_msgpack
+    encode = functools.partial(dumps_in_pieces, msgpack_body=False) if in_pieces else dumps_json
+    return functools.partial(sse_event_frame if named_events else sse_frame, encode=encode)
+
+
+async def _frames(renderer: Renderer, batch: dict[int, RequestOutput], frame: Callable[[Any], bytes]) -> bytes:
+    """The frames of one batch of outputs; a scored prompt's (echo + logprobs) are built in a render thread."""
+    def build() -> bytes:
+        return b"".join(frame(c) for index, out in batch.items() for c in renderer.update(index, out))
+
+    return await render_off_loop(build) if renderer.prepared.scoring_size else build()
 
 
 async def stream_body(
@@ -147,11 +165,11 @@ async def stream_body(
     Every write is a syscall, so frames travel together where they can: the opening chunk with the first
     tokens, the last tokens with the usage chunk and the end marker.
     """
-    frame = dumps_msgpack if msgpack_frames else sse_event_frame if renderer.named_events else sse_frame
+    frame = framer(msgpack_frames, renderer.named_events, bool(renderer.prepared.scoring_size))
     pending = b"".join(frame(chunk) for chunk in renderer.opening_chunks())
     try:
         async for batch in merger.batches(pace):
-            pending += b"".join(frame(c) for index, out in batch.items() for c in renderer.update(index, out))
+            pending += await _frames(renderer, batch, frame)
             if merger.all_finished:
                 break
             if pending:

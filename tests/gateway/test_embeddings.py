@@ -166,3 +166,47 @@ def test_embeddings_do_not_stall_or_change_a_streamed_generation(pooling_server:
         stop.set()
         worker.join(120)
     assert beside == alone and answered and set(answered) == {len(TEXTS)}
+
+
+# ---- a plain `pagegate serve` (issue 41, items 5 and 10) ------------------------------------------------------
+
+
+def test_a_plain_server_embeds_from_the_last_tokens_hidden_state(client: openai.OpenAI, server: ServerProcess,
+                                                                 model: str):
+    """No flag: embeddings.create works, last-token pooling of the final-norm hidden states (as Ollama answers any
+    model; the default of --pooling)."""
+    transformers = pytest.importorskip("transformers")
+    if model != "pagegate-default":
+        pytest.skip("$PAGEGATE_TEST_MODEL replaces the embedded model the reference is computed on")
+    result = client.embeddings.create(model=model, input=TEXTS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).eval()
+    tokens = [httpx.post(server.base_url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    with torch.no_grad():
+        expected = np.stack([F.normalize(hf.model(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1).numpy()
+                             for ids in tokens])
+    assert_same_directions([d.embedding for d in result.data], expected)
+
+
+def test_one_request_embeds_at_most_300000_tokens(client: openai.OpenAI, model: str):
+    """OpenAI's cap (--max-embedding-tokens): 147 inputs of 2,048 tokens are 301,056, refused before any work."""
+    inputs = [[(5 * i + p) % 400 + 10 for p in range(2048)] for i in range(147)]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model=model, input=inputs)
+    body = error.value.body
+    assert body["param"] == "input" and body["code"] == "max_tokens_per_request"
+    assert "--max-embedding-tokens" in body["message"] and "300000" in body["message"]
+    assert len(client.embeddings.create(model=model, input=inputs[:2]).data) == 2  # within the cap: answered
+
+
+def test_pooling_none_refuses_with_the_way_to_enable_embeddings():
+    process = ServerProcess(server_args("--pooling", "none", "--num-kv-blocks", "128")).start()
+    try:
+        client = openai.OpenAI(base_url=process.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as error:
+            client.embeddings.create(model="pagegate-default", input="hello")
+        body = error.value.body
+        assert body["code"] == "model_not_supported" and body["type"] == "invalid_request_error"
+        assert "--pooling none" in body["message"] and "--task embed" in body["message"]
+        assert client.completions.create(model="pagegate-default", prompt="Hi", max_tokens=2).choices  # it generates
+    finally:
+        assert process.stop() == 0, process.log()[-4000:]

@@ -96,3 +96,39 @@ def test_tokenizer_info_is_what_a_remote_tokenizer_needs(http: httpx.Client) -> 
     info = http.get("/tokenizer_info").json()
     assert info["eos_token"] and info["chat_template"] and info["model_max_length"] > 0
     assert http.post("/detokenize", json={"tokens": info["eos_token_ids"][:1]}).status_code == 200
+
+
+# ---- the bound on scoring (issue 41, item 2) -----------------------------------------------------------------
+
+
+def test_scoring_past_the_bound_is_a_400_that_names_the_flag(client: openai.OpenAI, model: str) -> None:
+    """100 prompts x 500 tokens with 20 alternatives: 1,050,000 entries, past the default 1,000,000. Before the
+    bound this answered 200 with a ~75 MB body built on the event loop."""
+    prompts = [[(7 * i + p) % 400 + 10 for p in range(500)] for i in range(100)]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt=prompts, echo=True, logprobs=20, max_tokens=0)
+    body = error.value.body
+    assert body["param"] == "logprobs" and body["code"] == "scoring_too_large" and body["type"] == "invalid_request_error"
+    assert "--max-scoring-tokens" in body["message"] and "1,050,000" in body["message"]
+    with pytest.raises(openai.BadRequestError, match="--max-scoring-tokens") as error:
+        client.completions.create(model=model, prompt=prompts, max_tokens=1, extra_body={"prompt_logprobs": 20})
+    assert error.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError, match="x 2 choices"):  # each choice carries the prompt's scores
+        client.completions.create(model=model, prompt=prompts[:60], max_tokens=1, n=2, temperature=1.0,
+                                  extra_body={"prompt_logprobs": 20})
+
+
+def test_a_scored_answer_encodes_alike_in_json_and_msgpack(http: httpx.Client, model: str) -> None:
+    """Scored answers are built in a render thread and encoded a piece at a time: the same body either way."""
+    import msgpack
+
+    body = {"model": model, "prompt": [PROMPT, PROMPT[:7]], "max_tokens": 2, "echo": True, "logprobs": 3,
+            "prompt_logprobs": 2, "temperature": 0}
+    as_json = http.post("/v1/completions", json=body).json()
+    packed = http.post("/v1/completions", json=body, headers={"Accept": "application/msgpack"})
+    assert packed.headers["content-type"] == "application/msgpack"
+    as_msgpack = msgpack.unpackb(packed.content)
+    for reply in (as_json, as_msgpack):
+        reply.pop("id"), reply.pop("created")
+    assert as_msgpack == as_json
+    assert [len(c["prompt_logprobs"]) for c in as_json["choices"]] == [len(PROMPT), 7]
