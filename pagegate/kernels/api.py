@@ -14,8 +14,8 @@ from pagegate.kernels.dispatch import fused_cpu_kernel, requested_backend, resol
 
 
 class AttentionOps:
-    """write_kv and paged_attention on one device's backend: "triton", or "reference" (where CPU float32
-    attention runs the fused Cython kernel under "auto" when it is built)."""
+    """write_kv and paged_attention on one device's backend: "triton", or "reference" (where CPU attention over
+    pages of any format, and the writes into them, run the fused Cython kernel under "auto" when it is built)."""
 
     def __init__(self, device: torch.device | str, backend: str | None = None) -> None:
         device = torch.device(device)
@@ -30,7 +30,11 @@ class AttentionOps:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Scatter key/value [T, Hkv, D] into cache slots slot_mapping[T]; slot -1 is padding, skipped."""
+        """Scatter key/value [T, Hkv, D] into cache slots slot_mapping[T] in the caches' page format; slot -1 is
+        padding, skipped."""
+        if self._fused is not None and self._fused.supports(key, k_cache, v_cache) and k_cache.is_contiguous():
+            self._fused.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         self._impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -32,7 +32,7 @@ typedef struct {
     const float *q_norm, *k_norm;                 /* [head_dim] RMSNorm of each q / k head before RoPE; NULL: none */
     const float *post_attn_norm, *post_ffn_norm;  /* Gemma: RMSNorm of the attention / MLP output; NULL: none */
     pgd_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  /* [pages, block_size, kv_heads, head_dim] float32 */
+    uint8_t *k_cache, *v_cache;  /* [pages, block_size, kv_heads, row] in the model's kv_format */
     const float *cos_sin;      /* this layer's RoPE table [positions, 2 * head_dim] (the model's or a local one) */
     int window;                /* 0: none */
     float softcap;             /* attention scores s -> softcap * tanh(s / softcap); 0: none */
@@ -42,6 +42,8 @@ enum { PGD_SILU = 0, PGD_GELU_TANH = 1 };  /* the gated MLP's activation: SwiGLU
 
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int kv_format;         /* the pages' PG_ format (cpu_paged.h) */
+    int64_t kv_row_bytes;  /* one (slot, KV head) row of it */
     float eps, scale;
     int exact;             /* 1: integer blocks too take float32 inputs (the torch path's arithmetic) */
     int act;               /* PGD_SILU or PGD_GELU_TANH */
@@ -162,7 +164,7 @@ static void pgd_rope(float *x, const float *cos_sin, int d) {
    their cache slot. */
 static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *qkv) {
     const int d = m->head_dim, heads = m->num_heads + m->num_kv_heads;
-    const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = (int64_t)m->num_kv_heads * d;
+    const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = m->num_kv_heads * m->kv_row_bytes;
     #pragma omp for schedule(static)
     for (int item = 0; item < s->tokens * heads; item++) {
         const int t = item / heads, h = item % heads;
@@ -171,9 +173,9 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
         if (norm) pgd_rms_norm(head, norm, d, m->eps, head);
         pgd_rope(head, layer->cos_sin + s->positions[t] * 2 * d, d);
         if (h < m->num_heads || s->slots[t] < 0) continue;
-        const int64_t at = s->slots[t] * slot_stride + (int64_t)(h - m->num_heads) * d;
-        memcpy(layer->k_cache + at, head, d * sizeof(float));
-        memcpy(layer->v_cache + at, head + (int64_t)m->num_kv_heads * d, d * sizeof(float));
+        const int64_t at = s->slots[t] * slot_stride + (h - m->num_heads) * m->kv_row_bytes;
+        pg_store_row(m->kv_format, head, d, layer->k_cache + at);
+        pg_store_row(m->kv_format, head + (int64_t)m->num_kv_heads * d, d, layer->v_cache + at);
     }
 }
 
@@ -186,15 +188,15 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
     const int pos = s->seq_lens[seq] - q_len + (t - s->query_start[seq]);
     const int first = layer->window > 0 && pos - layer->window + 1 > 0 ? pos - layer->window + 1 : 0;
     const int32_t *table = s->block_tables + seq * s->table_width;
-    const int64_t slot_stride = (int64_t)m->num_kv_heads * d;
-    const int ahead = PGD_PREFETCH_BYTES / (d * (int)sizeof(float)) > 4 ? PGD_PREFETCH_BYTES / (d * (int)sizeof(float)) : 4;
+    const int64_t slot_stride = m->num_kv_heads * m->kv_row_bytes;
+    const int ahead = PGD_PREFETCH_BYTES / m->kv_row_bytes > 4 ? (int)(PGD_PREFETCH_BYTES / m->kv_row_bytes) : 4;
     const float *query_row[PGD_MAX_GROUP];
     int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE];
     float acc[PGD_MAX_GROUP * PGD_MAX_HEAD_DIM], probs[PGD_MAX_GROUP * PGD_KEY_TILE];
     float row_max[PGD_MAX_GROUP], row_sum[PGD_MAX_GROUP];
     for (int r = 0; r < group; r++) {
         query_row[r] = qkv_t + (int64_t)(g * group + r) * d;
-        head_offset[r] = (int64_t)g * d;
+        head_offset[r] = g * m->kv_row_bytes;
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
     }
@@ -205,7 +207,7 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
             const int key = start + j;
             slot[j] = ((int64_t)table[key / bs] * bs + key % bs) * slot_stride;
         }
-        pg_score_tile(layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
+        pg_score_tile(m->kv_format, layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
         for (int r = 0; r < group; r++) {
             float *p = probs + r * PGD_KEY_TILE, tile_max = -INFINITY, total = 0.0f;
             if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
@@ -220,7 +222,7 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
             row_sum[r] = row_sum[r] * correction + total;
             row_max[r] = new_max;
         }
-        pg_accumulate_tile(layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
+        pg_accumulate_tile(m->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
     }
     for (int r = 0; r < group; r++) {
         float *dst = out_t + (int64_t)(g * group + r) * d;

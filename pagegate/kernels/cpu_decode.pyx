@@ -17,7 +17,12 @@ from pagegate.kernels.cpu_qdot cimport pgq_act, pgq_init, pgq_isa, pgq_set_isa
 
 import torch
 
+from pagegate.kernels.cpu_paged import FORMAT_CODES
 from pagegate.kernels.cpu_quant import BLOCK_BYTES, BLOCK_ELEMS
+from pagegate.kernels.kv_format import format_of
+
+cdef extern from "cpu_paged.h":
+    int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
 
 cdef extern from "cpu_decode.h":
     ctypedef struct pgd_linear:
@@ -33,13 +38,15 @@ cdef extern from "cpu_decode.h":
         const float *post_attn_norm
         const float *post_ffn_norm
         pgd_linear qkv, o, gate_up, down
-        float *k_cache
-        float *v_cache
+        uint8_t *k_cache
+        uint8_t *v_cache
         const float *cos_sin
         int window
         float softcap
     ctypedef struct pgd_model:
         int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size
+        int kv_format
+        int64_t kv_row_bytes
         float eps, scale
         int exact
         int act
@@ -129,7 +136,7 @@ cdef class DecodeModel:
     dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale); linears are
     (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes]; each layer is (attn_norm, ffn_norm,
     qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm, post_attn_norm, post_ffn_norm, local_rope,
-    softcap) with caches float32 [pages, block_size, kv_heads, head_dim]: ffn_norm the norm before the MLP;
+    softcap) with caches [pages, block_size, kv_heads, row] of one page format (kv_format.py): ffn_norm the norm before the MLP;
     q_norm and k_norm [head_dim] (QK-norm) and the post-norms [hidden] (Gemma) None where the layer has
     none; local_rope True for a layer on `local_cos_sin` rather than `cos_sin`; softcap the attention
     score cap (None or 0: none). `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU), `embed_scale`
@@ -181,8 +188,12 @@ cdef class DecodeModel:
             raise MemoryError()
         m.layers = self.layers
         q, kv = heads * head_dim, kv_heads * head_dim
-        self.num_pages, m.block_size = layers[0][6].shape[0], layers[0][6].shape[1]
-        cache_shape = (self.num_pages, m.block_size, kv_heads, head_dim)
+        first_cache = layers[0][6]
+        self.num_pages, m.block_size = first_cache.shape[0], first_cache.shape[1]
+        kv_format = format_of(first_cache)
+        m.kv_format = FORMAT_CODES[kv_format.dtype]
+        m.kv_row_bytes = pg_row_bytes(m.kv_format, head_dim)
+        cache_shape = (self.num_pages, m.block_size, kv_heads, kv_format.row_width(head_dim))
         for i, (attn_norm, ffn_norm, qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm,
                 post_attn_norm, post_ffn_norm, local_rope, softcap) in enumerate(layers):
             layer = &self.layers[i]
@@ -200,8 +211,8 @@ cdef class DecodeModel:
             layer.o = _linear(o, q, hidden, f"layer {i} o_proj")
             layer.gate_up = _linear(gate_up, hidden, 2 * intermediate, f"layer {i} gate_up")
             layer.down = _linear(down, intermediate, hidden, f"layer {i} down_proj")
-            layer.k_cache = <float *>_address(k_cache, torch.float32, cache_shape, "k cache")
-            layer.v_cache = <float *>_address(v_cache, torch.float32, cache_shape, "v cache")
+            layer.k_cache = <uint8_t *>_address(k_cache, kv_format.dtype, cache_shape, "k cache")
+            layer.v_cache = <uint8_t *>_address(v_cache, kv_format.dtype, cache_shape, "v cache")
             layer.window = window or 0
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
         buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),

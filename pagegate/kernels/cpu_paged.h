@@ -2,7 +2,9 @@
 #ifndef PAGEGATE_CPU_PAGED_H
 #define PAGEGATE_CPU_PAGED_H
 
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* With gcc on x86-64 glibc each tile function is built twice, plain (SSE2) and AVX2+FMA, and
    the CPU picks one when the module loads (an ifunc); elsewhere only the plain build exists. */
@@ -15,41 +17,146 @@
 #  define PG_CLONES
 #endif
 
-/* Plain loops over contiguous float* that gcc -O3 vectorises without -ffast-math: `omp simd
-   reduction` (honoured under -fopenmp) lets a dot product's sum be split into vector lanes.
-   Four keys at a time give four independent sums (no wait on one adder chain), and one load
-   and store of an accumulator per four value rows. */
-static inline void pg_prefetch(const float *x, int n) {
-    for (int i = 0; i < n; i += 16) __builtin_prefetch(x + i);  /* one 64-byte line each */
+/* KV page formats (pagegate/kernels/kv_format.py): a cache slot holds one row per KV head; a float row is
+   head_dim values, a one-byte format's row is head_dim values and then the row's float16 scale. */
+enum { PG_F32 = 0, PG_F16 = 1, PG_BF16 = 2, PG_I8 = 3, PG_E4M3 = 4, PG_E5M2 = 5 };
+
+static inline int pg_scaled(int format) { return format >= PG_I8; }
+static inline int64_t pg_row_bytes(int format, int head_dim) {
+    const int value_bytes = format == PG_F32 ? 4 : format <= PG_BF16 ? 2 : 1;
+    return (int64_t)head_dim * value_bytes + (pg_scaled(format) ? 2 : 0);
 }
-static inline float pg_dot(const float *q, const float *k, int n) {
-    float s = 0.0f;
-    #pragma omp simd reduction(+:s)
-    for (int i = 0; i < n; i++) s += q[i] * k[i];
-    return s;
+
+static inline float pg_bits_float(uint32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
+static inline uint32_t pg_float_bits(float f) { uint32_t bits; memcpy(&bits, &f, 4); return bits; }
+
+/* Stored values to float in integer and float arithmetic, so that loops of them vectorise: the value's sign,
+   exponent and mantissa bits go where a float keeps them, and one multiply by a power of two rebiases the
+   exponent (exact, subnormals included). Writes never store infinity or NaN, except a float16 page's
+   overflow, which reads back as 65536 rather than infinity. */
+static inline float pg_ld_f32(const float *p, int i) { return p[i]; }
+static inline float pg_ld_f16(const uint16_t *p, int i) {
+    const uint32_t h = p[i];
+    return pg_bits_float(((h & 0x8000u) << 16) | ((h & 0x7fffu) << 13)) * 0x1p112f;
 }
-static inline void pg_dot4(const float *q, const float *k0, const float *k1, const float *k2,
-                           const float *k3, int n, float *out) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    #pragma omp simd reduction(+:s0, s1, s2, s3)
-    for (int i = 0; i < n; i++) {
-        s0 += q[i] * k0[i];
-        s1 += q[i] * k1[i];
-        s2 += q[i] * k2[i];
-        s3 += q[i] * k3[i];
+static inline float pg_ld_bf16(const uint16_t *p, int i) { return pg_bits_float((uint32_t)p[i] << 16); }
+static inline float pg_ld_i8(const int8_t *p, int i) { return (float)p[i]; }
+static inline float pg_ld_e4m3(const uint8_t *p, int i) {
+    const uint32_t x = p[i];
+    return pg_bits_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 20)) * 0x1p120f;
+}
+static inline float pg_ld_e5m2(const uint8_t *p, int i) {
+    const uint32_t x = p[i];
+    return pg_bits_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 21)) * 0x1p112f;
+}
+
+/* The float16 scale of a one-byte format's row. */
+static inline float pg_row_scale(const uint8_t *row, int head_dim) {
+    uint16_t h;
+    memcpy(&h, row + head_dim, 2);
+    return pg_ld_f16(&h, 0);
+}
+
+/* float -> stored formats, rounding to nearest even as torch's conversions do (and overflowing as they do:
+   float16 and e5m2 to infinity, e4m3fn to NaN). A normal result rounds its mantissa by adding half an ulp
+   less one plus the kept mantissa's lowest bit; a subnormal one is added to a power of two whose ulp is
+   the format's subnormal step, so the FPU rounds it. */
+static inline uint16_t pg_to_f16(float f) {
+    const uint32_t bits = pg_float_bits(f), sign = (bits >> 16) & 0x8000u, a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* rounds to 65536 or more */
+    if (a < 0x38800000u) return (uint16_t)(sign | (pg_float_bits(pg_bits_float(a) + 0.5f) - 0x3f000000u));
+    return (uint16_t)(sign | ((a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13));
+}
+static inline uint16_t pg_to_bf16(float f) {
+    const uint32_t bits = pg_float_bits(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+static inline uint8_t pg_to_e4m3(float f) {
+    const uint32_t bits = pg_float_bits(f), sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+    if (a >= 0x43f00000u) return (uint8_t)(sign | 0x7fu);  /* 480 and beyond (or NaN) */
+    if (a < 0x3c800000u) return (uint8_t)(sign | (pg_float_bits(pg_bits_float(a) + 16384.0f) - 0x46800000u));
+    return (uint8_t)(sign | ((a + 0xc407ffffu + ((a >> 20) & 1u)) >> 20));
+}
+static inline uint8_t pg_to_e5m2(float f) {
+    const uint32_t bits = pg_float_bits(f), sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    if (a >= 0x47700000u) return (uint8_t)(sign | 0x7cu);  /* rounds past 57344 */
+    if (a < 0x38800000u) return (uint8_t)(sign | (pg_float_bits(pg_bits_float(a) + 128.0f) - 0x43000000u));
+    return (uint8_t)(sign | ((a + 0xc80fffffu + ((a >> 21) & 1u)) >> 21));
+}
+
+/* Store the row x[head_dim] at dst in `format`, as pagegate.kernels.kv_format.quantize_rows does: a one-byte
+   format's scale is amax / max_value rounded to float16, its values x / scale clamped (int8: rounded). */
+__attribute__((unused)) static void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) {
+    if (format == PG_F32) {
+        memcpy(dst, x, (size_t)head_dim * sizeof(float));
+        return;
     }
-    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+    if (format == PG_F16 || format == PG_BF16) {
+        uint16_t *out = (uint16_t *)dst;
+        for (int i = 0; i < head_dim; i++) out[i] = format == PG_F16 ? pg_to_f16(x[i]) : pg_to_bf16(x[i]);
+        return;
+    }
+    const float max_value = format == PG_I8 ? 127.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+    float amax = 0.0f;
+    for (int i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const uint16_t scale_bits = pg_to_f16(amax / max_value);
+    const float scale = pg_ld_f16(&scale_bits, 0), inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int i = 0; i < head_dim; i++) {
+        const float v = fminf(fmaxf(x[i] * inverse, -max_value), max_value);
+        dst[i] = format == PG_I8 ? (uint8_t)(int8_t)nearbyintf(v) : format == PG_E4M3 ? pg_to_e4m3(v) : pg_to_e5m2(v);
+    }
+    memcpy(dst + head_dim, &scale_bits, 2);
 }
-static inline void pg_axpy(float *y, float w, const float *v, int n) {
-    for (int i = 0; i < n; i++) y[i] += w * v[i];
+
+/* Plain loops that gcc -O3 vectorises without -ffast-math: `omp simd reduction` (honoured under -fopenmp)
+   lets a dot product's sum be split into vector lanes. Four keys at a time give four independent sums (no
+   wait on one adder chain), and one load and store of an accumulator per four value rows. One set per
+   format, each value converted in registers as it is loaded. */
+#define PG_FORMAT_OPS(NAME, T, LOAD)                                                                      \
+static inline float pg_dot_##NAME(const float *q, const T *k, int n) {                                     \
+    float s = 0.0f;                                                                                        \
+    _Pragma("omp simd reduction(+:s)")                                                                     \
+    for (int i = 0; i < n; i++) s += q[i] * LOAD(k, i);                                                   \
+    return s;                                                                                              \
+}                                                                                                          \
+static inline void pg_dot4_##NAME(const float *q, const T *k0, const T *k1, const T *k2, const T *k3,      \
+                                  int n, float *out) {                                                     \
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                      \
+    _Pragma("omp simd reduction(+:s0, s1, s2, s3)")                                                        \
+    for (int i = 0; i < n; i++) {                                                                          \
+        s0 += q[i] * LOAD(k0, i);                                                                          \
+        s1 += q[i] * LOAD(k1, i);                                                                          \
+        s2 += q[i] * LOAD(k2, i);                                                                          \
+        s3 += q[i] * LOAD(k3, i);                                                                          \
+    }                                                                                                      \
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;                                                    \
+}                                                                                                          \
+static inline void pg_axpy_##NAME(float *y, float w, const T *v, int n) {                                  \
+    for (int i = 0; i < n; i++) y[i] += w * LOAD(v, i);                                                    \
+}                                                                                                          \
+static inline void pg_axpy4_##NAME(float *y, const float *w, const T *v0, const T *v1, const T *v2,        \
+                                   const T *v3, int n) {                                                   \
+    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];                                                \
+    for (int i = 0; i < n; i++)                                                                            \
+        y[i] += w0 * LOAD(v0, i) + w1 * LOAD(v1, i) + w2 * LOAD(v2, i) + w3 * LOAD(v3, i);                 \
 }
-static inline void pg_axpy4(float *y, const float *w, const float *v0, const float *v1,
-                            const float *v2, const float *v3, int n) {
-    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-    for (int i = 0; i < n; i++) y[i] += w0 * v0[i] + w1 * v1[i] + w2 * v2[i] + w3 * v3[i];
-}
+
+PG_FORMAT_OPS(f32, float, pg_ld_f32)
+PG_FORMAT_OPS(f16, uint16_t, pg_ld_f16)
+PG_FORMAT_OPS(bf16, uint16_t, pg_ld_bf16)
+PG_FORMAT_OPS(i8, int8_t, pg_ld_i8)
+PG_FORMAT_OPS(e4m3, uint8_t, pg_ld_e4m3)
+PG_FORMAT_OPS(e5m2, uint8_t, pg_ld_e5m2)
+
 static inline void pg_scale(float *y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
+}
+
+static inline void pg_prefetch(const uint8_t *x, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(x + i);  /* one 64-byte line each */
 }
 
 /* tanh as Eigen computes it for float: a 13/6 rational function on [-7.9053, 7.9053] (within 4
@@ -80,53 +187,104 @@ PG_CLONES __attribute__((unused)) static void pg_softcap(float *y, float a, floa
     for (int i = 0; i < n; i++) y[i] = cap * pg_tanh(a * y[i]);
 }
 
-/* The rows' heads of one cache slot: they are adjacent, from head_offset[0] to the end of
-   head_offset[rows - 1] (rows go head by head, query by query). */
-static inline int pg_span(const int64_t *head_offset, int rows, int head_dim) {
-    return (int)(head_offset[rows - 1] - head_offset[0]) + head_dim;
+/* The rows' heads of one cache slot: they are adjacent, from head_offset[0] to the end of the row at
+   head_offset[rows - 1] (rows go head by head, query by query; offsets in bytes). */
+static inline int64_t pg_span(const int64_t *head_offset, int rows, int64_t row_bytes) {
+    return head_offset[rows - 1] - head_offset[0] + row_bytes;
 }
 
-/* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across
-   the rows so pages are read in order; row r's K row of key j starts at
-   keys + slot[j] + head_offset[r]. Asks for the keys `ahead` places on in advance. */
-PG_CLONES static void pg_score_tile(const float *keys, const int64_t *slot, int num_keys,
-                                    const float **query_row, const int64_t *head_offset, int rows,
-                                    int head_dim, int ahead, float *scores, int stride) {
-    const int span = pg_span(head_offset, rows, head_dim);
-    int j = 0;
-    for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
-            pg_prefetch(keys + slot[a] + head_offset[0], span);
-        for (int r = 0; r < rows; r++) {
-            const float *k = keys + head_offset[r];
-            pg_dot4(query_row[r], k + slot[j], k + slot[j + 1], k + slot[j + 2], k + slot[j + 3],
-                    head_dim, scores + r * stride + j);
-        }
-    }
-    for (; j < num_keys; j++)
-        for (int r = 0; r < rows; r++)
-            scores[r * stride + j] = pg_dot(query_row[r], keys + head_offset[r] + slot[j], head_dim);
+/* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across the rows so pages
+   are read in order; row r's K row of key j starts at keys + slot[j] + head_offset[r] (bytes). Asks for the
+   keys `ahead` places on in advance. A scaled format's raw dot product is multiplied by the row's scale. */
+#define PG_SCORE_TILE(NAME, T, SCALED)                                                                     \
+PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
+                                           const float **query_row, const int64_t *head_offset, int rows,  \
+                                           int head_dim, int ahead, float *scores, int stride) {           \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (SCALED ? 2 : 0);                            \
+    const int64_t span = pg_span(head_offset, rows, row_bytes);                                            \
+    int j = 0;                                                                                             \
+    for (; j + 4 <= num_keys; j += 4) {                                                                    \
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                    \
+            pg_prefetch(keys + slot[a] + head_offset[0], span);                                            \
+        for (int r = 0; r < rows; r++) {                                                                   \
+            const uint8_t *k = keys + head_offset[r];                                                      \
+            float *out = scores + r * stride + j;                                                          \
+            pg_dot4_##NAME(query_row[r], (const T *)(k + slot[j]), (const T *)(k + slot[j + 1]),           \
+                           (const T *)(k + slot[j + 2]), (const T *)(k + slot[j + 3]), head_dim, out);     \
+            if (SCALED)                                                                                    \
+                for (int a = 0; a < 4; a++) out[a] *= pg_row_scale(k + slot[j + a], head_dim);            \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (; j < num_keys; j++)                                                                              \
+        for (int r = 0; r < rows; r++) {                                                                   \
+            const uint8_t *k = keys + head_offset[r] + slot[j];                                            \
+            const float score = pg_dot_##NAME(query_row[r], (const T *)k, head_dim);                       \
+            scores[r * stride + j] = SCALED ? score * pg_row_scale(k, head_dim) : score;                   \
+        }                                                                                                  \
 }
 
-/* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like
-   pg_score_tile; acc is [rows, head_dim]. */
-PG_CLONES static void pg_accumulate_tile(const float *values, const int64_t *slot, int num_keys,
-                                         const float *weights, int stride, const int64_t *head_offset,
-                                         int rows, int head_dim, int ahead, float *acc) {
-    const int span = pg_span(head_offset, rows, head_dim);
-    int j = 0;
-    for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
-            pg_prefetch(values + slot[a] + head_offset[0], span);
-        for (int r = 0; r < rows; r++) {
-            const float *v = values + head_offset[r];
-            pg_axpy4(acc + r * head_dim, weights + r * stride + j, v + slot[j], v + slot[j + 1],
-                     v + slot[j + 2], v + slot[j + 3], head_dim);
-        }
+/* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like pg_score_tile; acc is
+   [rows, head_dim]. A scaled format's weight is multiplied by the row's scale first. */
+#define PG_ACCUMULATE_TILE(NAME, T, SCALED)                                                                \
+PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
+                                                const float *weights, int stride, const int64_t *head_offset, \
+                                                int rows, int head_dim, int ahead, float *acc) {           \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (SCALED ? 2 : 0);                            \
+    const int64_t span = pg_span(head_offset, rows, row_bytes);                                            \
+    int j = 0;                                                                                             \
+    for (; j + 4 <= num_keys; j += 4) {                                                                    \
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                    \
+            pg_prefetch(values + slot[a] + head_offset[0], span);                                          \
+        for (int r = 0; r < rows; r++) {                                                                   \
+            const uint8_t *v = values + head_offset[r];                                                    \
+            float w[4];                                                                                    \
+            for (int a = 0; a < 4; a++)                                                                    \
+                w[a] = weights[r * stride + j + a] * (SCALED ? pg_row_scale(v + slot[j + a], head_dim) : 1.0f); \
+            pg_axpy4_##NAME(acc + r * head_dim, w, (const T *)(v + slot[j]), (const T *)(v + slot[j + 1]),  \
+                            (const T *)(v + slot[j + 2]), (const T *)(v + slot[j + 3]), head_dim);         \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (; j < num_keys; j++)                                                                              \
+        for (int r = 0; r < rows; r++) {                                                                   \
+            const uint8_t *v = values + head_offset[r] + slot[j];                                          \
+            const float w = weights[r * stride + j] * (SCALED ? pg_row_scale(v, head_dim) : 1.0f);         \
+            pg_axpy_##NAME(acc + r * head_dim, w, (const T *)v, head_dim);                                 \
+        }                                                                                                  \
+}
+
+#define PG_TILES(NAME, T, SCALED) PG_SCORE_TILE(NAME, T, SCALED) PG_ACCUMULATE_TILE(NAME, T, SCALED)
+PG_TILES(f32, float, 0)
+PG_TILES(f16, uint16_t, 0)
+PG_TILES(bf16, uint16_t, 0)
+PG_TILES(i8, int8_t, 1)
+PG_TILES(e4m3, uint8_t, 1)
+PG_TILES(e5m2, uint8_t, 1)
+
+/* The tile functions of a page format (its PG_ code). */
+__attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,
+                          const float **query_row, const int64_t *head_offset, int rows, int head_dim,
+                          int ahead, float *scores, int stride) {
+    switch (format) {
+    case PG_F16: pg_score_tile_f16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
+    case PG_BF16: pg_score_tile_bf16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
+    case PG_I8: pg_score_tile_i8(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
+    case PG_E4M3: pg_score_tile_e4m3(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
+    case PG_E5M2: pg_score_tile_e5m2(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
+    default: pg_score_tile_f32(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride);
     }
-    for (; j < num_keys; j++)
-        for (int r = 0; r < rows; r++)
-            pg_axpy(acc + r * head_dim, weights[r * stride + j], values + head_offset[r] + slot[j], head_dim);
+}
+
+__attribute__((unused)) static void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
+                               const float *weights, int stride, const int64_t *head_offset, int rows,
+                               int head_dim, int ahead, float *acc) {
+    switch (format) {
+    case PG_F16: pg_accumulate_tile_f16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
+    case PG_BF16: pg_accumulate_tile_bf16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
+    case PG_I8: pg_accumulate_tile_i8(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
+    case PG_E4M3: pg_accumulate_tile_e4m3(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
+    case PG_E5M2: pg_accumulate_tile_e5m2(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
+    default: pg_accumulate_tile_f32(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc);
+    }
 }
 
 #endif /* PAGEGATE_CPU_PAGED_H */

@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Fused paged attention for float32 CPU caches: reads K/V straight from their pages, no gather copy.
+"""Fused paged attention for CPU caches in every page format (pagegate.kernels.kv_format): reads K/V straight
+from their pages, no gather copy; a stored value is converted to float32 in registers as it is loaded.
 
 The work is split into items: a few queries of one sequence and a range of its KV heads. An
 item's rows are those queries times the query heads of those KV heads (GQA: each K/V row is read
@@ -21,10 +22,12 @@ turns each scaled score s into softcap * tanh(s / softcap) before the mask and t
 
 from cython.parallel cimport prange, threadid
 from libc.math cimport INFINITY, expf, isfinite
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 import torch
+
+from pagegate.kernels.kv_format import FORMATS, format_of, head_dim_of
 
 # Keys per online-softmax step (one tile), the rows (queries x query heads) a prefill item aims
 # for, and how far ahead of use the K/V rows are asked for: a tile's scores and accumulators stay
@@ -35,14 +38,20 @@ cdef enum:
     PREFETCH_BYTES = 16384
 
 cdef extern from "cpu_paged.h":
+    int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
+    void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) noexcept nogil
     void pg_scale(float *y, float a, int n) noexcept nogil
     void pg_softcap(float *y, float a, float cap, int n) noexcept nogil
-    void pg_score_tile(const float *keys, const int64_t *slot, int num_keys, const float **query_row,
+    void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys, const float **query_row,
                        const int64_t *head_offset, int rows, int head_dim, int ahead, float *scores,
                        int stride) noexcept nogil
-    void pg_accumulate_tile(const float *values, const int64_t *slot, int num_keys, const float *weights,
-                            int stride, const int64_t *head_offset, int rows, int head_dim, int ahead,
-                            float *acc) noexcept nogil
+    void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
+                            const float *weights, int stride, const int64_t *head_offset, int rows, int head_dim,
+                            int ahead, float *acc) noexcept nogil
+
+# each format's code in cpu_paged.h (PG_F32 ...), by the cache tensor's dtype
+FORMAT_CODES = {FORMATS[name].dtype: code for code, name in
+                enumerate(("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"))}
 
 
 cdef struct Problem:
@@ -51,8 +60,10 @@ cdef struct Problem:
     int64_t q_token_stride, q_head_stride
     float *out
     int64_t out_token_stride, out_head_stride
-    const float *k_cache
-    const float *v_cache
+    const uint8_t *k_cache
+    const uint8_t *v_cache
+    int format  # the pages' PG_ code
+    int64_t row_bytes  # of one (slot, KV head) row: values and a one-byte format's scale
     const int32_t *block_tables
     int64_t table_width
     const int32_t *seq_lens
@@ -76,16 +87,48 @@ cdef struct Scratch:
     float *row_sum  # [rows] running sum of exp(score - max)
     float *probs    # [rows, KEY_TILE] scores, then their exp
     const float **query_row  # [rows] each row's query vector
-    int64_t *head_offset     # [rows] element offset of the row's KV head within a cache slot
-    int64_t *slot_offset     # [KEY_TILE] element offset of each key's slot in the caches
+    int64_t *head_offset     # [rows] byte offset of the row's KV head within a cache slot
+    int64_t *slot_offset     # [KEY_TILE] byte offset of each key's slot in the caches
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when this kernel can run the call: CPU tensors, float32 query and caches, and no
-    gradient wanted (the kernel records none; the torch path does)."""
-    return (query.device.type == "cpu" and k_cache.device.type == "cpu"
-            and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    """True when this kernel can run the call: CPU tensors, a float32 query, caches of one page format,
+    and no gradient wanted (the kernel records none; the torch path does)."""
+    return (query.device.type == "cpu" and k_cache.device.type == "cpu" and query.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in FORMAT_CODES
             and not (torch.is_grad_enabled() and query.requires_grad))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """reference.write_kv for caches `supports` accepts, byte for byte: each (token, KV head) row is stored in
+    the caches' format by the C the native decode step writes with (slot -1 is padding, skipped)."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError("write_kv needs contiguous caches of one shape")
+    head_dim = head_dim_of(k_cache)
+    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (k_cache.shape[2], head_dim):
+        raise ValueError(f"key/value {tuple(key.shape)} do not fit caches {tuple(k_cache.shape)}")
+    slots = slot_mapping.to(device="cpu", dtype=torch.int64).contiguous()
+    if slots.shape[0] != key.shape[0]:
+        raise ValueError(f"{slots.shape[0]} slots for {key.shape[0]} tokens")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slots.numel() and (int(slots.max()) >= num_slots or int(slots.min()) < -1):
+        raise ValueError(f"a slot lies outside the cache's {num_slots} slots")
+    keys, values = (t.to(torch.float32).contiguous() for t in (key, value))
+    cdef int format = FORMAT_CODES[format_of(k_cache).dtype], d = head_dim
+    cdef int64_t row_bytes = pg_row_bytes(format, d), heads = key.shape[1], tokens = key.shape[0], t, h
+    cdef const int64_t *slot = <const int64_t *><uintptr_t>slots.data_ptr()
+    cdef const float *k_rows = <const float *><uintptr_t>keys.data_ptr()
+    cdef const float *v_rows = <const float *><uintptr_t>values.data_ptr()
+    cdef uint8_t *k_out = <uint8_t *><uintptr_t>k_cache.data_ptr()
+    cdef uint8_t *v_out = <uint8_t *><uintptr_t>v_cache.data_ptr()
+    with nogil:
+        for t in range(tokens):
+            if slot[t] < 0:
+                continue
+            for h in range(heads):
+                pg_store_row(format, k_rows + (t * heads + h) * d, d, k_out + (slot[t] * heads + h) * row_bytes)
+                pg_store_row(format, v_rows + (t * heads + h) * d, d, v_out + (slot[t] * heads + h) * row_bytes)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,7 +165,7 @@ cdef Problem _problem(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     """Raw pointers and sizes of the call (the tensors must outlive the kernel run)."""
     cdef Problem p
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads or query.shape[2] != k_cache.shape[3] or k_cache.shape != v_cache.shape:
+    if num_heads % num_kv_heads or query.shape[2] != head_dim_of(k_cache) or k_cache.shape != v_cache.shape:
         raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(k_cache.shape)}")
     if out.shape != query.shape:
         raise ValueError(f"out {tuple(out.shape)} must have the query's shape {tuple(query.shape)}")
@@ -132,8 +175,10 @@ cdef Problem _problem(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     p.q_token_stride, p.q_head_stride = query.stride(0), query.stride(1)
     p.out = <float *><uintptr_t>out.data_ptr()
     p.out_token_stride, p.out_head_stride = out.stride(0), out.stride(1)
-    p.k_cache = <const float *><uintptr_t>k_cache.data_ptr()
-    p.v_cache = <const float *><uintptr_t>v_cache.data_ptr()
+    p.k_cache = <const uint8_t *><uintptr_t>k_cache.data_ptr()
+    p.v_cache = <const uint8_t *><uintptr_t>v_cache.data_ptr()
+    p.format = FORMAT_CODES[format_of(k_cache).dtype]
+    p.row_bytes = pg_row_bytes(p.format, query.shape[2])
     p.block_tables = <const int32_t *><uintptr_t>block_tables.data_ptr()
     p.table_width = block_tables.shape[1]
     p.seq_lens = <const int32_t *><uintptr_t>seq_lens.data_ptr()
@@ -269,7 +314,7 @@ cdef void _attend_item(const Problem *p, Scratch *s, const Item *item) noexcept 
     cdef int key_start = 0 if p.window == 0 else max(0, first_pos - p.window + 1)
     cdef int r, tile, tile_start, num_keys
     # prefetch distance in keys: PREFETCH_BYTES of the item's K (or V) rows
-    cdef int ahead = max(4, PREFETCH_BYTES // (item.kv_count * p.head_dim * <int>sizeof(float)))
+    cdef int ahead = max(4, PREFETCH_BYTES // (item.kv_count * <int>p.row_bytes))
     for r in range(rows):
         s.row_max[r] = -INFINITY
         s.row_sum[r] = 0
@@ -284,7 +329,7 @@ cdef void _attend_item(const Problem *p, Scratch *s, const Item *item) noexcept 
         _softmax_tile(s, rows, p.head_dim, num_keys)
         # weights of keys a row may not see are 0, and their value rows are finite (every key of a
         # tile is a written context position)
-        pg_accumulate_tile(p.v_cache, s.slot_offset, num_keys, s.probs, KEY_TILE, s.head_offset, rows,
+        pg_accumulate_tile(p.format, p.v_cache, s.slot_offset, num_keys, s.probs, KEY_TILE, s.head_offset, rows,
                            p.head_dim, ahead, s.acc)
     _write_rows(p, s, item)
 
@@ -298,15 +343,15 @@ cdef int _item_rows(const Problem *p, Scratch *s, const Item *item) noexcept nog
         head = item.kv_first * group + r % heads
         s.query_row[r] = (p.query + (p.query_start[item.seq] + item.first + r // heads) * p.q_token_stride
                           + head * p.q_head_stride)
-        s.head_offset[r] = head // group * p.head_dim
+        s.head_offset[r] = head // group * p.row_bytes
     return item.count * heads
 
 
 cdef void _slot_offsets(const Problem *p, int seq, int key_pos, int num_keys, int64_t *offsets) noexcept nogil:
-    """Element offset in the caches of the slot of each key key_pos..key_pos+num_keys-1 of
+    """Byte offset in the caches of the slot of each key key_pos..key_pos+num_keys-1 of
     sequence seq (walking the pages, so no division per key)."""
     cdef const int32_t *table = p.block_tables + seq * p.table_width
-    cdef int64_t slot_stride = <int64_t>p.num_kv_heads * p.head_dim
+    cdef int64_t slot_stride = p.num_kv_heads * p.row_bytes
     cdef int page = key_pos // p.block_size
     cdef int slot = key_pos % p.block_size
     cdef int j
@@ -321,7 +366,7 @@ cdef void _slot_offsets(const Problem *p, int seq, int key_pos, int num_keys, in
 cdef void _score_tile(const Problem *p, Scratch *s, int rows, int num_keys, int ahead) noexcept nogil:
     """probs[r, j] = scale * q_r . k_j for every row and key of the tile, soft-capped when asked."""
     cdef int r
-    pg_score_tile(p.k_cache, s.slot_offset, num_keys, s.query_row, s.head_offset, rows, p.head_dim, ahead,
+    pg_score_tile(p.format, p.k_cache, s.slot_offset, num_keys, s.query_row, s.head_offset, rows, p.head_dim, ahead,
                   s.probs, KEY_TILE)
     if p.softcap > 0:
         for r in range(rows):

@@ -84,10 +84,11 @@ class NativeDecoder:
     @classmethod
     def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> NativeDecoder | None:
         """The native decoder of `model`, or None where it does not apply: the extension is not built, the
-        backend is not "auto", or the model is not a float32 decoder of a family the C computes on one CPU rank."""
+        backend is not "auto", or the model is not a float32 decoder of a family the C computes on one CPU rank
+        (its pages may be in any format)."""
         if (decode_kernel() is None or requested_backend() != "auto" or model.device.type != "cpu"
                 or model.dtype != torch.float32 or model.tp.size != 1 or type(model.model) is not DecoderModel
-                or kv_cache.layers[0][0].dtype != torch.float32 or not _llama_shaped(model.config)
+                or not _llama_shaped(model.config)
                 or not all(type(layer) in (DecoderLayer, GemmaDecoderLayer) for layer in model.model.layers)):
             return None
         try:
