@@ -1,12 +1,22 @@
-"""Pieces shared by the Triton attention kernels: the page walk, the online-softmax tile step, launch helpers."""
+"""Pieces shared by the Triton kernels: the page walk, in-register page formats, the online-softmax tile step,
+launch helpers.
+
+Page formats (kv_format.py): float pages hold the values; a scaled page (int8, fp8) holds each (token, KV head)
+row's values and then the row's float16 scale in its last two bytes. The kernels read that scale through a
+float16 view of the same cache (scale_view): the scale of the row at byte offset r sits at float16 offset
+(r + head_dim) // 2.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from pagegate.kernels.dispatch import triton_interpreted
+from pagegate.kernels.kv_format import as_bytes, format_of
 
 LOG2_E = 1.4426950408889634  # kernels use exp2, so scores are pre-scaled by log2(e)
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. as these modules are imported:
@@ -15,12 +25,71 @@ INTERPRETED = triton_interpreted()
 
 
 @triton.jit
-def load_page_rows(cache_ptr, block_table_row_ptr, positions, valid, dims, dim_mask,
-                   kv_head, block_size, cache_stride_block, cache_stride_slot, cache_stride_h):
-    """Rows [positions, D] of one KV head, read through a sequence's block table; invalid rows are 0."""
+def page_row_offsets(block_table_row_ptr, positions, valid, kv_head, block_size,
+                     cache_stride_block, cache_stride_slot, cache_stride_h):
+    """Element offsets of the rows of one KV head at context `positions`, read through a sequence's block table
+    (K and V caches share one layout, so one walk serves both)."""
     pages = tl.load(block_table_row_ptr + positions // block_size, mask=valid, other=0).to(tl.int64)
-    rows = pages * cache_stride_block + (positions % block_size) * cache_stride_slot + kv_head * cache_stride_h
-    return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    return pages * cache_stride_block + (positions % block_size) * cache_stride_slot + kv_head * cache_stride_h
+
+
+@triton.jit
+def load_rows(cache_ptr, rows, valid, dims, dim_mask, dtype: tl.constexpr):
+    """The stored values [N, D] of rows at `rows` converted to `dtype` in registers; invalid rows are 0."""
+    values = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    return values.to(dtype)
+
+
+@triton.jit
+def load_scales(scale_ptr, rows, valid, head_dim):
+    """The float16 scales [N] in the last two bytes of scaled rows at byte offsets `rows`, as float32."""
+    return tl.load(scale_ptr + (rows + head_dim) // 2, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def round_half_even(x):
+    """x rounded to an integer, ties to even (as torch.round), for float32 |x| < 2**22: adding 1.5 * 2**23 leaves
+    no fraction bits, and the add rounds half to even."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def round_to_format(x, INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """float32 x (within the format's range) rounded, half to even, to the nearest value of a one-byte format:
+    an integer for int8, else the value of a float with MANTISSA mantissa bits and normal exponents >= MIN_EXP.
+    NOTE: the rounding is done here in float32 (steps are powers of two, so every product is exact) and the
+    conversion to fp8 then only changes the type: Triton's interpreter rounds float32 -> fp8 wrongly where
+    rounding up carries into the exponent (7.79 becomes 4.0 in e4m3), and this way the interpreter and the GPU
+    store the same bytes as torch's conversion. A negative x keeps its sign, -0.0 included, as torch's does."""
+    if INTEGER:
+        return round_half_even(x)
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # a subnormal's step is the smallest normal's
+    step = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((127 - exponent + MANTISSA) << 23).to(tl.float32, bitcast=True)
+    rounded = round_half_even(tl.abs(x) * inverse_step) * step
+    return tl.where(bits < 0, -rounded, rounded)
+
+
+@triton.jit
+def round_to_bfloat16(x):
+    """float32 x rounded half to even to bfloat16's precision (still float32; NaN stays NaN), as torch's
+    conversion does. NOTE: Triton's interpreter truncates float32 -> bfloat16; rounding first makes the
+    interpreter store what the GPU (and torch) store, and costs the GPU a few integer ops per written value."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def query_operand(q, k_cache_ptr, UPCAST: tl.constexpr, SCALED: tl.constexpr):
+    """The query tile in the dtype the dots run in: float32 when UPCAST, the query's own dtype for scaled pages
+    (their stored values convert to it exactly), else the pages' dtype."""
+    if UPCAST:
+        q = q.to(tl.float32)
+    elif not SCALED:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    return q
 
 
 @triton.jit
@@ -30,17 +99,29 @@ def tanh(x):
 
 
 @triton.jit
-def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max, running_sum,
-                acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, positions, valid, dims,
+                dim_mask, kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h,
+                qk_scale, cap_scale, running_max, running_sum, acc,
+                DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BOOST: tl.constexpr):
     """One step of the online softmax: the query rows q [M, D] against one tile of keys at `positions`,
     masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator.
     Scores come out in log2 units: dot * qk_scale, or with SOFTCAP tanh(dot * qk_scale) * cap_scale
-    (see score_scales)."""
-    k = load_page_rows(k_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                       cache_stride_block, cache_stride_slot, cache_stride_h)
-    k = k.to(tl.float32) if UPCAST else k
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    (see score_scales). Pages are read as stored and converted to q's dtype in registers.
+    NOTE: with scaled pages the dots take the stored values (int8 and fp8 values are exact in float16,
+    bfloat16 and float32) and the row scales multiply the scores' columns (K) and the probabilities'
+    columns (V): softmax(q (s_k k)^T) (s_v v) = softmax((q k^T) s_k) (p s_v) v, one multiply per key
+    instead of one per value, and a float16/bfloat16 tensor-core dot loses nothing to the dequantization.
+    The probabilities times the V scales are BOOST times larger (the power of two at or above the format's
+    max_value) and so is the running sum, which cancels in acc / running_sum: p * s_v alone (s_v = amax /
+    max_value, 5e-5 for e5m2 values near 3) would fall among float16's subnormals, whose steps, times stored
+    values up to max_value, cost 1e-3 of the output."""
+    rows = page_row_offsets(table, positions, valid, kv_head, block_size, cache_stride_block, cache_stride_slot,
+                            cache_stride_h)
+    k = load_rows(k_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SCALED:
+        scores = scores * load_scales(k_scale_ptr, rows, valid, head_dim)[None, :]
+    scores = scores * qk_scale
     if SOFTCAP:
         scores = tanh(scores) * cap_scale
     scores = tl.where(visible, scores, float("-inf"))
@@ -49,11 +130,11 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, table, positions, valid, d
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     alpha = tl.exp2(running_max - safe_max)
     p = tl.exp2(scores - safe_max[:, None])
-    running_sum = running_sum * alpha + tl.sum(p, 1)
-    v = load_page_rows(v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head, block_size,
-                       cache_stride_block, cache_stride_slot, cache_stride_h)
-    v = v.to(tl.float32) if UPCAST else v
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    running_sum = running_sum * alpha + tl.sum(p, 1) * BOOST
+    v = load_rows(v_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
+    if SCALED:
+        p = p * (load_scales(v_scale_ptr, rows, valid, head_dim) * BOOST)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
 
 
@@ -65,18 +146,60 @@ def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     return scale / softcap, softcap * LOG2_E
 
 
-def dot_options(cache: torch.Tensor) -> dict:
-    """Constexprs that keep dots exact enough: IEEE float32 (not TF32) for float32 caches, and
-    float32 dots for bfloat16 under the interpreter, whose bfloat16 tl.dot is broken upstream."""
-    upcast = cache.dtype == torch.bfloat16 and INTERPRETED
-    return {"DOT_PRECISION": "ieee" if cache.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+def scale_view(cache: torch.Tensor) -> torch.Tensor:
+    """A float16 view of a scaled cache's bytes, where its kernels read and write the row scales; a float
+    cache itself (the kernels then never touch it)."""
+    return as_bytes(cache).view(torch.float16) if format_of(cache).scaled else cache
+
+
+def dot_options(query: torch.Tensor, cache: torch.Tensor) -> dict:
+    """Constexprs for attend_tile: the dots run in the pages' dtype (float pages) or the query's (scaled pages);
+    IEEE float32 (not TF32) when that is float32, and float32 for bfloat16 under the interpreter, whose bfloat16
+    tl.dot is broken upstream (UPCAST); SCALED and BOOST for scaled pages (see attend_tile)."""
+    kv_format = format_of(cache)
+    compute = query.dtype if kv_format.scaled else cache.dtype
+    upcast = compute == torch.bfloat16 and INTERPRETED
+    boost = 2.0 ** math.ceil(math.log2(kv_format.max_value)) if kv_format.scaled else 1.0
+    return {"DOT_PRECISION": "ieee" if compute == torch.float32 or upcast else "tf32", "UPCAST": upcast,
+            "SCALED": kv_format.scaled, "BOOST": boost}
+
+
+def rounding_options(cache: torch.Tensor) -> dict:
+    """Constexprs for writing a cache's format: MAX_VALUE (0 for float pages, stored unscaled), how a scaled
+    value is rounded (round_to_format: INTEGER for int8, else the fp8 format's mantissa bits and least normal
+    exponent), and BFLOAT16 for bfloat16 pages (round_to_bfloat16)."""
+    kv_format = format_of(cache)
+    options = {"MAX_VALUE": kv_format.max_value, "INTEGER": kv_format.dtype == torch.int8, "MANTISSA": 0,
+               "MIN_EXP": 0, "BFLOAT16": kv_format.dtype == torch.bfloat16}
+    if kv_format.scaled and kv_format.dtype.is_floating_point:
+        info = torch.finfo(kv_format.dtype)
+        options.update(MANTISSA=-round(math.log2(info.eps)), MIN_EXP=round(math.log2(info.smallest_normal)))
+    return options
+
+
+def check_page_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
+    """Reject caches the kernels would misread: K and V in different formats or layouts, rows that are not
+    head_dim values (plus a scaled format's two scale bytes), a scaled row whose scale is not 2-byte aligned."""
+    kv_format = format_of(k_cache)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must hold one page format")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("the caches need the head dimension contiguous (stride 1)")
+    if k_cache.shape[-1] != kv_format.row_width(head_dim):
+        raise ValueError(f"{kv_format.name} pages of head_dim {head_dim} have rows of {kv_format.row_width(head_dim)} "
+                         f"elements, the caches' have {k_cache.shape[-1]}")
+    if kv_format.scaled and (head_dim % 2 or any(s % 2 for s in k_cache.stride()[:-1])
+                             or k_cache.storage_offset() % 2 or v_cache.storage_offset() % 2):
+        raise ValueError(f"{kv_format.name} pages are read with their float16 scales in place: head_dim and the "
+                         f"cache strides must be even (head_dim {head_dim}, strides {k_cache.stride()})")
 
 
 def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Reject layouts the kernels do not handle instead of reading the wrong memory."""
-    if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
+    if query.stride(-1) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous (stride 1)")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share one layout")
+    check_page_layout(k_cache, v_cache, query.shape[-1])
     if query.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{query.shape[1]} query heads do not divide into {k_cache.shape[2]} KV heads")

@@ -6,7 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import attend_tile, check_attention_inputs, dot_options, score_scales
+from pagegate.kernels.triton_common import (
+    attend_tile,
+    check_attention_inputs,
+    dot_options,
+    query_operand,
+    scale_view,
+    score_scales,
+)
 
 DECODE_BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the reduction than it saves
@@ -14,14 +21,14 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
                          acc_ptr, max_ptr, sum_ptr, out_ptr, qk_scale, cap_scale,
                          q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride_b,
                          cache_stride_block, cache_stride_slot, cache_stride_h,
                          block_size, head_dim, group, split_len, sliding_window,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr, BOOST: tl.constexpr):
     """Program (sequence, KV head, split): the `group` query heads of that KV head over one
     split of the context. Writes the final output when there is one split, else the split's
     unnormalised accumulator, running max and sum (partials laid out [B, H, splits, ...])."""
@@ -38,7 +45,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     dim_mask = dims < head_dim
     q_mask = (g < group)[:, None] & dim_mask[None, :]
     q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=q_mask, other=0.0)
-    q = q.to(tl.float32) if UPCAST else q.to(k_cache_ptr.dtype.element_ty)
+    q = query_operand(q, k_cache_ptr, UPCAST, SCALED)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -47,9 +54,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         positions = tile + tl.arange(0, BLOCK_N)
         valid = positions < end
         running_max, running_sum, acc = attend_tile(
-            q, valid[None, :], k_cache_ptr, v_cache_ptr, table, positions, valid, dims, dim_mask, kv_head,
-            block_size, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max,
-            running_sum, acc, DOT_PRECISION, UPCAST, SOFTCAP)
+            q, valid[None, :], k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, positions, valid, dims,
+            dim_mask, kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale,
+            cap_scale, running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, BOOST)
     if SINGLE_SPLIT:
         out = acc / running_sum[:, None]
         out_offsets = seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
@@ -120,13 +127,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     sums = torch.empty_like(maxes)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, acc, maxes, sums, out, *score_scales(scale, softcap),
+        query, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), block_tables, seq_lens, acc, maxes, sums,
+        out, *score_scales(scale, softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_size, head_dim, group, split_len, sliding_window or 0,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
         SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
-        **dot_options(k_cache))
+        **dot_options(query, k_cache))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             acc, maxes, sums, out, out.stride(0), out.stride(1), head_dim, num_splits,

@@ -6,7 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagegate.kernels.triton_common import attend_tile, check_attention_inputs, dot_options, score_scales
+from pagegate.kernels.triton_common import (
+    attend_tile,
+    check_attention_inputs,
+    dot_options,
+    query_operand,
+    scale_view,
+    score_scales,
+)
 
 
 def tile_sizes(device: torch.device) -> tuple[int, int]:
@@ -29,14 +36,14 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
                     query_start_loc_ptr, qk_scale, cap_scale, num_seqs,
                     q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride_b,
                     cache_stride_block, cache_stride_slot, cache_stride_h,
                     block_size, head_dim, group, sliding_window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, SCALED: tl.constexpr, BOOST: tl.constexpr):
     """Program (query tile, head): BLOCK_M query rows of one sequence, online softmax over the
     context pages they may see. Row i of a sequence with q_len queries and seq_len context
     tokens sits at position seq_len - q_len + i."""
@@ -56,7 +63,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     q_offsets = (q_start + rows)[:, None].to(tl.int64) * q_stride_t + head * q_stride_h + dims[None, :]
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-    q = q.to(tl.float32) if UPCAST else q.to(k_cache_ptr.dtype.element_ty)
+    q = query_operand(q, k_cache_ptr, UPCAST, SCALED)
     kv_head = head // group
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
     end = tl.minimum(seq_len, seq_len - q_len + first_row + BLOCK_M)  # past the tile's last row
@@ -73,9 +80,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         if HAS_WINDOW:
             visible &= query_pos[:, None] - key_pos[None, :] < sliding_window
         running_max, running_sum, acc = attend_tile(
-            q, visible, k_cache_ptr, v_cache_ptr, table, key_pos, valid, dims, dim_mask, kv_head, block_size,
-            cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale, running_max, running_sum,
-            acc, DOT_PRECISION, UPCAST, SOFTCAP)
+            q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, key_pos, valid, dims, dim_mask,
+            kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale,
+            running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, BOOST)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -93,9 +100,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # sequence b owns tiles [qsl[b] // BLOCK_M + b, qsl[b+1] // BLOCK_M + b + 1): no host sync needed
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *score_scales(scale, softcap), num_seqs,
+        query, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), out, block_tables, seq_lens, query_start_loc, *score_scales(scale, softcap), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], head_dim, num_heads // k_cache.shape[2], sliding_window or 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, **dot_options(k_cache))
+        HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, **dot_options(query, k_cache))
