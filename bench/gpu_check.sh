@@ -39,7 +39,8 @@ SMOLLM2=${SMOLLM2:-$ROOT/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 WORK=$(mktemp -d /tmp/pagegate-gpu-check.XXXXXX)  # JSON, rows, the serve plot: not for LOGS
 
 # per-step budgets in seconds; every one is also cut to what is left of BUDGET_S
-SETUP_S=120 TESTS_S=100 KERNELS_S=75 ENGINE_S=110 SERVE_S=80
+# (tests: test_triton_formats.py compiles ~40 more kernel variants, one per page format and case)
+SETUP_S=120 TESTS_S=150 KERNELS_S=75 ENGINE_S=110 SERVE_S=80
 if [[ $DEVICE == cpu ]]; then  # the dry run: Triton's interpreter and a CPU engine are slower
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1500}
     SETUP_S=$((SETUP_S * 3)) TESTS_S=$((TESTS_S * 3)) KERNELS_S=$((KERNELS_S * 3))
@@ -321,10 +322,11 @@ kernel_tests() {
     local log=$LOGS/02-tests.log rc summary
     # -o addopts: pyproject's --benchmark-disable would need pytest-benchmark, which these files do not use
     run_step tests "$TESTS_S" "$log" "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-        tests/kernels/test_triton.py tests/kernels/test_blocks.py tests/kernels/test_dispatch.py
+        tests/kernels/test_triton.py tests/kernels/test_triton_formats.py tests/kernels/test_blocks.py \
+        tests/kernels/test_dispatch.py
     rc=$?
     summary=$(grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
-    row "kernel tests (Triton vs reference on $DEVICE, blocks, dispatch)" "$(result_of "$rc")" \
+    row "kernel tests (Triton vs reference on $DEVICE, every KV page format, blocks, dispatch)" "$(result_of "$rc")" \
         "${summary:-no pytest summary} (${TOOK[tests]} s)"
     ((rc == 0)) || FAILED=1
 }

@@ -9,6 +9,7 @@ float16 view of the same cache (scale_view): the scale of the row at byte offset
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from pagegate.kernels.dispatch import triton_interpreted
-from pagegate.kernels.kv_format import as_bytes, format_of
+from pagegate.kernels.kv_format import KVFormat, as_bytes, format_of
 
 LOG2_E = 1.4426950408889634  # kernels use exp2, so scores are pre-scaled by log2(e)
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. as these modules are imported:
@@ -177,10 +178,26 @@ def rounding_options(cache: torch.Tensor) -> dict:
     return options
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def check_device_format(kv_format: KVFormat, device: torch.device | str) -> None:
+    """Refuse a page format the Triton kernels cannot compile for `device`: fp8 e4m3 needs an NVIDIA GPU of
+    compute capability 8.9 or more (Ada, Hopper), where Triton has its conversions."""
+    device = torch.device(device)
+    if device.type == "cuda" and kv_format.dtype == torch.float8_e4m3fn and _capability(device) < (8, 9):
+        major, minor = _capability(device)
+        raise ValueError(f"{kv_format.name} pages need compute capability 8.9+ for Triton's fp8 e4m3 conversions; "
+                         f"{device} has {major}.{minor} (int8 pages need no fp8 support)")
+
+
 def check_page_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
     """Reject caches the kernels would misread: K and V in different formats or layouts, rows that are not
     head_dim values (plus a scaled format's two scale bytes), a scaled row whose scale is not 2-byte aligned."""
     kv_format = format_of(k_cache)
+    check_device_format(kv_format, k_cache.device)
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must hold one page format")
     if k_cache.stride() != v_cache.stride():

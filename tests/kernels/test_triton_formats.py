@@ -12,7 +12,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagegate.kernels import paged_attention, reference, triton_decode, triton_ops, triton_write
+from pagegate.kernels import paged_attention, reference, triton_common, triton_decode, triton_ops, triton_write
 from pagegate.kernels.kv_format import FORMATS, KVFormat, as_bytes, dequantize_rows
 
 from .paged_cases import PagedBatch, dense_attention, heat, make_batch, slots_of
@@ -183,3 +183,14 @@ def test_layouts_the_kernels_would_misread_are_refused():
              "head_dim 32")):
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_fp8_e4m3_is_refused_below_compute_capability_8_9(monkeypatch):
+    # Triton compiles fp8 e4m3 conversions for sm_89+ only; an A100 (8.0) must hear why, not fail in the compiler
+    monkeypatch.setattr(triton_common, "_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        triton_common.check_device_format(FORMATS["fp8_e4m3"], "cuda")
+    for name in ("int8", "fp8_e5m2", "bfloat16"):
+        triton_common.check_device_format(FORMATS[name], "cuda")
+    monkeypatch.setattr(triton_common, "_capability", lambda device: (9, 0))
+    triton_common.check_device_format(FORMATS["fp8_e4m3"], "cuda")
