@@ -140,6 +140,16 @@ def client_params(rename: Callable[[str], str]) -> Iterator[None]:
         raise error from None
 
 
+def without_tags(param: str, list_path: str, tags: frozenset[str]) -> str:
+    """`list_path.N.<tag>.rest` -> `list_path.N.rest`: pydantic puts the `type` of an item of a discriminated
+    union into an error's location; the client sent no field of that name."""
+    parts = param.split(".")
+    at = len(list_path.split("."))
+    if param.startswith(list_path + ".") and len(parts) > at + 1 and parts[at].isdigit() and parts[at + 1] in tags:
+        del parts[at + 1]
+    return ".".join(parts)
+
+
 def rename_prefix(param: str, pairs: tuple[tuple[str, str], ...]) -> str:
     """`param` with the first matching dotted prefix of `pairs` (ours, theirs) replaced."""
     for ours, theirs in pairs:

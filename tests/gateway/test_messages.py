@@ -127,6 +127,7 @@ def test_bad_requests_are_anthropic_400s(http: httpx.Client, model: str, body: d
     ({"messages": [*HELLO, {"role": "assistant", "content": "Hi."},
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "x"}]}]},
      "messages.2.content.0", "tool_call"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "text.text"),
 ])
 def test_errors_name_the_fields_sent(claude: anthropic.Anthropic, model: str, request_fields: dict, named: str,
                                      not_named: str) -> None:

@@ -136,7 +136,8 @@ def test_unstored_responses_are_not_kept(client: openai.OpenAI, model: str) -> N
 
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
-    ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input.0.message.role"),
+    ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input.0.role"),  # no item type in it
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input.0.call_id"),
     ({"input": "x", "tool_choice": "required"}, None),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

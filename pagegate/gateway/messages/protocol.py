@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from pagegate.engine.sampling.structured import MAX_TOOLS
-from pagegate.gateway.errors import BadRequest, rename_prefix
-from pagegate.gateway.protocol import FUNCTION_NAME, INT32, StrictModel
+from pagegate.gateway.errors import BadRequest, client_params, rename_prefix, without_tags
+from pagegate.gateway.protocol import FUNCTION_NAME, INT32, StrictModel, parse_request
 
 Message = dict[str, Any]
 
@@ -53,6 +53,7 @@ class ThinkingBlock(StrictModel):
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+BLOCK_TYPES = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
 
 
 class InputMessage(StrictModel):
@@ -177,6 +178,18 @@ def _check_results(messages: list[InputMessage], index: int) -> None:
                              f"`tool_result` blocks: {block.tool_use_id}. Each `tool_result` block must have a "
                              "corresponding `tool_use` block in the previous message.",
                              param=f"messages.{index}.content.{position}.tool_use_id")
+
+
+def parse_messages(request_cls: type[MessagesRequest], body: Any) -> MessagesRequest:
+    """The request, or a 400 naming the field as sent (`messages.0.content.1.text`, no block type in it)."""
+    def sent(param: str) -> str:
+        parts = param.split(".")
+        if len(parts) > 3 and parts[0] == "messages" and parts[2] == "content":
+            return without_tags(param, ".".join(parts[:3]), BLOCK_TYPES)
+        return param
+
+    with client_params(sent):
+        return parse_request(request_cls, body)
 
 
 class CountTokensRequest(MessagesRequest):

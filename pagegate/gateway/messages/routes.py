@@ -13,10 +13,9 @@ from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, read_body, render
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
-from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest
+from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest, parse_messages
 from pagegate.gateway.messages.render import MessagesRenderer
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
-from pagegate.gateway.protocol import parse_request
 from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
 from pagegate.gateway.streaming import collect, stream_body
 
@@ -26,7 +25,7 @@ async def _prepare(request: Request, host: EngineHost,
     _, model = host.require_engine()
     host.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
-    parsed = await off_loop(parse_request, request_cls, body)
+    parsed = await off_loop(parse_messages, request_cls, body)
     prepared = await off_loop(_prepare_chat, parsed, model)
     prepared.tenant = request_key_identity(request.scope)
     return parsed, prepared

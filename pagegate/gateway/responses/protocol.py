@@ -73,6 +73,7 @@ def _message_by_default(item: Any) -> Any:
     return item
 
 
+ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
                       Field(discriminator="type"), BeforeValidator(_message_by_default)]
 

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
-from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error
+from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error, without_tags
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
 from pagegate.gateway.responses.conversation import (
@@ -32,7 +32,7 @@ from pagegate.gateway.responses.conversation import (
     input_items,
     input_messages,
 )
-from pagegate.gateway.responses.protocol import ResponsesRequest
+from pagegate.gateway.responses.protocol import ITEM_TYPES, ResponsesRequest
 from pagegate.gateway.responses.render import ResponsesRenderer, item_id
 from pagegate.gateway.responses.store import Item, ResponseStore, StoredResponse
 from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
@@ -67,7 +67,7 @@ async def create_response(request: Request) -> Response:
     body = await read_body(request, host.config.max_request_bytes)
     tenant = request_key_identity(request.scope)
     check_input_count(body, host.config.responses_max_input_items)
-    parsed = await off_loop(parse_request, ResponsesRequest, body)
+    parsed = await off_loop(parse_responses, body)
     previous = _previous(store, parsed, tenant)
     turn = await off_loop(prepare_turn, parsed, previous, model)
     prepared = turn.prepared
@@ -105,6 +105,12 @@ async def create_response(request: Request) -> Response:
     result = renderer.response(finals)
     await keep()
     return render(result, msgpack_body=wants_msgpack(request))
+
+
+def parse_responses(body: Any) -> ResponsesRequest:
+    """The request, or a 400 naming the field as sent (`input.0.role`, no item type in it)."""
+    with client_params(lambda param: without_tags(param, "input", ITEM_TYPES)):
+        return parse_request(ResponsesRequest, body)
 
 
 def check_input_count(body: Any, limit: int) -> None:
