@@ -7,7 +7,7 @@
 It launches a server (`--pooling last`, so a checkout from before embeddings were served by default runs it too),
 times the victim (a 16-token greedy completion) alone, then sends one embeddings request of `--inputs` x
 `--tokens` token ids, and `--delay` seconds later the victim again; it prints the victim's latency alone and behind
-the embeddings, and the embeddings request's own time. Under plain first-come-first-served scheduling the victim
+the embeddings, whether it ended before or after them, and the embeddings request's own time. Under plain first-come-first-served scheduling the victim
 waited for every input; with embeddings held to a share of each step it waits about its own decode steps, each
 carrying one embedding chunk. Bounded: one server, three requests, `--timeout` seconds at most each.
 """
@@ -43,7 +43,8 @@ def big_embedding(http: httpx.Client, model: str, inputs: int, tokens: int, outc
     ids = [[(7 * i + p) % 400 + 10 for p in range(tokens)] for i in range(inputs)]
     started = time.perf_counter()
     reply = http.post("/v1/embeddings", json={"model": model, "input": ids})
-    outcome["status"], outcome["seconds"] = reply.status_code, time.perf_counter() - started
+    outcome["status"], outcome["seconds"], outcome["ended"] = reply.status_code, time.perf_counter() - started, \
+        time.perf_counter()
 
 
 def run(base_url: str, args: argparse.Namespace) -> None:
@@ -56,10 +57,12 @@ def run(base_url: str, args: argparse.Namespace) -> None:
         sender.start()
         time.sleep(args.delay)
         beside = victim(http, model, args.victim_tokens)
+        victim_ended = time.perf_counter()
         sender.join()
+    lead = outcome["ended"] - victim_ended
     print(f"embeddings: {args.inputs} inputs x {args.tokens} tokens -> {outcome['status']} in {outcome['seconds']:.2f} s")
     print(f"victim ({args.victim_tokens} tokens, sent {args.delay:.1f} s later): alone {alone:.2f} s, "
-          f"behind the embeddings {beside:.2f} s")
+          f"behind the embeddings {beside:.2f} s, ending {abs(lead):.2f} s {'before' if lead > 0 else 'after'} them")
 
 
 def main() -> None:

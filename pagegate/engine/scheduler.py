@@ -32,9 +32,8 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 # An embedding request of 48 x 2,000 tokens is ~50 full steps of prefill: under plain FCFS a 16-token completion
 # sent after it waited for all of them; with a share, each of its decode steps carries one embedding chunk and the
 # embeddings still advance every step (no starvation either way). Alone, embeddings take the whole budget. An eighth
-# (256 of 2,048 tokens): on a CPU a step's time grows with its tokens, so the chunk sets how much slower each of the
-# generation's steps is (bench/embed_starvation.py: a quarter left a 16-token completion at 9 s, an eighth at ~4.5 s,
-# against 43 s before), while the embeddings lose little (a step's fixed cost is small beside 256 tokens).
+# (256 of 2,048 tokens): the chunk sets how much slower each of the generation's steps is, and what the embeddings
+# lose while it runs is a step's fixed cost per chunk. bench/embed_starvation.py measures both (README, Security).
 POOLING_SHARE = 0.125
 
 
