@@ -2,9 +2,10 @@
 launch helpers.
 
 Page formats (kv_format.py): float pages hold the values; a scaled page (int8, fp8) holds each (token, KV head)
-row's values and then the row's float16 scale in its last two bytes. The kernels read that scale through a
-float16 view of the same cache (scale_view): the scale of the row at byte offset r sits at float16 offset
-(r + head_dim) // 2.
+row's values and then the row's largest magnitude (amax) as a float16 in its last two bytes; the row's scale is
+amax * INV_MAX (1 / max_value rounded to float32, kv_format.KVFormat.inverse_max) in float32. The kernels read
+amax through a float16 view of the same cache (scale_view): the amax of the row at byte offset r sits at
+float16 offset (r + head_dim) // 2.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def load_rows(cache_ptr, rows, valid, dims, dim_mask, dtype: tl.constexpr):
 
 
 @triton.jit
-def load_scales(scale_ptr, rows, valid, head_dim):
-    """The float16 scales [N] in the last two bytes of scaled rows at byte offsets `rows`, as float32."""
-    return tl.load(scale_ptr + (rows + head_dim) // 2, mask=valid, other=0.0).to(tl.float32)
+def load_scales(scale_ptr, rows, valid, head_dim, INV_MAX: tl.constexpr):
+    """The float32 scales [N] of scaled rows at byte offsets `rows`: the float16 amax in their last two bytes
+    times INV_MAX, as kv_format.dequantize_rows computes them."""
+    return tl.load(scale_ptr + (rows + head_dim) // 2, mask=valid, other=0.0).to(tl.float32) * INV_MAX
 
 
 @triton.jit
@@ -103,7 +105,8 @@ def tanh(x):
 def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, positions, valid, dims,
                 dim_mask, kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h,
                 qk_scale, cap_scale, running_max, running_sum, acc,
-                DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BOOST: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, INV_MAX: tl.constexpr,
+                BOOST: tl.constexpr):
     """One step of the online softmax: the query rows q [M, D] against one tile of keys at `positions`,
     masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator.
     Scores come out in log2 units: dot * qk_scale, or with SOFTCAP tanh(dot * qk_scale) * cap_scale
@@ -114,14 +117,14 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     instead of one per value, and a float16/bfloat16 tensor-core dot loses nothing to the dequantization.
     The probabilities times the V scales are BOOST times larger (the power of two at or above the format's
     max_value) and so is the running sum, which cancels in acc / running_sum: p * s_v alone (s_v = amax /
-    max_value, 5e-5 for e5m2 values near 3) would fall among float16's subnormals, whose steps, times stored
+    max_value, 5e-5 for e5m2 rows of amax 3) would fall among float16's subnormals, whose steps, times stored
     values up to max_value, cost 1e-3 of the output."""
     rows = page_row_offsets(table, positions, valid, kv_head, block_size, cache_stride_block, cache_stride_slot,
                             cache_stride_h)
     k = load_rows(k_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SCALED:
-        scores = scores * load_scales(k_scale_ptr, rows, valid, head_dim)[None, :]
+        scores = scores * load_scales(k_scale_ptr, rows, valid, head_dim, INV_MAX)[None, :]
     scores = scores * qk_scale
     if SOFTCAP:
         scores = tanh(scores) * cap_scale
@@ -134,7 +137,7 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     running_sum = running_sum * alpha + tl.sum(p, 1) * BOOST
     v = load_rows(v_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
     if SCALED:
-        p = p * (load_scales(v_scale_ptr, rows, valid, head_dim) * BOOST)[None, :]
+        p = p * (load_scales(v_scale_ptr, rows, valid, head_dim, INV_MAX) * BOOST)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
 
@@ -147,6 +150,11 @@ def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     return scale / softcap, softcap * LOG2_E
 
 
+def inverse_max(kv_format: KVFormat) -> float:
+    """The format's 1 / max_value as the float32 the reference multiplies by (0 for float formats)."""
+    return kv_format.inverse_max.item() if kv_format.scaled else 0.0
+
+
 def scale_view(cache: torch.Tensor) -> torch.Tensor:
     """A float16 view of a scaled cache's bytes, where its kernels read and write the row scales; a float
     cache itself (the kernels then never touch it)."""
@@ -156,22 +164,23 @@ def scale_view(cache: torch.Tensor) -> torch.Tensor:
 def dot_options(query: torch.Tensor, cache: torch.Tensor) -> dict:
     """Constexprs for attend_tile: the dots run in the pages' dtype (float pages) or the query's (scaled pages);
     IEEE float32 (not TF32) when that is float32, and float32 for bfloat16 under the interpreter, whose bfloat16
-    tl.dot is broken upstream (UPCAST); SCALED and BOOST for scaled pages (see attend_tile)."""
+    tl.dot is broken upstream (UPCAST); SCALED, INV_MAX and BOOST for scaled pages (see attend_tile)."""
     kv_format = format_of(cache)
     compute = query.dtype if kv_format.scaled else cache.dtype
     upcast = compute == torch.bfloat16 and INTERPRETED
     boost = 2.0 ** math.ceil(math.log2(kv_format.max_value)) if kv_format.scaled else 1.0
     return {"DOT_PRECISION": "ieee" if compute == torch.float32 or upcast else "tf32", "UPCAST": upcast,
-            "SCALED": kv_format.scaled, "BOOST": boost}
+            "SCALED": kv_format.scaled, "INV_MAX": inverse_max(kv_format), "BOOST": boost}
 
 
 def rounding_options(cache: torch.Tensor) -> dict:
-    """Constexprs for writing a cache's format: MAX_VALUE (0 for float pages, stored unscaled), how a scaled
-    value is rounded (round_to_format: INTEGER for int8, else the fp8 format's mantissa bits and least normal
+    """Constexprs for writing a cache's format: MAX_VALUE (0 for float pages, stored unscaled) and INV_MAX, how
+    a scaled value is rounded (round_to_format: INTEGER for int8, else the fp8 format's mantissa bits and least normal
     exponent), and BFLOAT16 for bfloat16 pages (round_to_bfloat16)."""
     kv_format = format_of(cache)
-    options = {"MAX_VALUE": kv_format.max_value, "INTEGER": kv_format.dtype == torch.int8, "MANTISSA": 0,
-               "MIN_EXP": 0, "BFLOAT16": kv_format.dtype == torch.bfloat16}
+    options = {"MAX_VALUE": kv_format.max_value, "INV_MAX": inverse_max(kv_format),
+               "INTEGER": kv_format.dtype == torch.int8, "MANTISSA": 0, "MIN_EXP": 0,
+               "BFLOAT16": kv_format.dtype == torch.bfloat16}
     if kv_format.scaled and kv_format.dtype.is_floating_point:
         info = torch.finfo(kv_format.dtype)
         options.update(MANTISSA=-round(math.log2(info.eps)), MIN_EXP=round(math.log2(info.smallest_normal)))

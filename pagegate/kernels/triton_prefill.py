@@ -43,7 +43,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
                     block_size, head_dim, group, sliding_window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, SCALED: tl.constexpr, BOOST: tl.constexpr):
+                    UPCAST: tl.constexpr, SCALED: tl.constexpr, INV_MAX: tl.constexpr,
+                    BOOST: tl.constexpr):
     """Program (query tile, head): BLOCK_M query rows of one sequence, online softmax over the
     context pages they may see. Row i of a sequence with q_len queries and seq_len context
     tokens sits at position seq_len - q_len + i."""
@@ -82,7 +83,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
         running_max, running_sum, acc = attend_tile(
             q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, key_pos, valid, dims, dim_mask,
             kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale,
-            running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, BOOST)
+            running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, INV_MAX, BOOST)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -100,7 +101,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # sequence b owns tiles [qsl[b] // BLOCK_M + b, qsl[b+1] // BLOCK_M + b + 1): no host sync needed
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), out, block_tables, seq_lens, query_start_loc, *score_scales(scale, softcap), num_seqs,
+        query, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), out, block_tables, seq_lens, query_start_loc,
+        *score_scales(scale, softcap), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], head_dim, num_heads // k_cache.shape[2], sliding_window or 0,

@@ -17,20 +17,21 @@ from pagegate.kernels.triton_common import (
 
 @triton.jit
 def _store_rows(cache_ptr, scale_ptr, rows, dims, mask, head_mask, head_dim, x, MAX_VALUE: tl.constexpr,
-                INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, BFLOAT16: tl.constexpr):
+                INV_MAX: tl.constexpr, INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                BFLOAT16: tl.constexpr):
     """Store rows x [H, D] at element offsets `rows` [H, 1]: as they are for float pages; for scaled pages
-    (MAX_VALUE > 0) as kv_format.quantize_rows does, step for step in float32: s = amax / MAX_VALUE rounded
-    to float16, values x * (1 / s) (0 where s is 0) clamped and rounded to the format, s in the row's last
-    two bytes."""
+    (MAX_VALUE > 0) as kv_format.quantize_rows does, step for step in float32: amax (at most float16's
+    largest) rounded to float16, s = amax * INV_MAX, values x * (1 / s) (0 where s is 0) clamped and rounded
+    to the format, amax in the row's last two bytes."""
     if MAX_VALUE > 0:
         x = x.to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(x), 1), MAX_VALUE).to(tl.float16)
-        s = scale.to(tl.float32)
+        amax = tl.minimum(tl.max(tl.abs(x), 1), 65504.0).to(tl.float16)  # beyond float16: the values saturate
+        s = amax.to(tl.float32) * INV_MAX
         # div_rn: IEEE division as torch's (a plain / is approximate on CUDA)
         inverse = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
         x = tl.minimum(tl.maximum(x * inverse[:, None], -MAX_VALUE), MAX_VALUE)
         x = round_to_format(x, INTEGER, MANTISSA, MIN_EXP)
-        tl.store(scale_ptr + (rows + head_dim) // 2, scale[:, None], mask=head_mask)
+        tl.store(scale_ptr + (rows + head_dim) // 2, amax[:, None], mask=head_mask)
     elif BFLOAT16:
         x = round_to_bfloat16(x.to(tl.float32))
     tl.store(cache_ptr + rows + dims, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -41,8 +42,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
                      key_stride_t, key_stride_h, value_stride_t, value_stride_h,
                      cache_stride_block, cache_stride_slot, cache_stride_h,
                      block_size, num_kv_heads, head_dim,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MAX_VALUE: tl.constexpr, INTEGER: tl.constexpr,
-                     MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, BFLOAT16: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MAX_VALUE: tl.constexpr, INV_MAX: tl.constexpr,
+                     INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, BFLOAT16: tl.constexpr):
     """One program per token: store its [Hkv, D] key and value into slot_mapping[token]."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -55,10 +56,10 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     rows = (slot // block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + heads * cache_stride_h
     key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask, other=0.0)
-    _store_rows(k_cache_ptr, k_scale_ptr, rows, dims, mask, head_mask, head_dim, key, MAX_VALUE, INTEGER, MANTISSA,
-                MIN_EXP, BFLOAT16)
-    _store_rows(v_cache_ptr, v_scale_ptr, rows, dims, mask, head_mask, head_dim, value, MAX_VALUE, INTEGER,
-                MANTISSA, MIN_EXP, BFLOAT16)
+    _store_rows(k_cache_ptr, k_scale_ptr, rows, dims, mask, head_mask, head_dim, key,
+                MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
+    _store_rows(v_cache_ptr, v_scale_ptr, rows, dims, mask, head_mask, head_dim, value,
+                MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -116,8 +116,9 @@ def test_write_kv_stores_the_reference_bytes(name, key_dtype):
     fused *= 2.0 ** torch.randint(-12, 13, (num_tokens, 3, num_kv_heads, 1), generator=gen)  # scales far apart
     fused[1] = 0.0  # amax 0: scale 0, values 0
     fused[2, :, 0] = -0.0
-    fused[3, :, 1, :5] = 1e-7  # a float16 scale among the subnormals (or 0)
+    fused[3, :, 1, :5] = 1e-7  # an amax among float16's subnormals
     fused[4, :, 2] = torch.linspace(-1, 1, head_dim) * 1000  # ties and the format's largest value
+    fused[5, :, 0, 0] = 3e5  # amax beyond float16 (inf in float16 keys): kept as 65504, the row saturates
     fused = fused.to(key_dtype)
     slots = torch.randperm(4 * block_size, generator=gen)[:num_tokens]
     slots[[0, 9]] = -1  # padding
