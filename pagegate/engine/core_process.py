@@ -87,6 +87,15 @@ class CoreLoop:
                 self._flush(True)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+        self._last_counts()
+
+    def _last_counts(self) -> None:
+        """The counts once every request is aborted, so the gateway's last word on the pages is true even when
+        the aborts and the stop came in one read (a core stopped, then resumed). The gateway may be gone."""
+        try:
+            self._send([OUTPUTS, [], self.load()])
+        except OSError:
+            pass
 
     def _flush(self, urgent: bool) -> None:
         """One outputs frame for what moved since the last, unless the last went out under OUTPUT_INTERVAL_S ago
@@ -172,7 +181,7 @@ class CoreLoop:
 def ready_info(loop: CoreLoop) -> dict[str, Any]:
     """What the gateway needs to validate, tokenize and render without a model of its own."""
     engine = loop.engine
-    return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+    return {"model_name": engine.model_name, "max_model_len": engine.max_model_len, "kv_pages": engine.kv_pages,
             "vocab_size": engine.model_config.vocab_size, "eos_token_ids": list(engine.eos_token_ids),
             "default_sampling": engine.runner.generation.sampling_overrides(),
             "tokenizer": engine.tokenizer.to_wire() if engine.tokenizer is not None else None,

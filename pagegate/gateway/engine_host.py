@@ -27,6 +27,7 @@ from pagegate.gateway.replicas import Replicas
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
+from pagegate.gateway.tools import served_tool_format
 from pagegate.gateway.tracing import RequestTracer, start_tracing
 
 logger = logging.getLogger("pagegate.gateway")
@@ -122,7 +123,8 @@ class EngineHost:
         return ModelContext(names, tokenizer, engine.max_model_len, vocab, dict(engine.default_sampling),
                             engine.compile_grammar if tokenizer is not None else None,
                             reasoning_parser=self.config.reasoning_parser,
-                            tool_call_parser=self.config.tool_call_parser,
+                            tool_call_parser=served_tool_format(
+                                self.config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
                             max_scoring_tokens=self.config.max_scoring_tokens)
 
     def _engine_died(self) -> None:
@@ -253,8 +255,9 @@ class EngineHost:
         if stats is None:
             return "KV pages unknown"
         block = self.engine_config.cache.block_size
-        return (f"{stats.num_blocks} pages x {block} tokens = {stats.num_blocks * block} tokens of KV, "
-                f"{stats.used_blocks} in use")
+        kv_pages = self.engine.kv_pages if self.engine is not None else "KV"
+        return (f"{stats.num_blocks} pages x {block} tokens = {stats.num_blocks * block} tokens of KV "
+                f"({kv_pages}), {stats.used_blocks} in use")
 
     def stream_pace(self) -> float:
         """Seconds between two chunks of one stream: the chunk-rate budget shared by all generations."""
@@ -392,7 +395,8 @@ class EngineHost:
         stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._embeddings.add(stopped)
         try:
-            await asyncio.wait({gathered, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            waited: set[asyncio.Future[Any]] = {gathered, stopped}
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
             if stopped.done():
                 stopped.result()  # end_all's error
             return list(gathered.result())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -65,6 +67,22 @@ def core_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@contextlib.contextmanager
+def cores_stopped(server_pid: int) -> Iterator[list[int]]:
+    """A server's engine cores stopped (SIGSTOP) until the block ends (SIGCONT): nothing steps meanwhile, so what
+    runs cannot finish however fast the machine is. The gateway still answers, from its last counts; a question
+    it must ask a core (/metrics) waits until the core runs again (or --engine-step-timeout)."""
+    cores = core_pids(server_pid)
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield cores
+    finally:
+        for pid in cores:
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
 
 
 class ServerProcess:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, cores_stopped
 from tests.gateway.server_args import server_args
 
 KEYS = ["key-one", "key-two"]
@@ -71,7 +71,9 @@ def _wait_pending(server: ServerProcess, wanted: int, timeout_s: float = 20.0) -
 
 
 def test_overload_gets_429_and_health_stays_fast(guarded: ServerProcess) -> None:
-    with held_streams(guarded, 2):  # one running, one waiting = --max-queue
+    # one running, one waiting = --max-queue; the core stopped meanwhile, so the running one cannot finish and let
+    # the waiting one in, however fast the machine
+    with held_streams(guarded, 2), cores_stopped(guarded.process.pid):  # type: ignore[union-attr]
         started = time.monotonic()
         health = httpx.get(guarded.base_url + "/health", timeout=5)
         health_s = time.monotonic() - started

@@ -38,7 +38,7 @@ from pagegate.gateway import protocol, schemas
 from pagegate.gateway.proto import pagegate_pb2 as pb
 from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
 from pagegate.gateway.proto.convert import body_to_request, request_to_body
-from pagegate.testing.launcher import free_port
+from pagegate.testing.launcher import cores_stopped, free_port
 from tests.gateway.conftest import KVPages, metric_value
 from tests.gateway.server_args import server_args
 
@@ -490,16 +490,17 @@ def test_full_queue_is_resource_exhausted(served: Served, kv_pages: KVPages) -> 
             held.append(served.stub.CompleteStream(body_to_request(LONG, pb.CompletionRequest), metadata=AUTH))
             _wait_gauge(served, "pagegate:http_generations_active", count)
         _wait_gauge(served, "pagegate:http_requests_pending", 2)
-        error = rpc_error(served.stub.Complete, pb.CompletionRequest(text="x", max_tokens=1), metadata=AUTH)
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in error.details()
-        assert int(trailers(error)["retry-after"]) >= 1
-        with GrpcClient(served.target, api_key=KEY) as other, pytest.raises(RateLimitError) as caught:
-            other.chat(MESSAGES, max_tokens=1)
-        assert caught.value.retry_after and caught.value.retry_after >= 1
+        with cores_stopped(served.process.pid):  # the two running cannot finish and free their slots meanwhile
+            error = rpc_error(served.stub.Complete, pb.CompletionRequest(text="x", max_tokens=1), metadata=AUTH)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in error.details()
+            assert int(trailers(error)["retry-after"]) >= 1
+            with GrpcClient(served.target, api_key=KEY) as other, pytest.raises(RateLimitError) as caught:
+                other.chat(MESSAGES, max_tokens=1)
+            assert caught.value.retry_after and caught.value.retry_after >= 1
     finally:
         for call in held:
             call.cancel()
-    assert kv_pages.wait_free(timeout_s=10) == 0
+    assert kv_pages.wait_free(timeout_s=30) == 0
 
 
 def test_cancelled_stream_frees_pages(served: Served, client: GrpcClient, kv_pages: KVPages) -> None:
@@ -518,16 +519,20 @@ def test_cancelled_stream_frees_pages(served: Served, client: GrpcClient, kv_pag
 
 
 def test_deadline_frees_pages(served: Served, kv_pages: KVPages) -> None:
+    """The call cannot finish before its deadline, however fast the machine: once it holds pages (1,500 tokens x 2
+    to go), the engine core is stopped until the deadline has passed. The deadline only has to outlast the prefill
+    of a two-token prompt."""
+    deadline_s = 5.0
     request = body_to_request({**LONG, "n": 2}, pb.CompletionRequest)
-    future = served.stub.Complete.future(request, metadata=AUTH, timeout=3.0)
-    deadline = time.monotonic() + 3
+    future = served.stub.Complete.future(request, metadata=AUTH, timeout=deadline_s)
+    deadline = time.monotonic() + deadline_s
     while kv_pages.in_use() == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert kv_pages.in_use() > 0, "the request never held pages"
-    with pytest.raises(grpc.RpcError) as caught:
+    with cores_stopped(served.process.pid), pytest.raises(grpc.RpcError) as caught:
         future.result()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert kv_pages.wait_free(timeout_s=5) == 0
+    assert kv_pages.wait_free(timeout_s=30) == 0
 
 
 def test_async_client(served: Served, kv_pages: KVPages) -> None:

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from pagegate.testing.launcher import ServerProcess, free_port
+from pagegate.testing.launcher import ServerProcess, cores_stopped, free_port
 from tests.gateway.server_args import server_args
 
 ARGS = server_args("--num-kv-blocks", "80", "--max-model-len", "1024")
@@ -33,17 +33,22 @@ def test_loading_503_then_serving_line_then_clean_sigterm() -> None:
     assert seen and seen[0] == 503 and seen[-1] == 200, (seen[-3:], "".join(output)[-3000:])
     base = f"http://127.0.0.1:{port}"
     events: list[str] = []
+    started = threading.Event()
 
     def stream() -> None:
         body = {"prompt": "Go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-            events.extend(line for line in response.iter_lines() if line)
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
 
-    streamer = threading.Thread(target=stream)
+    streamer = threading.Thread(target=stream, daemon=True)
     streamer.start()
-    time.sleep(1.0)
-    process.terminate()
-    streamer.join(30)
+    assert started.wait(60), "the stream never started"
+    with cores_stopped(process.pid):  # it cannot finish before the signal, however fast the machine
+        process.terminate()
+        streamer.join(30)
     assert process.wait(60) == 0
     reader.join(5)
     log = "".join(output)
