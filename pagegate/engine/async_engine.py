@@ -39,6 +39,7 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.kv_pages = self.engine.kv_pages
         self.vocab_size = self.engine.model_config.vocab_size
         self.default_sampling = self.engine.runner.generation.sampling_overrides()  # generation_config.json
         self.metrics = self.engine.metrics

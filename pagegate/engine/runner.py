@@ -19,6 +19,7 @@ from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
+from pagegate.engine.sequence import Sequence
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import resolve_format
 
@@ -64,6 +65,9 @@ class ModelRunner:
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
         self.kv_format = resolve_format(config.cache.kv_cache_dtype, self.model.dtype, self.device)
+        kv_shape = (self.model.num_layers, self.model_config.num_key_value_heads, self.model.head_dim)
+        self.kv_bytes_per_token = self.kv_format.bytes_per_token(*kv_shape)
+        self.kv_pages = self.kv_format.describe(*kv_shape)
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
         m, cache = self.model, config.cache
         self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
@@ -120,7 +124,13 @@ class ModelRunner:
                           batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
         if self.workers is not None:
             self.workers.channel.send(step)
-        hidden = forward(self.model, self.kv_cache, step, self.native)
+        # NOTE: a step holding prompt tokens runs the torch forward even where the native decoder could take it.
+        # A long prompt's prefill runs there (float32 activations over the dequantized weights), so the few prompt
+        # tokens left after a prefix hit, or a short chunk, must too: on the native step a GGUF's integer blocks
+        # take Q8-rounded activations, and a hit's tail would then write other K/V than a cold prefill did (a
+        # cached prefix changed greedy answers). Decode steps keep the native decoder.
+        native = None if holds_prompt_tokens(seqs, counts) else self.native
+        hidden = forward(self.model, self.kv_cache, step, native)
         compute_logits = (self.native or self.model).compute_logits
         if any(s.request.scoring_prompt for s in seqs):
             score_prompts(seqs, counts, starts.tolist(), hidden, compute_logits)
@@ -137,3 +147,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close(graceful=graceful)
             self.workers = None
+
+
+def holds_prompt_tokens(seqs: list[Sequence], counts: list[int]) -> bool:
+    """Whether the step computes a prompt token of any sequence (its first new position is within the prompt)."""
+    return any(s.num_computed - n + len(s.draft) < s.num_prompt_tokens for s, n in zip(seqs, counts, strict=True))

@@ -112,6 +112,7 @@ class CoreClient:
     def _take_info(self, info: dict[str, Any]) -> None:
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
+        self.kv_pages: str = info["kv_pages"]
         self.vocab_size: int = info["vocab_size"]
         self.default_sampling: dict[str, float] = info["default_sampling"]
         self.eos_token_ids: list[int] = info["eos_token_ids"]

@@ -21,6 +21,7 @@ class EngineClient(Protocol):
     model_name: str
     tokenizer: Tokenizer | None
     max_model_len: int
+    kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
     vocab_size: int
     default_sampling: dict[str, float]  # the folder's generation_config.json, as SamplingParams keywords
     on_dead: Callable[[], None] | None  # called once, on the event loop, if the engine dies

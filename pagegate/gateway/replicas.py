@@ -68,7 +68,7 @@ class Replicas:
         self.cores = cores
         first = cores[0]
         self.model_name, self.tokenizer, self.max_model_len = first.model_name, first.tokenizer, first.max_model_len
-        self.vocab_size, self.default_sampling = first.vocab_size, first.default_sampling
+        self.vocab_size, self.default_sampling, self.kv_pages = first.vocab_size, first.default_sampling, first.kv_pages
         self.on_dead: Callable[[], None] | None = None
         for core in cores:
             core.on_dead = self._core_died

@@ -18,7 +18,8 @@
 #endif
 
 /* KV page formats (pagegate/kernels/kv_format.py): a cache slot holds one row per KV head; a float row is
-   head_dim values, a one-byte format's row is head_dim values and then the row's float16 scale. */
+   head_dim values, a one-byte format's row is head_dim values and then the row's amax as a float16; its
+   values read as stored * amax * (1 / max_value). */
 enum { PG_F32 = 0, PG_F16 = 1, PG_BF16 = 2, PG_I8 = 3, PG_E4M3 = 4, PG_E5M2 = 5 };
 
 static inline int pg_scaled(int format) { return format >= PG_I8; }
@@ -50,11 +51,15 @@ static inline float pg_ld_e5m2(const uint8_t *p, int i) {
     return pg_bits_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 21)) * 0x1p112f;
 }
 
-/* The float16 scale of a one-byte format's row. */
-static inline float pg_row_scale(const uint8_t *row, int head_dim) {
+static inline float pg_max_value(int format) {
+    return format == PG_I8 ? 127.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+}
+
+/* The scale of a one-byte format's row: its stored amax times inverse_max = 1 / max_value. */
+static inline float pg_row_scale(const uint8_t *row, int head_dim, float inverse_max) {
     uint16_t h;
     memcpy(&h, row + head_dim, 2);
-    return pg_ld_f16(&h, 0);
+    return pg_ld_f16(&h, 0) * inverse_max;
 }
 
 /* float -> stored formats, rounding to nearest even as torch's conversions do (and overflowing as they do:
@@ -88,7 +93,7 @@ static inline uint8_t pg_to_e5m2(float f) {
 }
 
 /* Store the row x[head_dim] at dst in `format`, as pagegate.kernels.kv_format.quantize_rows does: a one-byte
-   format's scale is amax / max_value rounded to float16, its values x / scale clamped (int8: rounded). */
+   format keeps amax as a float16, and x * (1 / scale) clamped (int8: rounded). */
 __attribute__((unused)) static void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) {
     if (format == PG_F32) {
         memcpy(dst, x, (size_t)head_dim * sizeof(float));
@@ -99,49 +104,49 @@ __attribute__((unused)) static void pg_store_row(int format, const float *x, int
         for (int i = 0; i < head_dim; i++) out[i] = format == PG_F16 ? pg_to_f16(x[i]) : pg_to_bf16(x[i]);
         return;
     }
-    const float max_value = format == PG_I8 ? 127.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+    const float max_value = pg_max_value(format);
     float amax = 0.0f;
     for (int i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const uint16_t scale_bits = pg_to_f16(amax / max_value);
-    const float scale = pg_ld_f16(&scale_bits, 0), inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const uint16_t amax_bits = pg_to_f16(fminf(amax, 65504.0f));  /* float16's largest: larger values saturate */
+    const float scale = pg_ld_f16(&amax_bits, 0) * (1.0f / max_value), inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < head_dim; i++) {
         const float v = fminf(fmaxf(x[i] * inverse, -max_value), max_value);
         dst[i] = format == PG_I8 ? (uint8_t)(int8_t)nearbyintf(v) : format == PG_E4M3 ? pg_to_e4m3(v) : pg_to_e5m2(v);
     }
-    memcpy(dst + head_dim, &scale_bits, 2);
+    memcpy(dst + head_dim, &amax_bits, 2);
 }
 
 /* Plain loops that gcc -O3 vectorises without -ffast-math: `omp simd reduction` (honoured under -fopenmp)
    lets a dot product's sum be split into vector lanes. Four keys at a time give four independent sums (no
    wait on one adder chain), and one load and store of an accumulator per four value rows. One set per
    format, each value converted in registers as it is loaded. */
-#define PG_FORMAT_OPS(NAME, T, LOAD)                                                                      \
-static inline float pg_dot_##NAME(const float *q, const T *k, int n) {                                     \
-    float s = 0.0f;                                                                                        \
-    _Pragma("omp simd reduction(+:s)")                                                                     \
-    for (int i = 0; i < n; i++) s += q[i] * LOAD(k, i);                                                   \
-    return s;                                                                                              \
-}                                                                                                          \
-static inline void pg_dot4_##NAME(const float *q, const T *k0, const T *k1, const T *k2, const T *k3,      \
-                                  int n, float *out) {                                                     \
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                      \
-    _Pragma("omp simd reduction(+:s0, s1, s2, s3)")                                                        \
-    for (int i = 0; i < n; i++) {                                                                          \
-        s0 += q[i] * LOAD(k0, i);                                                                          \
-        s1 += q[i] * LOAD(k1, i);                                                                          \
-        s2 += q[i] * LOAD(k2, i);                                                                          \
-        s3 += q[i] * LOAD(k3, i);                                                                          \
-    }                                                                                                      \
-    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;                                                    \
-}                                                                                                          \
-static inline void pg_axpy_##NAME(float *y, float w, const T *v, int n) {                                  \
-    for (int i = 0; i < n; i++) y[i] += w * LOAD(v, i);                                                    \
-}                                                                                                          \
-static inline void pg_axpy4_##NAME(float *y, const float *w, const T *v0, const T *v1, const T *v2,        \
-                                   const T *v3, int n) {                                                   \
-    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];                                                \
-    for (int i = 0; i < n; i++)                                                                            \
-        y[i] += w0 * LOAD(v0, i) + w1 * LOAD(v1, i) + w2 * LOAD(v2, i) + w3 * LOAD(v3, i);                 \
+#define PG_FORMAT_OPS(NAME, T, LOAD)                                                                          \
+static inline float pg_dot_##NAME(const float *q, const T *k, int n) {                                        \
+    float s = 0.0f;                                                                                           \
+    _Pragma("omp simd reduction(+:s)")                                                                        \
+    for (int i = 0; i < n; i++) s += q[i] * LOAD(k, i);                                                       \
+    return s;                                                                                                 \
+}                                                                                                             \
+static inline void pg_dot4_##NAME(const float *q, const T *k0, const T *k1, const T *k2, const T *k3,         \
+                                  int n, float *out) {                                                        \
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                         \
+    _Pragma("omp simd reduction(+:s0, s1, s2, s3)")                                                           \
+    for (int i = 0; i < n; i++) {                                                                             \
+        s0 += q[i] * LOAD(k0, i);                                                                             \
+        s1 += q[i] * LOAD(k1, i);                                                                             \
+        s2 += q[i] * LOAD(k2, i);                                                                             \
+        s3 += q[i] * LOAD(k3, i);                                                                             \
+    }                                                                                                         \
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;                                                       \
+}                                                                                                             \
+static inline void pg_axpy_##NAME(float *y, float w, const T *v, int n) {                                     \
+    for (int i = 0; i < n; i++) y[i] += w * LOAD(v, i);                                                       \
+}                                                                                                             \
+static inline void pg_axpy4_##NAME(float *y, const float *w, const T *v0, const T *v1, const T *v2,           \
+                                   const T *v3, int n) {                                                      \
+    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];                                                   \
+    for (int i = 0; i < n; i++)                                                                               \
+        y[i] += w0 * LOAD(v0, i) + w1 * LOAD(v1, i) + w2 * LOAD(v2, i) + w3 * LOAD(v3, i);                    \
 }
 
 PG_FORMAT_OPS(f32, float, pg_ld_f32)
@@ -196,69 +201,71 @@ static inline int64_t pg_span(const int64_t *head_offset, int rows, int64_t row_
 /* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across the rows so pages
    are read in order; row r's K row of key j starts at keys + slot[j] + head_offset[r] (bytes). Asks for the
    keys `ahead` places on in advance. A scaled format's raw dot product is multiplied by the row's scale. */
-#define PG_SCORE_TILE(NAME, T, SCALED)                                                                     \
-PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
-                                           const float **query_row, const int64_t *head_offset, int rows,  \
-                                           int head_dim, int ahead, float *scores, int stride) {           \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (SCALED ? 2 : 0);                            \
-    const int64_t span = pg_span(head_offset, rows, row_bytes);                                            \
-    int j = 0;                                                                                             \
-    for (; j + 4 <= num_keys; j += 4) {                                                                    \
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                    \
-            pg_prefetch(keys + slot[a] + head_offset[0], span);                                            \
-        for (int r = 0; r < rows; r++) {                                                                   \
-            const uint8_t *k = keys + head_offset[r];                                                      \
-            float *out = scores + r * stride + j;                                                          \
-            pg_dot4_##NAME(query_row[r], (const T *)(k + slot[j]), (const T *)(k + slot[j + 1]),           \
-                           (const T *)(k + slot[j + 2]), (const T *)(k + slot[j + 3]), head_dim, out);     \
-            if (SCALED)                                                                                    \
-                for (int a = 0; a < 4; a++) out[a] *= pg_row_scale(k + slot[j + a], head_dim);            \
-        }                                                                                                  \
-    }                                                                                                      \
-    for (; j < num_keys; j++)                                                                              \
-        for (int r = 0; r < rows; r++) {                                                                   \
-            const uint8_t *k = keys + head_offset[r] + slot[j];                                            \
-            const float score = pg_dot_##NAME(query_row[r], (const T *)k, head_dim);                       \
-            scores[r * stride + j] = SCALED ? score * pg_row_scale(k, head_dim) : score;                   \
-        }                                                                                                  \
+#define PG_SCORE_TILE(NAME, T, INVERSE_MAX)                                                                   \
+PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,            \
+                                           const float **query_row, const int64_t *head_offset, int rows,     \
+                                           int head_dim, int ahead, float *scores, int stride) {              \
+    const float inverse_max = INVERSE_MAX; /* 0: an unscaled format */                                        \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (inverse_max != 0.0f ? 2 : 0);                  \
+    const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
+    int j = 0;                                                                                                \
+    for (; j + 4 <= num_keys; j += 4) {                                                                       \
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
+            pg_prefetch(keys + slot[a] + head_offset[0], span);                                               \
+        for (int r = 0; r < rows; r++) {                                                                      \
+            const uint8_t *k = keys + head_offset[r];                                                         \
+            float *out = scores + r * stride + j;                                                             \
+            pg_dot4_##NAME(query_row[r], (const T *)(k + slot[j]), (const T *)(k + slot[j + 1]),              \
+                           (const T *)(k + slot[j + 2]), (const T *)(k + slot[j + 3]), head_dim, out);        \
+            if (inverse_max != 0.0f)                                                                          \
+                for (int a = 0; a < 4; a++) out[a] *= pg_row_scale(k + slot[j + a], head_dim, inverse_max);   \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (; j < num_keys; j++)                                                                                 \
+        for (int r = 0; r < rows; r++) {                                                                      \
+            const uint8_t *k = keys + head_offset[r] + slot[j];                                               \
+            const float score = pg_dot_##NAME(query_row[r], (const T *)k, head_dim);                          \
+            scores[r * stride + j] = inverse_max != 0.0f ? score * pg_row_scale(k, head_dim, inverse_max) : score; \
+        }                                                                                                     \
 }
 
 /* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like pg_score_tile; acc is
    [rows, head_dim]. A scaled format's weight is multiplied by the row's scale first. */
-#define PG_ACCUMULATE_TILE(NAME, T, SCALED)                                                                \
-PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
+#define PG_ACCUMULATE_TILE(NAME, T, INVERSE_MAX)                                                              \
+PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,     \
                                                 const float *weights, int stride, const int64_t *head_offset, \
-                                                int rows, int head_dim, int ahead, float *acc) {           \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (SCALED ? 2 : 0);                            \
-    const int64_t span = pg_span(head_offset, rows, row_bytes);                                            \
-    int j = 0;                                                                                             \
-    for (; j + 4 <= num_keys; j += 4) {                                                                    \
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                    \
-            pg_prefetch(values + slot[a] + head_offset[0], span);                                          \
-        for (int r = 0; r < rows; r++) {                                                                   \
-            const uint8_t *v = values + head_offset[r];                                                    \
-            float w[4];                                                                                    \
-            for (int a = 0; a < 4; a++)                                                                    \
-                w[a] = weights[r * stride + j + a] * (SCALED ? pg_row_scale(v + slot[j + a], head_dim) : 1.0f); \
-            pg_axpy4_##NAME(acc + r * head_dim, w, (const T *)(v + slot[j]), (const T *)(v + slot[j + 1]),  \
-                            (const T *)(v + slot[j + 2]), (const T *)(v + slot[j + 3]), head_dim);         \
-        }                                                                                                  \
-    }                                                                                                      \
-    for (; j < num_keys; j++)                                                                              \
-        for (int r = 0; r < rows; r++) {                                                                   \
-            const uint8_t *v = values + head_offset[r] + slot[j];                                          \
-            const float w = weights[r * stride + j] * (SCALED ? pg_row_scale(v, head_dim) : 1.0f);         \
-            pg_axpy_##NAME(acc + r * head_dim, w, (const T *)v, head_dim);                                 \
-        }                                                                                                  \
+                                                int rows, int head_dim, int ahead, float *acc) {              \
+    const float inverse_max = INVERSE_MAX; /* 0: an unscaled format */                                        \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (inverse_max != 0.0f ? 2 : 0);                  \
+    const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
+    int j = 0;                                                                                                \
+    for (; j + 4 <= num_keys; j += 4) {                                                                       \
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
+            pg_prefetch(values + slot[a] + head_offset[0], span);                                             \
+        for (int r = 0; r < rows; r++) {                                                                      \
+            const uint8_t *v = values + head_offset[r];                                                       \
+            float w[4];                                                                                       \
+            for (int a = 0; a < 4; a++)                                                                       \
+                w[a] = weights[r * stride + j + a] * (inverse_max != 0.0f ? pg_row_scale(v + slot[j + a], head_dim, inverse_max) : 1.0f); \
+            pg_axpy4_##NAME(acc + r * head_dim, w, (const T *)(v + slot[j]), (const T *)(v + slot[j + 1]),    \
+                            (const T *)(v + slot[j + 2]), (const T *)(v + slot[j + 3]), head_dim);            \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (; j < num_keys; j++)                                                                                 \
+        for (int r = 0; r < rows; r++) {                                                                      \
+            const uint8_t *v = values + head_offset[r] + slot[j];                                             \
+            const float w = weights[r * stride + j] * (inverse_max != 0.0f ? pg_row_scale(v, head_dim, inverse_max) : 1.0f); \
+            pg_axpy_##NAME(acc + r * head_dim, w, (const T *)v, head_dim);                                    \
+        }                                                                                                     \
 }
 
-#define PG_TILES(NAME, T, SCALED) PG_SCORE_TILE(NAME, T, SCALED) PG_ACCUMULATE_TILE(NAME, T, SCALED)
-PG_TILES(f32, float, 0)
-PG_TILES(f16, uint16_t, 0)
-PG_TILES(bf16, uint16_t, 0)
-PG_TILES(i8, int8_t, 1)
-PG_TILES(e4m3, uint8_t, 1)
-PG_TILES(e5m2, uint8_t, 1)
+#define PG_TILES(NAME, T, INVERSE_MAX) PG_SCORE_TILE(NAME, T, INVERSE_MAX) PG_ACCUMULATE_TILE(NAME, T, INVERSE_MAX)
+PG_TILES(f32, float, 0.0f)
+PG_TILES(f16, uint16_t, 0.0f)
+PG_TILES(bf16, uint16_t, 0.0f)
+PG_TILES(i8, int8_t, 1.0f / 127.0f)
+PG_TILES(e4m3, uint8_t, 1.0f / 448.0f)
+PG_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
 
 /* The tile functions of a page format (its PG_ code). */
 __attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,

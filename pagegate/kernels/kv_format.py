@@ -1,11 +1,13 @@
 """KV page formats: how one (token, KV head) row of K or V is stored in a page.
 
 Float formats store the head_dim values as they are (float32, float16, bfloat16). The one-byte formats (int8,
-fp8 e4m3, fp8 e5m2) store head_dim values and then that row's float16 scale in the row's last two bytes, so a
-cache tensor is [num_blocks, block_size, num_kv_heads, head_dim + 2] of the format's own dtype and a page is
+fp8 e4m3, fp8 e5m2) store head_dim values and then the row's largest magnitude (amax) as a float16 in the row's
+last two bytes; a value reads back as stored * scale with scale = amax * (1 / max_value) in float32. A cache tensor is [num_blocks, block_size, num_kv_heads, head_dim + 2] of the format's own dtype and a page is
 self-contained bytes: copy-on-write, swap, prefix hits, TP slices and rollback move it without knowing its format.
 
-NOTE: one scale per token and KV head (llama.cpp's q8_0 keeps one per 32 values). At head_dim 64 that costs 2 bytes
+NOTE: the row keeps its amax, not amax / max_value: the quotient falls into float16's subnormals (and loses its
+precision) for rows with amax below 3.5 under e5m2's max_value of 57344, amax itself only below 6e-5.
+One scale per token and KV head (llama.cpp's q8_0 keeps one per 32 values). At head_dim 64 that costs 2 bytes
 in 66 (3.88x fewer bytes than float32) against 4 in 68 for q8_0-style blocks, each row is quantized once when it is
 written (no page ever changes scale later), and a dot product needs one multiply by the scale per key, not two.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 SCALE_BYTES = 2  # a float16 per scaled row
+FLOAT16_MAX = 65504.0  # the largest amax a row keeps; larger values saturate
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class KVFormat:
     def scaled(self) -> bool:
         return self.max_value > 0
 
+    @property
+    def inverse_max(self) -> torch.Tensor:
+        """1 / max_value rounded to float32, as the kernels hold it."""
+        return torch.tensor(1.0 / self.max_value, dtype=torch.float32)
+
     def row_width(self, head_dim: int) -> int:
         """Elements of one stored row: head_dim values (and the scale's two bytes)."""
         return head_dim + SCALE_BYTES if self.scaled else head_dim
@@ -40,6 +48,10 @@ class KVFormat:
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """K and V of one token in every layer."""
         return 2 * num_layers * num_kv_heads * self.row_bytes(head_dim)
+
+    def describe(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+        """What the start-up line says of the pages, e.g. "int8 pages, 3,960 bytes a token"."""
+        return f"{self.name} pages, {self.bytes_per_token(num_layers, num_kv_heads, head_dim):,} bytes a token"
 
     def empty(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
@@ -84,17 +96,17 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """rows [..., D] as stored rows [..., row_width] of `fmt`: a scaled row is round(x / s) (int8) or x / s
-    (fp8) with s = amax / max_value rounded to float16, then s's two bytes."""
+    """rows [..., D] as stored rows [..., row_width] of `fmt`: a scaled row is x * (1 / s) rounded (int8) or
+    converted (fp8), clamped to max_value, with s = float16(amax) * (1 / max_value); then amax's two bytes."""
     if not fmt.scaled:
         return rows.to(fmt.dtype)
     x = rows.float()
-    scale = (x.abs().amax(-1, keepdim=True) / fmt.max_value).to(torch.float16)
-    s = scale.float()
+    amax = x.abs().amax(-1, keepdim=True).clamp(max=FLOAT16_MAX).to(torch.float16)  # beyond: values saturate
+    s = amax.float() * fmt.inverse_max
     values = x * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     values = values.clamp(-fmt.max_value, fmt.max_value)
     stored = values.round().to(torch.int8) if fmt.dtype == torch.int8 else values.to(fmt.dtype)
-    return torch.cat([stored.view(torch.uint8), scale.view(torch.uint8)], -1).view(fmt.dtype)
+    return torch.cat([stored.view(torch.uint8), amax.view(torch.uint8)], -1).view(fmt.dtype)
 
 
 def dequantize_rows(stored: torch.Tensor, head_dim: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -104,5 +116,5 @@ def dequantize_rows(stored: torch.Tensor, head_dim: int, out_dtype: torch.dtype 
         return stored.to(out_dtype)
     raw = stored.view(torch.uint8)
     values = raw[..., :head_dim].view(fmt.dtype).float()
-    scale = raw[..., head_dim:].contiguous().view(torch.float16).float()
+    scale = raw[..., head_dim:].contiguous().view(torch.float16).float() * fmt.inverse_max
     return (values * scale).to(out_dtype)

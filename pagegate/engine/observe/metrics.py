@@ -73,6 +73,12 @@ class EngineMetrics:
         zeros: dict = {f.name: 0 for f in fields(SchedulerStats)}
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
+    def kv_page_format(self, kv_cache_dtype: str, bytes_per_token: int) -> None:
+        """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format."""
+        Gauge("pagegate:kv_cache_bytes_per_token", "KV bytes one token takes in the pages' format (scales included).",
+              ["model_name", "kv_cache_dtype"], registry=self.registry).labels(self._model_name,
+                                                                             kv_cache_dtype).set(bytes_per_token)
+
     def cache_config(self, block_size: int, num_blocks: int) -> None:
         """vllm:cache_config_info, which llm-d's scorers read for the page size and count."""
         self._cache_config_info.labels(self._model_name, str(block_size), str(num_blocks)).set(1)
