@@ -18,11 +18,11 @@ from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.kernels.kv_format import resolve_format
 from pagegate.engine.loading.loader import load_checkpoint
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import StepInputs
 from pagegate.engine.sequence import Sequence
+from pagegate.kernels.kv_format import resolve_format
 
 log = logging.getLogger(__name__)
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)

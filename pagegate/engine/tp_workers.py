@@ -26,10 +26,10 @@ import torch.multiprocessing as mp
 from pagegate.config import EngineConfig, torchrun_rank
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.kernels.kv_format import resolve_format
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.parallel import StepChannel, TensorParallel, backend_for
+from pagegate.kernels.kv_format import resolve_format
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 SCALE_BYTES = 2  # a float16 per scaled row
 FLOAT16_MAX = 65504.0  # the largest amax a row keeps; larger values saturate
 

@@ -20,7 +20,14 @@ from pagegate.kernels.kv_format import (
     quantize_rows,
     resolve_format,
 )
-from tests.kernels.paged_cases import MIXED_BATCH, PagedBatch, dense_attention, heat, make_batch, run_attention
+from tests.kernels.paged_cases import (
+    MIXED_BATCH,
+    PagedBatch,
+    dense_attention,
+    heat,
+    make_batch,
+    run_attention,
+)
 
 cpu_paged = cpu_kernel()
 needs_kernel = pytest.mark.skipif(cpu_paged is None, reason="the CPU kernels are not built")
