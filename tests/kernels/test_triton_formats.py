@@ -12,7 +12,14 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagegate.kernels import paged_attention, reference, triton_common, triton_decode, triton_ops, triton_write
+from pagegate.kernels import (
+    paged_attention,
+    reference,
+    triton_common,
+    triton_decode,
+    triton_ops,
+    triton_write,
+)
 from pagegate.kernels.kv_format import FORMATS, KVFormat, as_bytes, dequantize_rows
 
 from .paged_cases import PagedBatch, dense_attention, heat, make_batch, slots_of
@@ -142,11 +149,13 @@ def test_attention_reads_every_format(name, kind, block_size):
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", SCALED)
-def test_float32_queries_on_scaled_pages(name, kind):
-    # the dots run in float32 (IEEE), so the Triton kernels and the reference agree to float32 rounding
+def test_float32_and_bfloat16_queries_on_scaled_pages(name, query_dtype, kind):
+    # float32: IEEE dots, so the Triton kernels and the reference agree to float32 rounding; bfloat16 (a bfloat16
+    # model's) dots in bfloat16 on a GPU, in float32 under the interpreter
     shape = MIXED if kind == "mixed" else DECODE
-    check(format_batch(shape, (4, 2), name, torch.float32, 32, seed=4), name, torch.float32)
+    check(format_batch(shape, (4, 2), name, query_dtype, 32, seed=4), name, query_dtype)
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
