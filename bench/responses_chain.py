@@ -44,9 +44,21 @@ def turn_body(model: str, turn: int, items: int, previous: str | None) -> dict:
     return body
 
 
-def run_chain(base_url: str, model: str, turns: int, items: int) -> list[dict[str, float | int]]:
-    """The chain's turns, each with its seconds and the /health probes that started during it."""
-    bounds: list[tuple[float, float, int]] = []  # (start, end, status) per turn
+def gateway_rss_mb(pid: int | None) -> float:
+    """The launched gateway process's resident memory (MB); 0 when unknown."""
+    if pid is None:
+        return 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_chain(base_url: str, model: str, turns: int, items: int,
+              pid: int | None = None) -> list[dict[str, float | int]]:
+    """The chain's turns, each with its seconds, the gateway's memory after it, and the /health probes that
+    started during it."""
+    bounds: list[tuple[float, float, int, float]] = []  # (start, end, status, gateway MB) per turn
     done = threading.Event()
 
     def client() -> None:
@@ -56,7 +68,7 @@ def run_chain(base_url: str, model: str, turns: int, items: int) -> list[dict[st
                 body = turn_body(model, turn, items, previous)
                 started = time.perf_counter()
                 reply = http.post("/v1/responses", json=body)
-                bounds.append((started, time.perf_counter(), reply.status_code))
+                bounds.append((started, time.perf_counter(), reply.status_code, gateway_rss_mb(pid)))
                 if reply.status_code != 200:
                     print(f"turn {turn}: {reply.status_code} {reply.text[:200]}", flush=True)
                     break
@@ -78,13 +90,13 @@ def run_chain(base_url: str, model: str, turns: int, items: int) -> list[dict[st
             time.sleep(PROBE_EVERY_S)
         sender.join()
     return [_row(turn, start, (bounds[turn + 1][0] if turn + 1 < len(bounds) else float("inf")), end - start,
-                 status, probes) for turn, (start, end, status) in enumerate(bounds)]
+                 status, rss, probes) for turn, (start, end, status, rss) in enumerate(bounds)]
 
 
-def _row(turn: int, start: float, until: float, seconds: float, status: int,
+def _row(turn: int, start: float, until: float, seconds: float, status: int, rss: float,
          probes: list[tuple[float, float]]) -> dict[str, float | int]:
     mine = [took for began, took in probes if start <= began < until] or [0.0]
-    return {"turn": turn + 1, "status": status, "turn_s": seconds, "probes": len(mine),
+    return {"turn": turn + 1, "status": status, "turn_s": seconds, "gateway_mb": rss, "probes": len(mine),
             "health_p50_ms": statistics.median(mine) * 1000, "health_max_ms": max(mine) * 1000}
 
 
@@ -107,12 +119,14 @@ def main() -> None:
         base_url = args.base_url or server.base_url
         try:
             model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            rows = run_chain(base_url, model, args.turns, args.items)
+            pid = server.process.pid if server is not None and server.process is not None else None
+            rows = run_chain(base_url, model, args.turns, args.items, pid)
             print(f"{args.items} reasoning items a turn; store: "
                   f"{'memory' if args.no_store_path or args.base_url else 'SQLite'}")
-            print(f"{'turn':>4} {'status':>6} {'turn s':>8} {'probes':>7} {'/health p50 ms':>15} {'/health max ms':>15}")
+            print(f"{'turn':>4} {'status':>6} {'turn s':>8} {'gateway MB':>11} {'probes':>7} {'/health p50 ms':>15} "
+                  f"{'/health max ms':>15}")
             for row in rows:
-                print(f"{row['turn']:>4} {row['status']:>6} {row['turn_s']:>8.2f} {row['probes']:>7} "
+                print(f"{row['turn']:>4} {row['status']:>6} {row['turn_s']:>8.2f} {row['gateway_mb']:>11.0f} {row['probes']:>7} "
                       f"{row['health_p50_ms']:>15.1f} {row['health_max_ms']:>15.1f}")
             worst = max(float(row["health_max_ms"]) for row in rows)
             print(f"worst /health over the chain: {worst:.1f} ms")

@@ -86,7 +86,7 @@ async def create_response(request: Request) -> Response:
             return
         answer = answer_message(renderer.final["output"])
         messages = turn.messages + ([answer] if answer else [])
-        await store.add(StoredResponse.new(response_id, tenant, previous, messages, turn.items, renderer.final))
+        await store.add(response_id, tenant, previous, messages, turn.items, renderer.final)
         if previous is not None:
             host.unpin(previous.id)
 

@@ -7,14 +7,15 @@ A turn lives while a stored response ends on it or a living turn continues it (r
 evicting a response keeps the turns its continuations still need. Each response belongs to the API key that
 made it; to any other it does not exist.
 
-The byte bound counts what the store really holds in memory: every object of a record and of a turn, measured
-with sys.getsizeof (`deep_size`), not the length of its JSON (a Python dict of short strings takes several
-times its JSON). Measuring, encoding and SQLite writes run in one writer thread, never on the event loop.
+The byte bound counts what the store really holds in memory: each object a record and a turn keep, measured with
+sys.getsizeof (the items as their encoded JSON, the chat messages object by object: `deep_size`), plus the
+index's entry. Encoding, measuring and SQLite writes run in one writer thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sqlite3
 import sys
@@ -31,14 +32,19 @@ Item = dict[str, Any]
 
 @dataclass(eq=False, slots=True)
 class Turn:
-    """What one response added to its conversation; `parent` is the turn it continued (None: the first)."""
+    """What one response added to its conversation; `parent` is the turn it continued (None: the first).
+
+    NOTE: the items are kept as their JSON (UTF-8), decoded when read: one bytes object instead of a dict, lists and
+    strings per item takes ~1/6 of the memory and is nothing the garbage collector walks (a store of a million
+    item objects made each full collection stall the event loop for hundreds of milliseconds). The chat messages
+    stay objects: every continuation renders them."""
 
     id: str  # the response that made it
     parent: Turn | None
     messages: list[Item]  # chat messages: this turn's input and its answer
-    input_items: list[Item]  # the input items it was sent, with ids
-    output: list[Item]  # its response's output items
-    size: int = 0  # bytes it holds (set when measured)
+    input_json: bytes  # the input items it was sent, with ids
+    output_json: bytes  # its response's output items
+    size: int = 0  # bytes it holds
     refs: int = 0  # stored responses that end on it + stored turns that continue it
     stored: bool = False
 
@@ -52,8 +58,11 @@ class Turn:
         turns.reverse()
         return turns
 
-    def body(self) -> dict[str, Any]:
-        return {"messages": self.messages, "input_items": self.input_items, "output": self.output}
+    def input_items(self) -> list[Item]:
+        return json.loads(self.input_json)
+
+    def output(self) -> list[Item]:
+        return json.loads(self.output_json)
 
 
 @dataclass(eq=False, slots=True)
@@ -62,17 +71,21 @@ class StoredResponse:
     tenant: str | None
     created_at: float  # time.time()
     turn: Turn  # the last turn of its conversation, its own
-    response: dict[str, Any]  # the response object without its output (that lives in the turn)
+    response_json: bytes  # the response object without its output (that is the turn's)
     size: int = field(default=0)
 
     @classmethod
     def new(cls, response_id: str, tenant: str | None, previous: StoredResponse | None, messages: list[Item],
             input_items: list[Item], response: dict[str, Any]) -> StoredResponse:
-        """A response continuing `previous` (None: a new conversation) with this turn's messages and items."""
-        output = response.get("output", [])
-        turn = Turn(response_id, previous.turn if previous is not None else None, messages, input_items, output)
+        """A response continuing `previous` (None: a new conversation) with this turn's messages and items,
+        encoded and measured (the slow part: ResponseStore.add runs it on its writer thread)."""
         rest = {key: value for key, value in response.items() if key != "output"}
-        return cls(response_id, tenant, time.time(), turn, rest)
+        turn = Turn(response_id, previous.turn if previous is not None else None, messages, _encode(input_items),
+                    _encode(response.get("output", [])))
+        _measure_turn(turn)
+        record = cls(response_id, tenant, time.time(), turn, _encode(rest))
+        _measure_record(record)
+        return record
 
     @property
     def conversation(self) -> list[Item]:
@@ -80,16 +93,17 @@ class StoredResponse:
         return [message for turn in self.turn.chain() for message in turn.messages]
 
     def response_object(self) -> dict[str, Any]:
-        return {**self.response, "output": self.turn.output}
+        return {**json.loads(self.response_json), "output": self.turn.output()}
 
     def input_items(self, newest_first: bool = False) -> Iterator[Item]:
-        """Every input item of the conversation in order (earlier turns' outputs among them), lazily."""
+        """Every input item of the conversation in order (earlier turns' outputs among them), decoded a turn at
+        a time as the iteration reaches it."""
         turns = self.turn.chain()
-        groups = [group for turn in turns[:-1] for group in (turn.input_items, turn.output)]
-        groups.append(turns[-1].input_items)
+        groups = [blob for turn in turns[:-1] for blob in (turn.input_json, turn.output_json)]
+        groups.append(turns[-1].input_json)
         if not newest_first:
-            return (item for group in groups for item in group)
-        return (item for group in reversed(groups) for item in reversed(group))
+            return (item for blob in groups for item in json.loads(blob))
+        return (item for blob in reversed(groups) for item in reversed(json.loads(blob)))
 
 
 # -- measuring ------------------------------------------------------------------------------------------
@@ -115,28 +129,22 @@ def deep_size(*values: object) -> int:
     return total
 
 
-# What a record costs beyond its objects: the record and turn objects, and the index's entry.
-_RECORD_OVERHEAD = 2 * 64 + 104
-_TURN_OVERHEAD = 3 * 64 + 8
-
-
-def measure(record: StoredResponse) -> StoredResponse:
-    """Set the sizes of `record` and of its own turn (the earlier turns are measured already)."""
-    _measure_record(record)
-    _measure_turn(record.turn)
-    return record
+# What a record costs beyond its objects: the index's entry (an ordered dict's slot and link).
+_RECORD_OVERHEAD = 104
 
 
 def _measure_record(record: StoredResponse) -> None:
-    record.size = deep_size(record.id, record.tenant, record.response) + sys.getsizeof(record) + _RECORD_OVERHEAD
+    record.size = (sys.getsizeof(record) + deep_size(record.id, record.tenant) + sys.getsizeof(record.response_json)
+                   + _RECORD_OVERHEAD)
 
 
 def _measure_turn(turn: Turn) -> None:
-    turn.size = deep_size(turn.messages, turn.input_items, turn.output) + sys.getsizeof(turn) + _TURN_OVERHEAD
+    turn.size = (sys.getsizeof(turn) + deep_size(turn.messages) + sys.getsizeof(turn.input_json)
+                 + sys.getsizeof(turn.output_json))
 
 
-def _encode(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def _encode(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # -- the store ------------------------------------------------------------------------------------------
@@ -144,7 +152,8 @@ class ResponseStore:
     """In memory, in insertion (= creation) order; written through to `path` when given.
 
     The index (records, turns' counts, the byte total) is only touched on the caller's thread (the event
-    loop); the writer thread measures records and runs every SQLite statement, in the order they were asked."""
+    loop); the writer thread encodes and measures records and runs every SQLite statement, in the order they
+    were asked."""
 
     def __init__(self, max_items: int, max_bytes: int, ttl_s: float, path: str | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
@@ -163,14 +172,18 @@ class ResponseStore:
         return len(self._records)
 
     # -- adding ---------------------------------------------------------------------------------------
-    async def add(self, record: StoredResponse) -> None:
-        """Store a new response: measured on the writer thread, then indexed here, written there."""
-        await asyncio.get_running_loop().run_in_executor(self._writer, measure, record)
+    async def add(self, response_id: str, tenant: str | None, previous: StoredResponse | None,
+                  messages: list[Item], input_items: list[Item], response: dict[str, Any]) -> StoredResponse:
+        """Store a new response (StoredResponse.new's arguments): encoded and measured on the writer thread, then
+        indexed here, written there."""
+        make = functools.partial(StoredResponse.new, response_id, tenant, previous, messages, input_items, response)
+        record = await asyncio.get_running_loop().run_in_executor(self._writer, make)
         self._insert(record)
+        return record
 
     def put(self, record: StoredResponse) -> None:
-        """`add` on the caller's thread (tests, tools)."""
-        self._insert(measure(record))
+        """Store a response made already (tests, tools)."""
+        self._insert(record)
 
     def _insert(self, record: StoredResponse, loading: bool = False) -> None:
         self._drop(record.id)
@@ -268,18 +281,18 @@ class ResponseStore:
         self._writer.shutdown(wait=True)
 
     def _load(self, db: sqlite3.Connection) -> None:
-        """Records oldest first, each on its chain of turns; turns nobody needs any more are deleted."""
+        """Records oldest first, each on its chain of turns; turns and records nobody needs any more are deleted."""
         _migrate(db)
         turns: dict[str, Turn] = {}
-        rows = {turn_id: (parent, body) for turn_id, parent, body in db.execute(
-            "SELECT id, parent, body FROM response_turns")}
+        rows = {row[0]: row[1:] for row in db.execute(
+            "SELECT id, parent, messages, input_items, output FROM response_turns")}
         for response_id, tenant, created_at, body in db.execute(
-                "SELECT id, tenant, created_at, body FROM response_records ORDER BY created_at").fetchall():
+                "SELECT id, tenant, created_at, response FROM response_records ORDER BY created_at").fetchall():
             turn = _turn_of(response_id, rows, turns)
             if turn is None:
                 continue  # its chain is broken: nothing to continue from
-            record = StoredResponse(response_id, tenant, created_at, turn, json.loads(body))
-            _measure_record(record)  # its turn is measured already
+            record = StoredResponse(response_id, tenant, created_at, turn, bytes(body))
+            _measure_record(record)
             self._insert(record, loading=True)
         unused = [turn_id for turn_id in rows if turn_id not in turns or not turns[turn_id].stored]
         orphans = [record_id for record_id, in db.execute("SELECT id FROM response_records")
@@ -290,8 +303,11 @@ class ResponseStore:
         self._trim(time.time())
 
 
-def _turn_of(turn_id: str, rows: dict[str, tuple[str | None, str]], turns: dict[str, Turn]) -> Turn | None:
-    """The turn `turn_id` with its parents, decoded once each (None if one is missing from the file)."""
+TurnRow = tuple[str | None, str, bytes, bytes]  # parent, messages, input items, output
+
+
+def _turn_of(turn_id: str, rows: dict[str, TurnRow], turns: dict[str, Turn]) -> Turn | None:
+    """The turn `turn_id` with its parents, made once each (None if one is missing from the file)."""
     missing: list[str] = []
     current: str | None = turn_id
     while current is not None and current not in turns:
@@ -301,8 +317,8 @@ def _turn_of(turn_id: str, rows: dict[str, tuple[str | None, str]], turns: dict[
         current = rows[current][0]
     parent = turns[current] if current is not None else None
     for made in reversed(missing):
-        body = json.loads(rows[made][1])
-        turn = Turn(made, parent, body["messages"], body["input_items"], body["output"])
+        _, messages, input_json, output_json = rows[made]
+        turn = Turn(made, parent, json.loads(messages), bytes(input_json), bytes(output_json))
         _measure_turn(turn)
         turns[made] = parent = turn
     return parent
@@ -310,10 +326,11 @@ def _turn_of(turn_id: str, rows: dict[str, tuple[str | None, str]], turns: dict[
 
 def _write_rows(db: sqlite3.Connection, record: StoredResponse, turns: list[Turn]) -> None:
     with db:
-        db.executemany("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?)",
-                       [(turn.id, turn.parent.id if turn.parent else None, _encode(turn.body())) for turn in turns])
+        db.executemany("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?, ?, ?)",
+                       [(turn.id, turn.parent.id if turn.parent else None, _encode(turn.messages).decode(),
+                         turn.input_json, turn.output_json) for turn in turns])
         db.execute("INSERT OR REPLACE INTO response_records VALUES (?, ?, ?, ?)",
-                   (record.id, record.tenant, record.created_at, _encode(record.response)))
+                   (record.id, record.tenant, record.created_at, record.response_json))
 
 
 def _delete_turns(db: sqlite3.Connection, turn_ids: list[str]) -> None:
@@ -329,9 +346,10 @@ def _delete_record(db: sqlite3.Connection, response_id: str) -> None:
 def _open(path: str) -> sqlite3.Connection:
     db = sqlite3.connect(path, check_same_thread=False)
     with db:
-        db.execute("CREATE TABLE IF NOT EXISTS response_turns (id TEXT PRIMARY KEY, parent TEXT, body TEXT)")
+        db.execute("CREATE TABLE IF NOT EXISTS response_turns "
+                   "(id TEXT PRIMARY KEY, parent TEXT, messages TEXT, input_items BLOB, output BLOB)")
         db.execute("CREATE TABLE IF NOT EXISTS response_records "
-                   "(id TEXT PRIMARY KEY, tenant TEXT, created_at REAL, body TEXT)")
+                   "(id TEXT PRIMARY KEY, tenant TEXT, created_at REAL, response BLOB)")
     return db
 
 
@@ -345,8 +363,9 @@ def _migrate(db: sqlite3.Connection) -> None:
             old = json.loads(text)
             response = dict(old["response"])
             output = response.pop("output", [])
-            db.execute("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?)", (old["id"], None, _encode(
-                {"messages": old["conversation"], "input_items": old["input_items"], "output": output})))
+            db.execute("INSERT OR REPLACE INTO response_turns VALUES (?, ?, ?, ?, ?)",
+                       (old["id"], None, _encode(old["conversation"]).decode(), _encode(old["input_items"]),
+                        _encode(output)))
             db.execute("INSERT OR REPLACE INTO response_records VALUES (?, ?, ?, ?)",
                        (old["id"], old["tenant"], old["created_at"], _encode(response)))
         db.execute("DROP TABLE responses")
