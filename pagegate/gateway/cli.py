@@ -189,6 +189,9 @@ def _chat_flags(group: argparse._ArgumentGroup) -> None:
                        help="seconds a stored response's conversation keeps its KV pages pinned")
     group.add_argument("--responses-store-path", default=None, metavar="FILE",
                        help="a SQLite file that keeps stored responses across restarts (default: memory only)")
+    group.add_argument("--responses-max-input-items", type=_positive(int),
+                       default=defaults.responses_max_input_items,
+                       help="items one /v1/responses request's input may hold (OpenAI's bound); more is a 400")
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
@@ -196,9 +199,6 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    group.add_argument("--responses-max-input-items", type=_positive(int),
-                       default=defaults.responses_max_input_items,
-                       help="items one /v1/responses request's input may hold (OpenAI's bound); more is a 400")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
@@ -271,6 +271,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             responses_store_max_bytes=parse_bytes(args.responses_store_max_bytes),
                             responses_store_ttl_s=args.responses_store_ttl,
                             responses_store_path=args.responses_store_path,
+                            responses_max_input_items=args.responses_max_input_items,
                             responses_pin_ttl_s=args.responses_pin_ttl)
     return engine, gateway
 
@@ -293,7 +294,6 @@ def _read_template(path: str | None) -> str | None:
         return None
     try:
         with open(path, encoding="utf-8") as file:
-                            responses_max_input_items=args.responses_max_input_items,
             return file.read()
     except OSError as error:
         raise SystemExit(f"--chat-template: cannot read {path}: {error.strerror}") from None

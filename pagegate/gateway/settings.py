@@ -53,5 +53,5 @@ class GatewayConfig:
     responses_store_max_bytes: int = 64 * 1024 * 1024
     responses_store_ttl_s: float = 3600.0
     responses_store_path: str | None = None  # a SQLite file that keeps the store across restarts
-    responses_pin_ttl_s: float = 600.0  # how long a stored response's pages stay pinned (within the pin budget)
     responses_max_input_items: int = 16384  # items in one request's input (OpenAI's bound)
+    responses_pin_ttl_s: float = 600.0  # how long a stored response's pages stay pinned (within the pin budget)
