@@ -178,7 +178,8 @@ def _chat_flags(group: argparse._ArgumentGroup) -> None:
                        help="split <think> blocks off answers: chat's reasoning_content, Responses' reasoning "
                             "items, Messages' thinking blocks (deepseek_r1: the answer starts inside the block)")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=defaults.tool_call_parser,
-                       help="the format the model writes tool calls in")
+                       help="the format the model writes tool calls in (auto: the one its chat template "
+                            "writes, else hermes; the start-up log says which)")
     group.add_argument("--responses-store-max-items", type=_positive(int), default=defaults.responses_store_max_items,
                        help="stored /v1/responses kept at most (the oldest go first)")
     group.add_argument("--responses-store-max-bytes", default=str(defaults.responses_store_max_bytes),

@@ -47,7 +47,7 @@ class GatewayConfig:
     # Chat: the template (None: the model's own), how <think> blocks and tool calls are read from answers.
     chat_template: str | None = None  # the template's text (--chat-template FILE)
     reasoning_parser: str | None = None  # one of pagegate.gateway.answer.REASONING_PARSERS
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str = "auto"  # a format of pagegate.gateway.tool_formats, or auto: from the chat template
     # /v1/responses: stored responses (count, bytes of their conversations, age) and the pages they pin.
     responses_store_max_items: int = 1024
     responses_store_max_bytes: int = 64 * 1024 * 1024

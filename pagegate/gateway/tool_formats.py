@@ -388,3 +388,40 @@ TOOL_FORMATS = {format.name: format for format in (
     ToolFormat("pythonic", _region(_pythonic_region, ("[", "<|python_start|>"), True), _pythonic_write,
                "nothing but a Python list of calls:\n[function_name(argument=value, ...), ...]"),
 )}
+
+
+# -- which format a model writes: --tool-call-parser auto -----------------------------------------------
+AUTO = "auto"
+FALLBACK_FORMAT = "hermes"
+# NOTE: as llama.cpp does (common/chat.cpp), the format is read off the chat template's source: each family's
+# template writes its own call markup into past turns. Tried in order, a format matching when its template holds
+# all of one entry's markers: Qwen3-Coder's template also writes <tool_call>, so it comes before hermes; vLLM's
+# and ToolACE's pythonic templates also have Llama's ipython turns, so pythonic comes before llama3_json.
+TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qwen3_coder", ("<function=", "<parameter=")),
+    ("hermes", ("<tool_call>",)),
+    ("mistral", (MISTRAL_MARKER,)),
+    ("pythonic", ("[func_name1(",)),  # the call format those templates spell out to the model
+    ("llama3_json", (PYTHON_TAG,)),  # Llama 3.1, 3.3
+    ("llama3_json", ("<|start_header_id|>ipython<|end_header_id|>",)),  # Llama 3.2 (no python tag)
+    ("llama3_json", ("<|header_start|>ipython<|header_end|>",)),  # Llama 4's own template: JSON calls
+)
+
+
+def detect_tool_format(chat_template: str | None) -> tuple[str, str]:
+    """The format a model writes calls in, read off its chat template, and why (for the start-up log). A template
+    with no known markup (or none at all) gets hermes: models whose template ignores `tools` are shown its
+    format in the system message."""
+    if not chat_template:
+        return FALLBACK_FORMAT, "the model has no chat template"
+    for name, markers in TEMPLATE_MARKERS:
+        if all(marker in chat_template for marker in markers):
+            return name, "its chat template writes " + " and ".join(markers)
+    return FALLBACK_FORMAT, "its chat template writes no call markup pagegate knows"
+
+
+def resolve_tool_format(parser: str, chat_template: str | None) -> tuple[str, str]:
+    """--tool-call-parser: a format it names wins; `auto` reads the chat template (detect_tool_format)."""
+    if parser != AUTO:
+        return parser, "--tool-call-parser"
+    return detect_tool_format(chat_template)

@@ -7,6 +7,7 @@ ignore `tools` get them as text, in the served model's call format), the grammar
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,25 +19,38 @@ from pagegate.engine.sampling.structured import (
     MAX_TOOLS_BYTES,
     StructuredOutputsParams,
     check_grammar_size,
+    closed_objects,
 )
 from pagegate.gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from pagegate.gateway.tool_formats import (
+    AUTO,
     TOOL_FORMATS,
     CallReader,
     ParsedCall,
     Schemas,
     ToolFormat,
     new_call_id,
+    resolve_tool_format,
 )
 
-TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)  # the formats models write calls in (--tool-call-parser)
+TOOL_CALL_PARSERS = (AUTO, *TOOL_FORMATS)  # --tool-call-parser: a format models write calls in, or auto
+logger = logging.getLogger("pagegate.gateway")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON schema of a function's arguments object; OpenAI reads a missing one as "takes no arguments"."""
+    """The JSON schema of a function's arguments object, its objects closed where they do not say (a function
+    takes the keys it names: structured.closed_objects); OpenAI reads a missing one as "takes no arguments"."""
     schema = tool.function.parameters
-    return NO_PARAMETERS if schema is None else {"type": "object", **schema}  # protocol: the type is object
+    return NO_PARAMETERS if schema is None else closed_objects({"type": "object", **schema})  # type: object
+
+
+def served_tool_format(parser: str, chat_template: str | None) -> str:
+    """The format the served model's calls are read in (--tool-call-parser, `auto`: from its chat template),
+    logged at start-up with why."""
+    name, why = resolve_tool_format(parser, chat_template)
+    logger.info("tool calls: the %s format (%s)", name, why)
+    return name
 
 
 def check_tool_sizes(tools: list[Tool]) -> None:
@@ -65,10 +79,17 @@ def offered_tools(request: ChatCompletionRequest) -> list[Tool]:
 def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputsParams:
     """tool_choice "required": a JSON list of one (or, with `parallel`, one or more) calls of `tools`, each
     `{"name": ..., "parameters": {...}}` with arguments that match the function's schema (vLLM's form). The
-    server writes `tool_calls` from it: no call markup is spent on tokens."""
-    items = [_call_schema(tool, f"#/items/anyOf/{i}/properties/parameters") for i, tool in enumerate(tools)]
-    schema = {"x-guidance": dict(JSON_STYLE), "type": "array", "items": {"anyOf": items}, "minItems": 1}
-    return StructuredOutputsParams(json=schema if parallel else {**schema, "maxItems": 1})
+    server writes `tool_calls` from it: no call markup is spent on tokens.
+
+    NOTE: the list may end at the model's end-of-turn token after any whole call, its `]` unwritten. As a JSON
+    schema (an array, minItems 1) it could only end at `]`: after a call a model's mass is on ending its turn,
+    which the mask takes away, and what is left leans to `, ` — SmolLM2 and the embedded model then wrote call
+    after call until max_tokens. Any call list ends where a model says its turn does, as Hermes blocks did.
+    """
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(tool))}" for i, tool in enumerate(tools)]
+    more = ' (", " call)*' if parallel else ""
+    lines = [f'start: "[" call{more} "]"?', "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *rules]
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 
 def named_call_grammar(tool: Tool) -> StructuredOutputsParams:
@@ -78,9 +99,11 @@ def named_call_grammar(tool: Tool) -> StructuredOutputsParams:
     return StructuredOutputsParams(json={"x-guidance": dict(JSON_STYLE), **parameters_schema(tool)})
 
 
-def _call_schema(tool: Tool, at: str) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                             "parameters": _rebase_refs(parameters_schema(tool), at)},
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    """One call of the list, a grammar rule of its own (so its `$ref`s are rebased to its root)."""
+    return {"x-guidance": dict(JSON_STYLE), "type": "object",
+            "properties": {"name": {"const": tool.function.name},
+                           "parameters": _rebase_refs(parameters_schema(tool), "#/properties/parameters")},
             "required": ["name", "parameters"], "additionalProperties": False}
 
 

@@ -61,3 +61,34 @@ def test_required_tool_call_answers_a_weather_question(smollm2: openai.OpenAI, s
         choice = smollm2.chat.completions.create(**ask).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert {call.function.name for call in choice.message.tool_calls} == {"get_weather"}
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+IN_PARIS = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_a_named_call_writes_only_its_schemas_keys(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    """The schema does not mention additionalProperties, so it is closed for tools (as xgrammar reads it). Open,
+    SmolLM2 invented keys in 5 of 6 calls ({"city": "Paris", "country": "France"}), and max_tokens 32 cut two of
+    them inside a long invented "description"."""
+    for seed in (0, 1):
+        result = smollm2.chat.completions.create(
+            model=smollm2_gguf.name, messages=IN_PARIS, tools=[CITY], max_tokens=32, temperature=0.7, seed=seed,
+            n=3, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        for choice in result.choices:
+            [call] = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and json.loads(call.function.arguments).keys() == {"city"}
+
+
+def test_a_streamed_required_call_ends(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
+    """The SDK's stream helper raises LengthFinishReasonError on a list of calls that runs to max_tokens: the list
+    may end at SmolLM2's end of turn after any call (with only `, ` or `]` allowed there, seed 1 wrote calls
+    until the limit), and its calls hold no invented keys."""
+    for seed in range(4):
+        with smollm2.chat.completions.stream(model=smollm2_gguf.name, messages=IN_PARIS, tools=[CITY],
+                                             tool_choice="required", max_tokens=100, temperature=0.8,
+                                             seed=seed) as stream:
+            choice = stream.get_final_completion().choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert all(json.loads(call.function.arguments).keys() == {"city"} for call in choice.message.tool_calls)

@@ -176,6 +176,58 @@ def check_grammar_size(source: str | Sequence[str] | dict[str, Any], param: str,
     return size
 
 
+# Where a JSON schema holds subschemas: one, a list of them, or a map of names to them (draft 2020-12 and older)
+_ONE_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "contains", "not", "if",
+                  "then", "else", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_KEYS_FROM_ELSEWHERE = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that lists its `properties` and says nothing of others
+    takes no others (`additionalProperties: false`), at any depth.
+
+    NOTE: xgrammar (vLLM's default) reads tool schemas this way, and so do we: a model asked for a function's
+    arguments invents keys a schema does not forbid (SmolLM2 writes `"description": "The capital of France is
+    …"` after the city until max_tokens), and a function takes the keys it names. What stays open: a schema
+    that says so, one that names no properties (a free-form object), one whose keys may come from elsewhere
+    (`allOf`, `anyOf`, `oneOf`, `$ref` beside `properties`, and the members of such a composition), and one
+    that requires a key it does not list (closing it would leave nothing to write).
+    """
+    return _close(schema, composed=False)
+
+
+def _close(schema: Any, composed: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    shares_keys = "properties" in schema or schema.get("allOf") is not None
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: _close(item, False) for name, item in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            member = shares_keys and key in ("anyOf", "oneOf", "allOf") or key == "allOf"
+            closed[key] = [_close(item, member) for item in value]
+        elif key in _ONE_SUBSCHEMA:
+            closed[key] = _close(value, False)
+        else:
+            closed[key] = value
+    if not composed and _names_all_its_keys(schema):
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _names_all_its_keys(schema: dict[str, Any]) -> bool:
+    properties, kind = schema.get("properties"), schema.get("type", "object")
+    if not isinstance(properties, dict) or any(key in schema for key in _KEYS_FROM_ELSEWHERE):
+        return False
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        return False
+    required = schema.get("required", [])
+    return isinstance(required, list) and all(key in properties for key in required)
+
+
 def json_depth(value: Any) -> int:
     """How deeply dicts and lists nest in `value` (a scalar: 0); iterative, so any depth is safe to measure."""
     deepest, pending = 0, [(value, 1)]
