@@ -15,9 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagegate.gateway.protocol import ChatMessage, Tool
-from pagegate.gateway.tool_formats import TOOL_FORMATS, ParsedCall, ToolFormat
+from pagegate.gateway.tool_formats import (
+    TOOL_FORMATS,
+    ParsedCall,
+    ToolFormat,
+    detect_tool_format,
+    resolve_tool_format,
+)
 from pagegate.gateway.tools import CallParsing, ListCallReader, template_messages
 from pagegate.testing.launcher import ServerProcess
+from tests.engine.family_tokenizers import GEMMA3_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
 from tests.gateway.server_args import server_args
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -168,3 +175,64 @@ def test_templates_that_ignore_tools_see_the_served_format() -> None:
     dicts = template_messages(messages, [Tool.model_validate(t) for t in TOOLS], False, pythonic)
     assert "nothing but a Python list of calls" in dicts[0]["content"] and "<tool_call>" not in dicts[0]["content"]
     assert dicts[2]["content"] == "[get_weather(city='Paris')]"
+
+
+# -- --tool-call-parser auto: the format read off the chat template ---------------------------------------
+# The lines of each family's template that write its calls (the markers llama.cpp also looks for)
+LLAMA31_LINES = ('{%- if message.role == "tool" or message.role == "ipython" %}'
+                 '{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}{%- endif %}'
+                 '{{- "<|python_tag|>" + tool_call.name + ".call(" }}')
+LLAMA32_LINES = '{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}'
+MISTRAL_LINES = '{%- if message.tool_calls %}{{- "[TOOL_CALLS][" }}{%- for tool_call in message.tool_calls %}'
+QWEN3_CODER_LINES = ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+                     "{{- '<parameter=' + args_name + '>\\n' }}")
+PYTHONIC_LINES = ("you MUST put it in the format of [func_name1(params_name1=params_value1, "
+                  "params_name2=params_value2...), func_name2(params)]" + LLAMA32_LINES)
+EMBEDDED_TEMPLATE = ("{%- for message in messages -%}{{ '<|' + message['role'] + '|>\\n' }}"
+                     "{{- message['content'] | trim -}}{{ '<|end|>' }}{%- endfor -%}"
+                     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}")
+
+
+@pytest.mark.parametrize("template, name", [
+    (QWEN3_CHAT_TEMPLATE, "hermes"), (QWEN3_CODER_LINES, "qwen3_coder"), (MISTRAL_LINES, "mistral"),
+    (LLAMA31_LINES, "llama3_json"), (LLAMA32_LINES, "llama3_json"), (PYTHONIC_LINES, "pythonic"),
+    (GEMMA3_CHAT_TEMPLATE, "hermes"), (EMBEDDED_TEMPLATE, "hermes"), (None, "hermes"),
+])
+def test_auto_reads_the_format_off_the_chat_template(template: str | None, name: str) -> None:
+    assert detect_tool_format(template)[0] == name
+    assert resolve_tool_format("auto", template) == detect_tool_format(template)
+    assert resolve_tool_format("pythonic", template) == ("pythonic", "--tool-call-parser")  # the flag wins
+
+
+# The embedded model with a template whose assistant turns write Mistral's calls
+MISTRAL_TEMPLATE = ("{%- for message in messages -%}{{ '<|' + message['role'] + '|>\\n' }}"
+                    "{%- if message.tool_calls -%}{{ '[TOOL_CALLS]' + message.tool_calls | tojson }}"
+                    "{%- else -%}{{ message['content'] | trim }}{%- endif -%}{{ '<|end|>' }}{%- endfor -%}"
+                    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}")
+
+
+@pytest.fixture(scope="module", params=[(), ("--tool-call-parser", "hermes")], ids=["auto", "flag"])
+def mistral_templated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    template = tmp_path_factory.mktemp("template") / "mistral.jinja"
+    template.write_text(MISTRAL_TEMPLATE)
+    args = server_args("--num-kv-blocks", "128", "--chat-template", str(template), *request.param)
+    with ServerProcess(args) as server:
+        yield request.param, server, openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_server_reads_calls_in_its_templates_format(mistral_templated: tuple) -> None:
+    """No --tool-call-parser: the calls are read as the template writes them (they were content under the old
+    hermes default), and the start-up log says so; a format named with the flag still wins."""
+    flags, server, client = mistral_templated
+    markup = TOOL_FORMATS["mistral"].write([PARIS, ("ping", {})])
+    choice = client.chat.completions.create(
+        model="pagegate-default", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+        max_tokens=200, temperature=0, extra_body={"structured_outputs": {"regex": re.escape(markup)}}).choices[0]
+    if not flags:
+        assert "tool calls: the mistral format (its chat template writes [TOOL_CALLS])" in server.log()
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [PARIS, ("ping", {})]
+    else:
+        assert "tool calls: the hermes format (--tool-call-parser)" in server.log()
+        assert choice.message.content == markup and not choice.message.tool_calls
