@@ -83,7 +83,7 @@ def _pieces(obj: Any, out: Callable[[bytes], Any], dumps: Callable[[Any], bytes]
           and all(isinstance(key, str) for key in obj)):
         out(b"{" if json_out else map_header(len(obj)))  # type: ignore[misc]
         for i, (key, value) in enumerate(obj.items()):
-            out((b"," if i else b"") + dumps(key) + b":" if json_out else dumps(key))
+            out(((b"," if i else b"") + dumps(key) + b":") if json_out else dumps(key))
             _pieces(value, out, dumps, array_header, map_header)
         out(b"}" if json_out else b"")
     else:
