@@ -49,3 +49,19 @@ def test_the_gateway_starts_without_importing_torch() -> None:
 
     code = "import sys, pagegate.gateway.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize("body", [
+    {"choices": [{"index": 0, "text": "é\u2028", "prompt_logprobs": [None, {"5": {"logprob": -1.5, "rank": 1,
+                                                                            "decoded_token": "x"}}],
+                  "logprobs": {"tokens": ["a", "b"], "token_logprobs": [None, -0.5],
+                               "top_logprobs": [None, {"b": -0.5}], "text_offset": [0, 1]}}],
+     "usage": {"prompt_tokens": 2}},
+    [], {}, [[]], {"x": []}, [None, [1], {"k": [2]}], "text", 1.5, None, {1: [2]},
+])
+def test_encoding_in_pieces_gives_the_same_bytes(body: object) -> None:
+    """Large scored answers are encoded a piece at a time (codec.dumps_in_pieces): byte for byte what one call gives."""
+    from pagegate.gateway.codec import dumps_in_pieces, dumps_json, dumps_msgpack
+
+    assert dumps_in_pieces(body, msgpack_body=False) == dumps_json(body)
+    assert dumps_in_pieces(body, msgpack_body=True) == dumps_msgpack(body)
