@@ -2,13 +2,14 @@
 
 Float formats store the head_dim values as they are (float32, float16, bfloat16). The one-byte formats (int8,
 fp8 e4m3, fp8 e5m2) store head_dim values and then the row's largest magnitude (amax) as a float16 in the row's
-last two bytes; a value reads back as stored * scale with scale = amax * (1 / max_value) in float32. A cache tensor is [num_blocks, block_size, num_kv_heads, head_dim + 2] of the format's own dtype and a page is
+last two bytes; a value reads back as stored * scale with scale = amax * (1 / max_value) in float32. A cache
+tensor is [num_blocks, block_size, num_kv_heads, head_dim (+ 2)] of the format's own dtype and a page is
 self-contained bytes: copy-on-write, swap, prefix hits, TP slices and rollback move it without knowing its format.
 
 NOTE: the row keeps its amax, not amax / max_value: the quotient falls into float16's subnormals (and loses its
 precision) for rows with amax below 3.5 under e5m2's max_value of 57344, amax itself only below 6e-5.
 One scale per token and KV head (llama.cpp's q8_0 keeps one per 32 values). At head_dim 64 that costs 2 bytes
-in 66 (3.88x fewer bytes than float32) against 4 in 68 for q8_0-style blocks, each row is quantized once when it is
+in 66 (a row 3.88x smaller than float32's) against 4 in 68 for q8_0-style blocks, each row is quantized once when it is
 written (no page ever changes scale later), and a dot product needs one multiply by the scale per key, not two.
 """
 
@@ -69,13 +70,17 @@ _BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
 
 
 def resolve_format(name: str, model_dtype: torch.dtype, device: torch.device) -> KVFormat:
-    """The format `--kv-cache-dtype name` gives pages of a model computing in model_dtype on device: "auto" is
-    float16 on CPU (half the bytes of float32, read as fast: see bench/kv_speed.py), the model's dtype on CUDA."""
+    """The format `--kv-cache-dtype name` gives pages of a model computing in model_dtype on device ("auto": the
+    model's dtype); a format the device cannot serve is refused here, at start, never replaced by another."""
     if name != "auto" and name not in FORMATS:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(FORMATS)}")
     if name == "auto":
         return _BY_DTYPE.get(model_dtype, FORMATS["float32"])
-    return FORMATS[name]
+    fmt = FORMATS[name]
+    if device.type == "cuda" and fmt.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{name} pages need compute capability 8.9+ (Triton's fp8 e4m3 conversions); {device} has "
+                         f"{torch.cuda.get_device_capability(device)}: int8 or fp8_e5m2 pages need no such support")
+    return fmt
 
 
 def format_of(cache: torch.Tensor) -> KVFormat:
