@@ -194,6 +194,12 @@ def closed_objects(schema: Any) -> Any:
     that says so, one that names no properties (a free-form object), one whose keys may come from elsewhere
     (`allOf`, `anyOf`, `oneOf`, `$ref` beside `properties`, and the members of such a composition), and one
     that requires a key it does not list (closing it would leave nothing to write).
+
+    NOTE: `response_format` and `structured_outputs` schemas do not come through here: they stay open, as JSON
+    Schema says. They describe a document, where keys beyond the listed ones are often wanted and are a client's
+    to forbid; OpenAI's strict mode makes its clients write `additionalProperties: false` themselves (the SDK's
+    `parse()` does), so a strict client's schema is closed already. A tool's arguments are a function's keyword
+    arguments, where a key it does not name is an error in the caller's code.
     """
     return _close(schema, composed=False)
 
