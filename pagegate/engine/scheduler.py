@@ -67,6 +67,7 @@ class Scheduler:
         self.config = config
         self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
+        self.prefix_caching = cache.enable_prefix_caching
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
         self.tables = BlockTables(self.pool, *config.table_shape(max_model_len, cache.block_size), self.cpu_pool)
@@ -173,7 +174,7 @@ class Scheduler:
                 i, budget = i + added, budget - added
                 if added:
                     continue
-            n = min(seq.num_uncomputed, self._allowance(seq, budget))
+            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
             if n == 0:  # an embedding whose share of this step is spent: the next sequences still run
                 i += 1
                 continue
@@ -202,6 +203,27 @@ class Scheduler:
     def _allowance(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest."""
         return min(budget, self._pooling_left) if seq.pools else budget
+
+    def _chunk(self, seq: Sequence, start: int, allowance: int) -> int:
+        """Tokens `seq` computes this step from position `start`: what is left, within the allowance, stopping at
+        the end of the prefix hit an identical prompt would get."""
+        n = min(len(seq.token_ids) - start, allowance)
+        cut = self._hit_end(seq)
+        return cut - start if start < cut < start + n else n
+
+    def _hit_end(self, seq: Sequence) -> int:
+        """Where a prefix hit of `seq`'s prompt ends: the last whole page before its last token (0: none).
+
+        NOTE: a cold prompt is computed in two steps, up to this boundary and then the rest, so that a later identical
+        prompt, whose hit ends here, computes its rest in the same step shape over the same pages: bit for bit what
+        the cold run computed. In one step, the rest's rows would go through other arithmetic (a GEMM's blocking
+        depends on its row count; the native step takes the few rows a hit leaves), and though the difference is
+        float rounding, Q8-rounded activations in the decode steps after it amplify it: greedy answers on a cached
+        prefix parted from the cold run's (4 of 6 long prompts on SmolLM2 Q4_1). The cost is one more small step
+        per prompt longer than a page."""
+        if not self.prefix_caching:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.add(seq, n)
@@ -316,7 +338,7 @@ class Scheduler:
             seq.status, seq.last_swap_in = SeqStatus.RUNNING, now
             seq.request.timeline.resumed(seq.index, now)
             self.running.append(seq)
-            n = min(seq.num_uncomputed, self._allowance(seq, budget))
+            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
             if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
                 self._reserve(seq, n)
                 self._add(batch, seq, n)
@@ -363,7 +385,7 @@ class Scheduler:
             limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
         hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit] if not seq.pools else [], request.root_hash)
-        n = min(len(seq.token_ids) - num_hit, budget)
+        n = self._chunk(seq, num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
         if not self._free_up(need + reserve):
