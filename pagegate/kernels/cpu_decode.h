@@ -9,6 +9,7 @@
 #define PAGEGATE_CPU_DECODE_H
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include "cpu_paged.h"
 #include "cpu_qdot.h"
@@ -18,6 +19,7 @@
 #define PGD_MAX_HEAD_DIM 256
 #define PGD_KEY_TILE 128          /* keys per online-softmax step */
 #define PGD_PREFETCH_BYTES 16384
+#define PGD_MAX_PARTS 8           /* key parts of one (token, KV head) of attention */
 
 /* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias. */
 typedef struct {
@@ -70,6 +72,7 @@ typedef struct {
     float *qkv;     /* [T, q + 2 kv] */
     float *gate_up; /* [T, 2 intermediate] */
     float *branch;  /* [T, hidden]: an attention / MLP output before its post-norm */
+    float *attn_parts; /* [T, kv_heads, PGD_MAX_PARTS, group * (head_dim + 2)]: attention's part states */
     pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, max K / 16] */
     int token_seq[PGD_MAX_TOKENS];
 } pgd_buffers;
@@ -179,21 +182,26 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
     }
 }
 
-/* Token t's query heads of KV head g over the keys its position sees (causal, windowed), with an
-   online softmax over tiles of keys; the result goes to out_t's heads. */
-static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int t, int seq, int g,
-                       const float *qkv_t, float *out_t) {
-    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
+/* The keys [first, last] token t of sequence seq sees (causal, windowed). */
+static void pgd_visible(const pgd_layer *layer, const pgd_step *s, int t, int seq, int *first, int *last) {
     const int q_len = s->query_start[seq + 1] - s->query_start[seq];
     const int pos = s->seq_lens[seq] - q_len + (t - s->query_start[seq]);
-    const int first = layer->window > 0 && pos - layer->window + 1 > 0 ? pos - layer->window + 1 : 0;
+    *first = layer->window > 0 && pos - layer->window + 1 > 0 ? pos - layer->window + 1 : 0;
+    *last = pos;
+}
+
+/* Token t's query heads of KV head g over keys [first, last] of sequence seq, with an online softmax over
+   tiles of keys: leaves each row's unnormalised output in acc [group, d], its running max and sum of
+   exp(score - max) in row_max and row_sum (an empty range: -inf and 0). */
+static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int seq, int g,
+                            const float *qkv_t, int first, int last, float *acc, float *row_max, float *row_sum) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
     const int32_t *table = s->block_tables + seq * s->table_width;
     const int64_t slot_stride = m->num_kv_heads * m->kv_row_bytes;
     const int ahead = PGD_PREFETCH_BYTES / m->kv_row_bytes > 4 ? (int)(PGD_PREFETCH_BYTES / m->kv_row_bytes) : 4;
     const float *query_row[PGD_MAX_GROUP];
     int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE];
-    float acc[PGD_MAX_GROUP * PGD_MAX_HEAD_DIM], probs[PGD_MAX_GROUP * PGD_KEY_TILE];
-    float row_max[PGD_MAX_GROUP], row_sum[PGD_MAX_GROUP];
+    float probs[PGD_MAX_GROUP * PGD_KEY_TILE];
     for (int r = 0; r < group; r++) {
         query_row[r] = qkv_t + (int64_t)(g * group + r) * d;
         head_offset[r] = g * m->kv_row_bytes;
@@ -201,8 +209,8 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
         row_sum[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * group * d);
-    for (int start = first; start <= pos; start += PGD_KEY_TILE) {
-        const int n = pos + 1 - start < PGD_KEY_TILE ? pos + 1 - start : PGD_KEY_TILE;
+    for (int start = first; start <= last; start += PGD_KEY_TILE) {
+        const int n = last + 1 - start < PGD_KEY_TILE ? last + 1 - start : PGD_KEY_TILE;
         for (int j = 0; j < n; j++) {
             const int key = start + j;
             slot[j] = ((int64_t)table[key / bs] * bs + key % bs) * slot_stride;
@@ -224,11 +232,70 @@ static void pgd_attend(const pgd_model *m, const pgd_layer *layer, const pgd_ste
         }
         pg_accumulate_tile(m->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
     }
+}
+
+/* How many parts each (token, KV head) splits its keys into: one, unless the step has fewer of them than
+   four per thread (one stream of a model with few KV heads) and keys enough that each part keeps 256. */
+static int pgd_key_parts(const pgd_model *m, const pgd_step *s, int threads) {
+    const int items = s->tokens * m->num_kv_heads;
+    int longest = 0;
+    for (int seq = 0; seq < s->seqs; seq++) longest = s->seq_lens[seq] > longest ? s->seq_lens[seq] : longest;
+    int parts = (4 * threads + items - 1) / items;
+    if (parts > longest / 256) parts = longest / 256;
+    if (parts > PGD_MAX_PARTS) parts = PGD_MAX_PARTS;
+    return parts > 1 ? parts : 1;
+}
+
+/* Part `part` of `parts` of token t's keys for KV head g: its state (acc [group, d], then the rows' max and
+   sum) goes to state. */
+static void pgd_attend_part(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int t, int seq, int g,
+                            int part, int parts, const float *qkv_t, float *state) {
+    const int group = m->num_heads / m->num_kv_heads;
+    int first, last;
+    pgd_visible(layer, s, t, seq, &first, &last);
+    const int count = last + 1 - first, lo = first + (int)((int64_t)count * part / parts);
+    const int hi = first + (int)((int64_t)count * (part + 1) / parts) - 1;
+    float *acc = state, *row_max = acc + group * m->head_dim;
+    pgd_attend_keys(m, layer, s, seq, g, qkv_t, lo, hi, acc, row_max, row_max + group);
+}
+
+/* Token t's rows of KV head g from its parts' states: each part's sum and output rescaled to the largest max
+   (flash-decoding's merge), then normalised into out_t's heads. */
+static void pgd_merge_parts(const pgd_model *m, int g, int parts, const float *states, float *out_t) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t state_size = (int64_t)group * (d + 2);
     for (int r = 0; r < group; r++) {
+        float top = -INFINITY, sum = 0.0f;
         float *dst = out_t + (int64_t)(g * group + r) * d;
-        const float inverse = 1.0f / row_sum[r];
-        for (int i = 0; i < d; i++) dst[i] = acc[r * d + i] * inverse;
+        for (int p = 0; p < parts; p++) top = fmaxf(top, states[p * state_size + group * d + r]);
+        memset(dst, 0, sizeof(float) * d);
+        for (int p = 0; p < parts; p++) {
+            const float *state = states + p * state_size, part_max = state[group * d + r];
+            if (part_max == -INFINITY) continue;
+            const float weight = expf(part_max - top);
+            sum += state[group * d + group + r] * weight;
+            for (int i = 0; i < d; i++) dst[i] += state[r * d + i] * weight;
+        }
+        pg_scale(dst, 1.0f / sum, d);
     }
+}
+
+/* Attention of every token of the step into out [T, heads * d]: (token, KV head) items on the threads, each
+   split over its keys in parts when there are too few items to keep the threads busy. */
+static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, const pgd_buffers *b,
+                          const float *qkv, int64_t qkv_width, float *out, int64_t out_width) {
+    const int parts = pgd_key_parts(m, s, omp_get_num_threads()), kv_heads = m->num_kv_heads;
+    const int64_t state_size = (int64_t)(m->num_heads / kv_heads) * (m->head_dim + 2);
+    #pragma omp for schedule(dynamic)
+    for (int item = 0; item < s->tokens * kv_heads * parts; item++) {
+        const int t = item / (kv_heads * parts), g = item / parts % kv_heads;
+        pgd_attend_part(m, layer, s, t, b->token_seq[t], g, item % parts, parts, qkv + t * qkv_width,
+                        b->attn_parts + item * state_size);
+    }
+    #pragma omp for schedule(static)
+    for (int item = 0; item < s->tokens * kv_heads; item++)
+        pgd_merge_parts(m, item % kv_heads, parts, b->attn_parts + (int64_t)item * parts * state_size,
+                        out + item / kv_heads * out_width);
 }
 
 /* act(gate) * up of every token into out [T, intermediate]: silu (SwiGLU) or tanh-approximated GELU
@@ -266,12 +333,7 @@ static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const 
     pgd_quantize(m, &layer->qkv, b->normed, act, tokens);
     pgd_matmul(m, &layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
     pgd_rope_and_write(m, layer, s, b->qkv);
-    #pragma omp for schedule(dynamic)
-    for (int item = 0; item < tokens * m->num_kv_heads; item++) {
-        const int t = item / m->num_kv_heads;
-        pgd_attend(m, layer, s, t, b->token_seq[t], item % m->num_kv_heads, b->qkv + t * qkv_width,
-                   b->normed + t * q_width);
-    }
+    pgd_attention(m, layer, s, b, b->qkv, qkv_width, b->normed, q_width);
     act->k = q_width;
     pgd_quantize(m, &layer->o, b->normed, act, tokens);
     if (layer->post_attn_norm) {

@@ -68,6 +68,7 @@ cdef extern from "cpu_decode.h":
         float *qkv
         float *gate_up
         float *branch
+        float *attn_parts
         pgq_act act
     enum:
         PGD_SILU
@@ -75,6 +76,7 @@ cdef extern from "cpu_decode.h":
         PGD_MAX_TOKENS
         PGD_MAX_GROUP
         PGD_MAX_HEAD_DIM
+        PGD_MAX_PARTS
     void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *ids, float *x, pgd_buffers *b,
                      int threads) noexcept nogil
     void pgd_logits(const pgd_model *m, const float *x, int rows, float *logits, pgd_buffers *b,
@@ -216,11 +218,13 @@ cdef class DecodeModel:
             layer.window = window or 0
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
         buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),
-                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3), torch.empty(t * hidden))
+                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3), torch.empty(t * hidden),
+                   torch.empty(t * PGD_MAX_PARTS * heads * (head_dim + 2)))
         self.buffers.normed = <float *><size_t>buffers[0].data_ptr()
         self.buffers.qkv = <float *><size_t>buffers[1].data_ptr()
         self.buffers.gate_up = <float *><size_t>buffers[2].data_ptr()
         self.buffers.branch = <float *><size_t>buffers[5].data_ptr()
+        self.buffers.attn_parts = <float *><size_t>buffers[6].data_ptr()
         self.buffers.act.q = <int8_t *><size_t>buffers[3].data_ptr()
         self.buffers.act.d = <float *><size_t>buffers[4].data_ptr()
         self.buffers.act.s = self.buffers.act.d + t * widest // 32

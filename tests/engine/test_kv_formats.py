@@ -10,6 +10,7 @@ from pagegate import LLM, SamplingParams
 from pagegate.kernels.dispatch import decode_kernel
 from pagegate.kernels.kv_format import FORMATS
 
+from .conftest import TINY, hf, save_hf_model
 from .test_llm import assert_all_pages_free, make_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
@@ -117,3 +118,24 @@ def test_preemption_gives_the_roomy_answer(llama_model, roomy, name, mode):
 def test_float32_pages_are_the_model_dtype_default(llama_model):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=16)
     assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny Llama with room for contexts long enough that one stream's attention splits over the threads."""
+    config = hf().LlamaConfig(**{**TINY, "max_position_embeddings": 1024}, bos_token_id=1, eos_token_id=2)
+    return save_hf_model(tmp_path_factory.mktemp("long"), config, seed=4)
+
+
+@pytest.mark.skipif(decode_kernel() is None, reason="the native decode step is not built")
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_one_long_stream_splits_its_keys_and_still_equals_the_torch_path(long_model, monkeypatch, name):
+    # 900 keys, 2 KV heads: the native step splits each head's keys in parts (flash-decoding) and merges them
+    prompts = [torch.randint(3, 256, (900,), generator=torch.Generator().manual_seed(0)).tolist()]
+    answers = []
+    for backend in ("auto", "reference"):
+        monkeypatch.setenv("PAGEGATE_KERNEL_BACKEND", backend)
+        llm = LLM(str(long_model.path), device="cpu", num_kv_blocks=80, kv_cache_dtype=name)
+        assert (llm.engine.runner.native is not None) == (backend == "auto")
+        answers.append(run(llm, prompts))
+    assert_same_answers(*answers)
