@@ -65,7 +65,8 @@ def test_greedy_matches_transformers(arch, setup, request, references):
 
 def test_prompt_logits_match_transformers(llama_model):
     """Float32 logits of every prompt position within 1e-4 of transformers'."""
-    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64)
+    # without prefix caching the first step takes the whole prompt (with it, the prompt stops at a hit's end first)
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.engine
     prompt = make_prompts()[5]
     request = engine.add_request("r", prompt, SamplingParams(max_tokens=1))
