@@ -25,6 +25,7 @@ import gc
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -168,7 +169,8 @@ def measure(llm: LLM, ids: list[int], window: int, bucket: int,
 
 
 def run(model: str | None, reference: LLM, formats: list[str], ids: list[int], window: int, bucket: int,
-        contexts: list[int], places: int, decode: int, max_model_len: int | None = None) -> dict[str, FormatResult]:
+        contexts: list[int], places: int, decode: int, max_model_len: int | None = None,
+        on_result: Callable[[dict[str, FormatResult]], None] | None = None) -> dict[str, FormatResult]:
     """Every format measured, judged by `reference` (the model on float32 pages, kept loaded throughout)."""
     window = min(window or reference.engine.max_model_len, reference.engine.max_model_len)
     prompts = cut_prompts(ids, contexts, places, decode)
@@ -192,6 +194,8 @@ def run(model: str | None, reference: LLM, formats: list[str], ids: list[int], w
         results[fmt] = result
         print(f"{fmt}: ppl {result.ppl:.4f} (x{result.ratio:.4f}), max gap {result.max_gap:.3f} nats, "
               f"{result.seconds:.0f} s", flush=True)
+        if on_result is not None:
+            on_result(results)
     return results
 
 
@@ -242,19 +246,24 @@ def main() -> None:
     model = args.model or None
     reference = make_llm(model, "float32", None)
     ids = text_tokens(reference, args.text, args.tokens)
-    results = run(model, reference, formats, ids, args.window, args.bucket, contexts, args.prompts, args.decode)
-    print(table(results))
     record = {"model": Path(args.model).name if args.model else "embedded default", "text": args.text.name,
-              "tokens": len(ids), "window": args.window or reference.engine.max_model_len, "bucket": args.bucket, "contexts": contexts,
-              "prompts_per_context": args.prompts, "decode": args.decode, "gap_goal": GAP_GOAL,
-              "ppl_goals": PPL_GOALS, "seconds": round(time.perf_counter() - started, 1),
-              "formats": {fmt: asdict(r) for fmt, r in results.items()}}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=1) + "\n")
+              "tokens": len(ids), "window": args.window or reference.engine.max_model_len, "bucket": args.bucket,
+              "contexts": contexts, "prompts_per_context": args.prompts, "decode": args.decode,
+              "gap_goal": GAP_GOAL, "ppl_goals": PPL_GOALS}
+
+    def save(results: dict[str, FormatResult]) -> None:
+        """The JSON after every format, so a run cut short keeps what it measured."""
+        record.update(seconds=round(time.perf_counter() - started, 1),
+                      formats={fmt: asdict(r) for fmt, r in results.items()})
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+    results = run(model, reference, formats, ids, args.window, args.bucket, contexts, args.prompts, args.decode,
+                  on_result=save)
+    print(table(results))
     print(f"wrote {args.json}")
     if wanted(args.png):
         draw(results, args.bucket, args.png)
-
 
 if __name__ == "__main__":
     main()
