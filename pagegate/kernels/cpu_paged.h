@@ -34,20 +34,13 @@ static inline uint32_t pg_float_bits(float f) { uint32_t bits; memcpy(&bits, &f,
 /* Stored values to float in integer and float arithmetic, so that loops of them vectorise: the value's sign,
    exponent and mantissa bits go where a float keeps them, and one multiply by a power of two rebiases the
    exponent (exact, subnormals included). Writes never store infinity or NaN, except a float16 page's
-   overflow (which pg_half_float reads as 65536 rather than infinity). */
+   overflow (which reads back as 65536 rather than infinity). (gcc's _Float16 conversions stay scalar.) */
 static inline float pg_ld_f32(const float *p, int i) { return p[i]; }
 static inline float pg_half_float(uint16_t h) {
     return pg_bits_float((((uint32_t)h & 0x8000u) << 16) | (((uint32_t)h & 0x7fffu) << 13)) * 0x1p112f;
 }
-/* float16 pages: where the compiler has _Float16, a conversion it turns into F16C's vcvtph2ps in the AVX2 build
-   (8 values an instruction); elsewhere the bit arithmetic above. */
-#ifdef __FLT16_MAX__
-typedef _Float16 pg_half;
-static inline float pg_ld_f16(const pg_half *p, int i) { return (float)p[i]; }
-#else
 typedef uint16_t pg_half;
 static inline float pg_ld_f16(const pg_half *p, int i) { return pg_half_float(p[i]); }
-#endif
 static inline float pg_ld_bf16(const uint16_t *p, int i) { return pg_bits_float((uint32_t)p[i] << 16); }
 static inline float pg_ld_i8(const int8_t *p, int i) { return (float)p[i]; }
 static inline float pg_ld_e4m3(const uint8_t *p, int i) {
@@ -158,11 +151,6 @@ static inline void pg_axpy4_##NAME(float *y, const float *w, const T *v0, const 
 }
 
 PG_FORMAT_OPS(f32, float, pg_ld_f32)
-PG_FORMAT_OPS(f16, pg_half, pg_ld_f16)
-PG_FORMAT_OPS(bf16, uint16_t, pg_ld_bf16)
-PG_FORMAT_OPS(i8, int8_t, pg_ld_i8)
-PG_FORMAT_OPS(e4m3, uint8_t, pg_ld_e4m3)
-PG_FORMAT_OPS(e5m2, uint8_t, pg_ld_e5m2)
 
 static inline void pg_scale(float *y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
@@ -208,72 +196,123 @@ static inline int64_t pg_span(const int64_t *head_offset, int rows, int64_t row_
 
 /* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across the rows so pages
    are read in order; row r's K row of key j starts at keys + slot[j] + head_offset[r] (bytes). Asks for the
-   keys `ahead` places on in advance. A scaled format's raw dot product is multiplied by the row's scale. */
-#define PG_SCORE_TILE(NAME, T, INVERSE_MAX)                                                                   \
+   keys `ahead` places on in advance. Float32 rows are read where they lie. */
+PG_CLONES static void pg_score_tile_f32(const uint8_t *keys, const int64_t *slot, int num_keys,
+                                        const float **query_row, const int64_t *head_offset, int rows, int head_dim,
+                                        int ahead, float *scores, int stride) {
+    const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
+    int j = 0;
+    for (; j + 4 <= num_keys; j += 4) {
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+            pg_prefetch(keys + slot[a] + head_offset[0], span);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *k = keys + head_offset[r];
+            pg_dot4_f32(query_row[r], (const float *)(k + slot[j]), (const float *)(k + slot[j + 1]),
+                        (const float *)(k + slot[j + 2]), (const float *)(k + slot[j + 3]), head_dim,
+                        scores + r * stride + j);
+        }
+    }
+    for (; j < num_keys; j++)
+        for (int r = 0; r < rows; r++)
+            scores[r * stride + j] = pg_dot_f32(query_row[r], (const float *)(keys + head_offset[r] + slot[j]), head_dim);
+}
+
+/* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like pg_score_tile; acc is
+   [rows, head_dim]. */
+PG_CLONES static void pg_accumulate_tile_f32(const uint8_t *values, const int64_t *slot, int num_keys,
+                                             const float *weights, int stride, const int64_t *head_offset, int rows,
+                                             int head_dim, int ahead, float *acc) {
+    const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
+    int j = 0;
+    for (; j + 4 <= num_keys; j += 4) {
+        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+            pg_prefetch(values + slot[a] + head_offset[0], span);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *v = values + head_offset[r];
+            pg_axpy4_f32(acc + r * head_dim, weights + r * stride + j, (const float *)(v + slot[j]),
+                         (const float *)(v + slot[j + 1]), (const float *)(v + slot[j + 2]),
+                         (const float *)(v + slot[j + 3]), head_dim);
+        }
+    }
+    for (; j < num_keys; j++)
+        for (int r = 0; r < rows; r++)
+            pg_axpy_f32(acc + r * head_dim, weights[r * stride + j], (const float *)(values + head_offset[r] + slot[j]),
+                        head_dim);
+}
+
+#define PG_MAX_HEAD_DIM 256
+
+/* The other formats: a KV head's rows of four keys are converted once (times a one-byte format's scale) into
+   four float rows on the stack, which all the query rows of that head (GQA) then read as float32 rows: a
+   value is converted once per key, not once per query head. */
+#define PG_CONVERTED_TILES(NAME, T, INVERSE_MAX)                                                              \
+static inline void pg_row_##NAME(const uint8_t *row, int head_dim, float *out) {                              \
+    const float inverse_max = INVERSE_MAX;                                                                    \
+    const float scale = inverse_max != 0.0f ? pg_row_scale(row, head_dim, inverse_max) : 1.0f;                \
+    for (int i = 0; i < head_dim; i++) out[i] = LOAD_##NAME((const T *)row, i) * scale;                        \
+}                                                                                                             \
+static inline void pg_rows4_##NAME(const uint8_t *base, const int64_t *slot, int head_dim, float *out) {      \
+    for (int a = 0; a < 4; a++) pg_row_##NAME(base + slot[a], head_dim, out + a * head_dim);                  \
+}                                                                                                             \
 PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,            \
                                            const float **query_row, const int64_t *head_offset, int rows,     \
                                            int head_dim, int ahead, float *scores, int stride) {              \
-    const float inverse_max = INVERSE_MAX; /* 0: an unscaled format */                                        \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (inverse_max != 0.0f ? 2 : 0);                  \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + ((INVERSE_MAX) != 0.0f ? 2 : 0);                \
     const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
+    float k[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
         for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
             pg_prefetch(keys + slot[a] + head_offset[0], span);                                               \
         for (int r = 0; r < rows; r++) {                                                                      \
-            const uint8_t *k = keys + head_offset[r];                                                         \
-            float *out = scores + r * stride + j;                                                             \
-            pg_dot4_##NAME(query_row[r], (const T *)(k + slot[j]), (const T *)(k + slot[j + 1]),              \
-                           (const T *)(k + slot[j + 2]), (const T *)(k + slot[j + 3]), head_dim, out);        \
-            if (inverse_max != 0.0f)                                                                          \
-                for (int a = 0; a < 4; a++) out[a] *= pg_row_scale(k + slot[j + a], head_dim, inverse_max);   \
+            if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
+                pg_rows4_##NAME(keys + head_offset[r], slot + j, head_dim, k);                                \
+            pg_dot4_f32(query_row[r], k, k + head_dim, k + 2 * head_dim, k + 3 * head_dim, head_dim,          \
+                        scores + r * stride + j);                                                             \
         }                                                                                                     \
     }                                                                                                         \
     for (; j < num_keys; j++)                                                                                 \
         for (int r = 0; r < rows; r++) {                                                                      \
-            const uint8_t *k = keys + head_offset[r] + slot[j];                                               \
-            const float score = pg_dot_##NAME(query_row[r], (const T *)k, head_dim);                          \
-            scores[r * stride + j] = inverse_max != 0.0f ? score * pg_row_scale(k, head_dim, inverse_max) : score; \
+            if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
+                pg_row_##NAME(keys + head_offset[r] + slot[j], head_dim, k);                                  \
+            scores[r * stride + j] = pg_dot_f32(query_row[r], k, head_dim);                                   \
         }                                                                                                     \
-}
-
-/* acc[r] += weights[r * stride + j] * v_j over a tile, laid out and prefetched like pg_score_tile; acc is
-   [rows, head_dim]. A scaled format's weight is multiplied by the row's scale first. */
-#define PG_ACCUMULATE_TILE(NAME, T, INVERSE_MAX)                                                              \
+}                                                                                                             \
 PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,     \
                                                 const float *weights, int stride, const int64_t *head_offset, \
                                                 int rows, int head_dim, int ahead, float *acc) {              \
-    const float inverse_max = INVERSE_MAX; /* 0: an unscaled format */                                        \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + (inverse_max != 0.0f ? 2 : 0);                  \
+    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + ((INVERSE_MAX) != 0.0f ? 2 : 0);                \
     const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
+    float v[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
         for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
             pg_prefetch(values + slot[a] + head_offset[0], span);                                             \
         for (int r = 0; r < rows; r++) {                                                                      \
-            const uint8_t *v = values + head_offset[r];                                                       \
-            float w[4];                                                                                       \
-            for (int a = 0; a < 4; a++)                                                                       \
-                w[a] = weights[r * stride + j + a] * (inverse_max != 0.0f ? pg_row_scale(v + slot[j + a], head_dim, inverse_max) : 1.0f); \
-            pg_axpy4_##NAME(acc + r * head_dim, w, (const T *)(v + slot[j]), (const T *)(v + slot[j + 1]),    \
-                            (const T *)(v + slot[j + 2]), (const T *)(v + slot[j + 3]), head_dim);            \
+            if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
+                pg_rows4_##NAME(values + head_offset[r], slot + j, head_dim, v);                              \
+            pg_axpy4_f32(acc + r * head_dim, weights + r * stride + j, v, v + head_dim, v + 2 * head_dim,     \
+                         v + 3 * head_dim, head_dim);                                                         \
         }                                                                                                     \
     }                                                                                                         \
     for (; j < num_keys; j++)                                                                                 \
         for (int r = 0; r < rows; r++) {                                                                      \
-            const uint8_t *v = values + head_offset[r] + slot[j];                                             \
-            const float w = weights[r * stride + j] * (inverse_max != 0.0f ? pg_row_scale(v, head_dim, inverse_max) : 1.0f); \
-            pg_axpy_##NAME(acc + r * head_dim, w, (const T *)v, head_dim);                                    \
+            if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
+                pg_row_##NAME(values + head_offset[r] + slot[j], head_dim, v);                                \
+            pg_axpy_f32(acc + r * head_dim, weights[r * stride + j], v, head_dim);                            \
         }                                                                                                     \
 }
 
-#define PG_TILES(NAME, T, INVERSE_MAX) PG_SCORE_TILE(NAME, T, INVERSE_MAX) PG_ACCUMULATE_TILE(NAME, T, INVERSE_MAX)
-PG_TILES(f32, float, 0.0f)
-PG_TILES(f16, pg_half, 0.0f)
-PG_TILES(bf16, uint16_t, 0.0f)
-PG_TILES(i8, int8_t, 1.0f / 127.0f)
-PG_TILES(e4m3, uint8_t, 1.0f / 448.0f)
-PG_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
+#define LOAD_f16 pg_ld_f16
+#define LOAD_bf16 pg_ld_bf16
+#define LOAD_i8 pg_ld_i8
+#define LOAD_e4m3 pg_ld_e4m3
+#define LOAD_e5m2 pg_ld_e5m2
+PG_CONVERTED_TILES(f16, pg_half, 0.0f)
+PG_CONVERTED_TILES(bf16, uint16_t, 0.0f)
+PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f)
+PG_CONVERTED_TILES(e4m3, uint8_t, 1.0f / 448.0f)
+PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
 
 /* The tile functions of a page format (its PG_ code). */
 __attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,

@@ -39,6 +39,7 @@ cdef enum:
 
 cdef extern from "cpu_paged.h":
     int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
+    enum: PG_MAX_HEAD_DIM
     void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) noexcept nogil
     void pg_scale(float *y, float a, int n) noexcept nogil
     void pg_softcap(float *y, float a, float cap, int n) noexcept nogil
@@ -48,6 +49,8 @@ cdef extern from "cpu_paged.h":
     void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
                             const float *weights, int stride, const int64_t *head_offset, int rows, int head_dim,
                             int ahead, float *acc) noexcept nogil
+
+MAX_HEAD_DIM = PG_MAX_HEAD_DIM  # of the formats converted as they are read
 
 # each format's code in cpu_paged.h (PG_F32 ...), by the cache tensor's dtype
 FORMAT_CODES = {FORMATS[name].dtype: code for code, name in
@@ -96,6 +99,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     and no gradient wanted (the kernel records none; the torch path does)."""
     return (query.device.type == "cpu" and k_cache.device.type == "cpu" and query.dtype == torch.float32
             and k_cache.dtype == v_cache.dtype and k_cache.dtype in FORMAT_CODES
+            and (k_cache.dtype == torch.float32 or head_dim_of(k_cache) <= MAX_HEAD_DIM)  # converted on the stack
             and not (torch.is_grad_enabled() and query.requires_grad))
 
 
