@@ -58,9 +58,9 @@ def prompt() -> list[int]:
     return torch.randint(3, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def cold_then_hit(path: Path, prompt: list[int], **engine: int) -> tuple[RequestOutput, RequestOutput]:
+def cold_then_hit(path: Path, prompt: list[int]) -> tuple[RequestOutput, RequestOutput]:
     """The same greedy request twice on one engine: cold, then served from the prefix cache."""
-    llm = LLM(str(path), device="cpu", block_size=BLOCK, num_kv_blocks=128, max_model_len=256, **engine)
+    llm = LLM(str(path), device="cpu", block_size=BLOCK, num_kv_blocks=128, max_model_len=256)
     window = llm.engine.runner.model_config.sliding_window
     assert window == WINDOW and window < PROMPT and window > 2 * BLOCK
     cold, hit = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
@@ -93,7 +93,7 @@ def test_float32_hit_equals_cold_and_transformers(family: SavedModel, prompt: li
 
 
 def test_q8_gguf_hit_equals_cold(gemma3_q8: Path, prompt: list[int]) -> None:
-    """The tail a hit leaves (4 prompt tokens) is computed as a cold prefill computes it; before, it ran on the
-    native step with Q8 activations and the greedy answers parted."""
+    """The 4 prompt tokens a hit leaves are computed as the cold run computed them; before, they ran on the native
+    step's Q8 activations where the cold prefill had float32 ones, and the greedy answers parted."""
     cold, hit = cold_then_hit(gemma3_q8, prompt)
     assert_same_answer(cold, hit)
