@@ -218,9 +218,10 @@ class Scheduler:
         prompt, whose hit ends here, computes its rest in the same step shape over the same pages: bit for bit what
         the cold run computed. In one step, the rest's rows would go through other arithmetic (a GEMM's blocking
         depends on its row count; the native step takes the few rows a hit leaves), and though the difference is
-        float rounding, Q8-rounded activations in the decode steps after it amplify it: greedy answers on a cached
-        prefix parted from the cold run's (4 of 6 long prompts on SmolLM2 Q4_1). The cost is one more small step
-        per prompt longer than a page."""
+        float rounding, Q8-rounded activations in the decode steps after it amplify it: on SmolLM2 Q4_1, 954-token
+        prompts, greedy answers on the cached prefix parted from the cold run's in 3 of 6 (4 of 6 with the rest on
+        the torch forward alone, runner.py), none with this cut. The cost is one more small step per prompt longer
+        than a page."""
         if not self.prefix_caching:
             return 0
         return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
