@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from bench.kv_quality import TEXT, bucket_perplexities, cut_prompts, make_llm, run, table, text_tokens, windows
+from bench.kv_quality import (
+    TEXT,
+    bucket_perplexities,
+    cut_prompts,
+    make_llm,
+    run,
+    table,
+    text_tokens,
+    windows,
+)
 
 
 def test_windows_prompts_and_buckets() -> None:
