@@ -35,7 +35,6 @@ static inline uint32_t pg_float_bits(float f) { uint32_t bits; memcpy(&bits, &f,
    exponent and mantissa bits go where a float keeps them, and one multiply by a power of two rebiases the
    exponent (exact, subnormals included). Writes never store infinity or NaN, except a float16 page's
    overflow (which reads back as 65536 rather than infinity). (gcc's _Float16 conversions stay scalar.) */
-static inline float pg_ld_f32(const float *p, int i) { return p[i]; }
 static inline float pg_half_float(uint16_t h) {
     return pg_bits_float((((uint32_t)h & 0x8000u) << 16) | (((uint32_t)h & 0x7fffu) << 13)) * 0x1p112f;
 }
@@ -119,38 +118,35 @@ __attribute__((unused)) static void pg_store_row(int format, const float *x, int
 
 /* Plain loops that gcc -O3 vectorises without -ffast-math: `omp simd reduction` (honoured under -fopenmp)
    lets a dot product's sum be split into vector lanes. Four keys at a time give four independent sums (no
-   wait on one adder chain), and one load and store of an accumulator per four value rows. One set per
-   format, each value converted in registers as it is loaded. */
-#define PG_FORMAT_OPS(NAME, T, LOAD)                                                                          \
-static inline float pg_dot_##NAME(const float *q, const T *k, int n) {                                        \
-    float s = 0.0f;                                                                                           \
-    _Pragma("omp simd reduction(+:s)")                                                                        \
-    for (int i = 0; i < n; i++) s += q[i] * LOAD(k, i);                                                       \
-    return s;                                                                                                 \
-}                                                                                                             \
-static inline void pg_dot4_##NAME(const float *q, const T *k0, const T *k1, const T *k2, const T *k3,         \
-                                  int n, float *out) {                                                        \
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                         \
-    _Pragma("omp simd reduction(+:s0, s1, s2, s3)")                                                           \
-    for (int i = 0; i < n; i++) {                                                                             \
-        s0 += q[i] * LOAD(k0, i);                                                                             \
-        s1 += q[i] * LOAD(k1, i);                                                                             \
-        s2 += q[i] * LOAD(k2, i);                                                                             \
-        s3 += q[i] * LOAD(k3, i);                                                                             \
-    }                                                                                                         \
-    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;                                                       \
-}                                                                                                             \
-static inline void pg_axpy_##NAME(float *y, float w, const T *v, int n) {                                     \
-    for (int i = 0; i < n; i++) y[i] += w * LOAD(v, i);                                                       \
-}                                                                                                             \
-static inline void pg_axpy4_##NAME(float *y, const float *w, const T *v0, const T *v1, const T *v2,           \
-                                   const T *v3, int n) {                                                      \
-    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];                                                   \
-    for (int i = 0; i < n; i++)                                                                               \
-        y[i] += w0 * LOAD(v0, i) + w1 * LOAD(v1, i) + w2 * LOAD(v2, i) + w3 * LOAD(v3, i);                    \
+   wait on one adder chain), and one load and store of an accumulator per four value rows. Other formats
+   convert their rows into float32 first (PG_CONVERTED_TILES). */
+static inline float pg_dot_f32(const float *q, const float *k, int n) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+:s)
+    for (int i = 0; i < n; i++) s += q[i] * k[i];
+    return s;
 }
-
-PG_FORMAT_OPS(f32, float, pg_ld_f32)
+static inline void pg_dot4_f32(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                               int n, float *out) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    #pragma omp simd reduction(+:s0, s1, s2, s3)
+    for (int i = 0; i < n; i++) {
+        s0 += q[i] * k0[i];
+        s1 += q[i] * k1[i];
+        s2 += q[i] * k2[i];
+        s3 += q[i] * k3[i];
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+static inline void pg_axpy_f32(float *y, float w, const float *v, int n) {
+    for (int i = 0; i < n; i++) y[i] += w * v[i];
+}
+static inline void pg_axpy4_f32(float *y, const float *w, const float *v0, const float *v1, const float *v2,
+                                const float *v3, int n) {
+    const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+    for (int i = 0; i < n; i++)
+        y[i] += w0 * v0[i] + w1 * v1[i] + w2 * v2[i] + w3 * v3[i];
+}
 
 static inline void pg_scale(float *y, float a, int n) {
     for (int i = 0; i < n; i++) y[i] *= a;
@@ -249,7 +245,7 @@ PG_CLONES static void pg_accumulate_tile_f32(const uint8_t *values, const int64_
 static inline void pg_row_##NAME(const uint8_t *row, int head_dim, float *out) {                              \
     const float inverse_max = INVERSE_MAX;                                                                    \
     const float scale = inverse_max != 0.0f ? pg_row_scale(row, head_dim, inverse_max) : 1.0f;                \
-    for (int i = 0; i < head_dim; i++) out[i] = LOAD_##NAME((const T *)row, i) * scale;                        \
+    for (int i = 0; i < head_dim; i++) out[i] = pg_ld_##NAME((const T *)row, i) * scale;                        \
 }                                                                                                             \
 static inline void pg_rows4_##NAME(const uint8_t *base, const int64_t *slot, int head_dim, float *out) {      \
     for (int a = 0; a < 4; a++) pg_row_##NAME(base + slot[a], head_dim, out + a * head_dim);                  \
@@ -303,11 +299,6 @@ PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int
         }                                                                                                     \
 }
 
-#define LOAD_f16 pg_ld_f16
-#define LOAD_bf16 pg_ld_bf16
-#define LOAD_i8 pg_ld_i8
-#define LOAD_e4m3 pg_ld_e4m3
-#define LOAD_e5m2 pg_ld_e5m2
 PG_CONVERTED_TILES(f16, pg_half, 0.0f)
 PG_CONVERTED_TILES(bf16, uint16_t, 0.0f)
 PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f)
