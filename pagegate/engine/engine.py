@@ -40,8 +40,7 @@ class Engine:
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids = runner.model_config, runner.eos_token_ids
         self.kv_pages = runner.kv_pages
-        if runner.kv_format is not None:
-            self.monitor.metrics.kv_page_format(runner.kv_format.name, runner.kv_bytes_per_token)
+        self.monitor.metrics.kv_page_format(runner.kv_format, runner.kv_bytes_per_token)
         self.intake = RequestIntake(runner.tokenizer, runner.model_config.vocab_size, runner.eos_token_ids,
                                     runner.max_model_len, config.scheduler, runner.device, runner.serves)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagegate.config import HealthThresholds
 from pagegate.engine.observe.stats import SchedulerStats
+
+if TYPE_CHECKING:
+    from pagegate.kernels.kv_format import KVFormat
 
 HEALTH_GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -73,11 +77,14 @@ class EngineMetrics:
         zeros: dict = {f.name: 0 for f in fields(SchedulerStats)}
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
-    def kv_page_format(self, kv_cache_dtype: str, bytes_per_token: int) -> None:
-        """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format."""
+    def kv_page_format(self, kv_format: KVFormat | None, bytes_per_token: int) -> None:
+        """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format (none when
+        the model keeps no pages)."""
+        if kv_format is None:
+            return
         Gauge("pagegate:kv_cache_bytes_per_token", "KV bytes one token takes in the pages' format (scales included).",
               ["model_name", "kv_cache_dtype"], registry=self.registry).labels(self._model_name,
-                                                                             kv_cache_dtype).set(bytes_per_token)
+                                                                             kv_format.name).set(bytes_per_token)
 
     def cache_config(self, block_size: int, num_blocks: int) -> None:
         """vllm:cache_config_info, which llm-d's scorers read for the page size and count."""
