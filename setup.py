@@ -25,9 +25,10 @@ extensions = [
         extra_compile_args=["-O3", "-fopenmp", *flags],
         extra_link_args=["-fopenmp"],
     )
-    for name, headers, flags in (("cpu_paged", ("cpu_paged",), ()),
+    for name, headers, flags in (("cpu_paged", ("cpu_paged", "cpu_tiles_avx2"), ()),
                                  ("cpu_quant", ("cpu_quant", "cpu_qdot", "cpu_qdot_isa"), ("-ffp-contract=off",)),
-                                 ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_quant", "cpu_qdot", "cpu_qdot_isa"),
+                                 ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_tiles_avx2", "cpu_quant", "cpu_qdot",
+                                                 "cpu_qdot_isa"),
                                   ("-ffp-contract=off",)))
 ]
 

@@ -4,7 +4,7 @@
                              [--rounds 3] [--tokens 64] [--threads 2] [--no-peers]
 
 pagegate runs the engine on the main thread (as the engine core does) over SmolLM2-135M Q4_1, one engine per
-format; decode tok/s is `tokens` tokens timed after a `depth`-token prompt's first token (llama-bench's tg with
+format, each in its own process; decode tok/s is `tokens` tokens timed after a `depth`-token prompt's first token (llama-bench's tg with
 -d). The prompt is the same in every round, so after the first round its prefill is a prefix hit. llama-bench runs
 the same file at the same depths in its two best configurations here: F16 pages without flash attention, and q8_0
 pages (which need flash attention). Formats and peers alternate within each round; medians of the rounds are
@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,21 +53,54 @@ def llama_bench(depth: int, tokens: int, threads: int, cache_type: str, flash: s
     return float(rows[0]["avg_ts"])
 
 
+class FormatWorker:
+    """One engine with one page format in its own process (as a served engine core has), measuring on request:
+    engines sharing a process measured 0.8-4.5 tok/s here, a fraction of what each does alone."""
+
+    def __init__(self, kv_cache_dtype: str, max_model_len: int) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "bench.kv_speed", "--worker", kv_cache_dtype,
+                                         "--max-model-len", str(max_model_len)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def decode_tok_s(self, depth: int, tokens: int) -> float:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(f"{depth} {tokens}\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def worker(kv_cache_dtype: str, max_model_len: int) -> None:
+    """Answer each "depth tokens" line on stdin with the decode tok/s after a `depth`-token prompt."""
+    llm = LLM(str(SMOLLM2), kv_cache_dtype=kv_cache_dtype, kv_cache_memory="2GiB", max_model_len=max_model_len)
+    vocab = llm.engine.model_config.vocab_size
+    for line in sys.stdin:
+        depth, tokens = map(int, line.split())
+        prompt = np.random.default_rng(depth).integers(10, vocab, depth).tolist()
+        print(decode_tok_s(llm, prompt, tokens), flush=True)
+
+
 def measure(args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
-    engines = {name: LLM(str(SMOLLM2), kv_cache_dtype=name, kv_cache_memory="2GiB", max_model_len=max(args.depths)
-                         + args.tokens + 16) for name in args.formats}
-    vocab = next(iter(engines.values())).engine.model_config.vocab_size
-    prompts = {d: np.random.default_rng(d).integers(10, vocab, d).tolist() for d in args.depths}
+    max_model_len = max(args.depths) + args.tokens + 16
+    workers = {name: FormatWorker(name, max_model_len) for name in args.formats}
     runs: dict[str, dict[int, list[float]]] = {name: {d: [] for d in args.depths}
                                                for name in [*args.formats, *([] if args.no_peers else PEERS)]}
-    for round_ in range(args.rounds):
-        for depth in args.depths:
-            for name, llm in engines.items():
-                runs[name][depth].append(decode_tok_s(llm, prompts[depth], args.tokens))
-            for name, (cache_type, flash) in ({} if args.no_peers else PEERS).items():
-                runs[name][depth].append(llama_bench(depth, args.tokens, args.threads, cache_type, flash))
-            print(f"round {round_ + 1} depth {depth}: " + ", ".join(
-                f"{name} {values[depth][-1]:.1f}" for name, values in runs.items()), flush=True)
+    try:
+        for round_ in range(args.rounds):
+            for depth in args.depths:
+                for name, engine in workers.items():
+                    runs[name][depth].append(engine.decode_tok_s(depth, args.tokens))
+                for name, (cache_type, flash) in ({} if args.no_peers else PEERS).items():
+                    runs[name][depth].append(llama_bench(depth, args.tokens, args.threads, cache_type, flash))
+                print(f"round {round_ + 1} depth {depth}: " + ", ".join(
+                    f"{name} {values[depth][-1]:.1f}" for name, values in runs.items()), flush=True)
+    finally:
+        for engine in workers.values():
+            engine.close()
     return runs
 
 
@@ -115,7 +149,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peers", action="store_true", help="pagegate's formats only (no llama.cpp build)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_speed.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.max_model_len)
     if not args.no_peers:
         llamacpp.build()
     runs = measure(args)

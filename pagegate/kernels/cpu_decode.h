@@ -18,7 +18,7 @@
 #define PGD_MAX_GROUP 16          /* query heads per KV head */
 #define PGD_MAX_HEAD_DIM 256
 #define PGD_KEY_TILE 128          /* keys per online-softmax step */
-#define PGD_PREFETCH_BYTES 16384
+#define PGD_PREFETCH_BYTES 2048
 #define PGD_MAX_PARTS 8           /* key parts of one (token, KV head) of attention */
 
 /* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias. */
@@ -198,9 +198,9 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
     const int d = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
     const int32_t *table = s->block_tables + seq * s->table_width;
     const int64_t slot_stride = m->num_kv_heads * m->kv_row_bytes;
-    const int ahead = PGD_PREFETCH_BYTES / m->kv_row_bytes > 4 ? (int)(PGD_PREFETCH_BYTES / m->kv_row_bytes) : 4;
+    const int ahead = pg_ahead(PGD_PREFETCH_BYTES, m->kv_row_bytes);
     const float *query_row[PGD_MAX_GROUP];
-    int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE];
+    int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE + PG_MAX_AHEAD + 4];
     float probs[PGD_MAX_GROUP * PGD_KEY_TILE];
     for (int r = 0; r < group; r++) {
         query_row[r] = qkv_t + (int64_t)(g * group + r) * d;
@@ -211,23 +211,16 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
     memset(acc, 0, sizeof(float) * group * d);
     for (int start = first; start <= last; start += PGD_KEY_TILE) {
         const int n = last + 1 - start < PGD_KEY_TILE ? last + 1 - start : PGD_KEY_TILE;
-        for (int j = 0; j < n; j++) {
-            const int key = start + j;
-            slot[j] = ((int64_t)table[key / bs] * bs + key % bs) * slot_stride;
-        }
+        const int known = last + 1 - start < n + ahead ? last + 1 - start : n + ahead;
+        pg_slots(table, bs, slot_stride, start, known, n + ahead + 4, slot);
         pg_score_tile(m->kv_format, layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
         for (int r = 0; r < group; r++) {
-            float *p = probs + r * PGD_KEY_TILE, tile_max = -INFINITY, total = 0.0f;
+            float *p = probs + r * PGD_KEY_TILE;
             if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
             else pg_scale(p, m->scale, n);
-            for (int j = 0; j < n; j++) tile_max = fmaxf(tile_max, p[j]);
-            const float new_max = fmaxf(row_max[r], tile_max), correction = expf(row_max[r] - new_max);
+            const float new_max = fmaxf(row_max[r], pg_max(p, n)), correction = expf(row_max[r] - new_max);
             if (correction != 1.0f) pg_scale(acc + r * d, correction, d);
-            for (int j = 0; j < n; j++) {
-                p[j] = expf(p[j] - new_max);
-                total += p[j];
-            }
-            row_sum[r] = row_sum[r] * correction + total;
+            row_sum[r] = row_sum[r] * correction + pg_exp_sum(p, n, new_max);
             row_max[r] = new_max;
         }
         pg_accumulate_tile(m->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);

@@ -190,16 +190,40 @@ static inline int64_t pg_span(const int64_t *head_offset, int rows, int64_t row_
     return head_offset[rows - 1] - head_offset[0] + row_bytes;
 }
 
+/* How far ahead of use a tile asks for K/V rows, in keys: prefetch_bytes of rows of row_bytes. */
+#define PG_MAX_AHEAD 64
+static inline int pg_ahead(int64_t prefetch_bytes, int64_t row_bytes) {
+    const int64_t keys = prefetch_bytes / row_bytes;
+    return keys < 4 ? 4 : keys > PG_MAX_AHEAD ? PG_MAX_AHEAD : (int)keys;
+}
+
+/* slot[j] = the byte offset in the caches of key first + j's slot, for j < count (table: the sequence's
+   pages), then copies of the last one up to `total`: a tile of n keys fetching `ahead` keys on needs
+   n + ahead + 4 slots. */
+static inline void pg_slots(const int32_t *table, int block_size, int64_t slot_stride, int first, int count,
+                            int total, int64_t *slot) {
+    int page = first / block_size, at = first % block_size;
+    for (int j = 0; j < count; j++) {
+        slot[j] = ((int64_t)table[page] * block_size + at) * slot_stride;
+        if (++at == block_size) {
+            at = 0;
+            page++;
+        }
+    }
+    for (int j = count; j < total; j++) slot[j] = slot[count - 1];
+}
+
 /* scores[r * stride + j] = q_r . k_j for every row r and key j of a tile, key by key across the rows so pages
    are read in order; row r's K row of key j starts at keys + slot[j] + head_offset[r] (bytes). Asks for the
-   keys `ahead` places on in advance. Float32 rows are read where they lie. */
+   keys `ahead` places on in advance (slot holds num_keys + ahead + 4 entries: pg_slots). Float32 rows are
+   read where they lie. */
 PG_CLONES static void pg_score_tile_f32(const uint8_t *keys, const int64_t *slot, int num_keys,
                                         const float **query_row, const int64_t *head_offset, int rows, int head_dim,
                                         int ahead, float *scores, int stride) {
     const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
     int j = 0;
     for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+        for (int a = j + ahead; a < j + ahead + 4; a++)
             pg_prefetch(keys + slot[a] + head_offset[0], span);
         for (int r = 0; r < rows; r++) {
             const uint8_t *k = keys + head_offset[r];
@@ -221,7 +245,7 @@ PG_CLONES static void pg_accumulate_tile_f32(const uint8_t *values, const int64_
     const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
     int j = 0;
     for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)
+        for (int a = j + ahead; a < j + ahead + 4; a++)
             pg_prefetch(values + slot[a] + head_offset[0], span);
         for (int r = 0; r < rows; r++) {
             const uint8_t *v = values + head_offset[r];
@@ -258,7 +282,7 @@ PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *s
     float k[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
+        for (int a = j + ahead; a < j + ahead + 4; a++)                                                       \
             pg_prefetch(keys + slot[a] + head_offset[0], span);                                               \
         for (int r = 0; r < rows; r++) {                                                                      \
             if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
@@ -282,7 +306,7 @@ PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int
     float v[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
-        for (int a = j + ahead; a < j + ahead + 4 && a < num_keys; a++)                                       \
+        for (int a = j + ahead; a < j + ahead + 4; a++)                                                       \
             pg_prefetch(values + slot[a] + head_offset[0], span);                                             \
         for (int r = 0; r < rows; r++) {                                                                      \
             if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
@@ -305,10 +329,49 @@ PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f)
 PG_CONVERTED_TILES(e4m3, uint8_t, 1.0f / 448.0f)
 PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#  include "cpu_tiles_avx2.h"
+#  define PG_TILES_AVX2(format, head_dim) ((head_dim) % 8 == 0 && pg_has_avx2())
+#else
+#  define PG_TILES_AVX2(format, head_dim) 0
+#endif
+
+/* p[j] = exp(p[j] - max) for j < n; returns their sum. */
+__attribute__((unused)) static float pg_exp_sum(float *p, int n, float max) {
+#if defined(PAGEGATE_CPU_TILES_AVX2_H)
+    if (pg_has_avx2()) return pg_exp_sum_avx2(p, n, max);
+#endif
+    float total = 0.0f;
+    for (int j = 0; j < n; j++) {
+        p[j] = expf(p[j] - max);
+        total += p[j];
+    }
+    return total;
+}
+
+/* The largest of p[0..n) (-inf for none); NaN-blind, as scores hold none. */
+static inline float pg_max(const float *p, int n) {
+    float top = -INFINITY;
+    for (int j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
+    return top;
+}
+
 /* The tile functions of a page format (its PG_ code). */
 __attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,
                           const float **query_row, const int64_t *head_offset, int rows, int head_dim,
                           int ahead, float *scores, int stride) {
+#if defined(PAGEGATE_CPU_TILES_AVX2_H)
+    if (PG_TILES_AVX2(format, head_dim)) {
+        switch (format) {
+        case PG_F16: pg_score_tile_avx2_f16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        case PG_BF16: pg_score_tile_avx2_bf16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        case PG_I8: pg_score_tile_avx2_i8(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        case PG_E4M3: pg_score_tile_avx2_e4m3(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        case PG_E5M2: pg_score_tile_avx2_e5m2(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        default: pg_score_tile_avx2_f32(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
+        }
+    }
+#endif
     switch (format) {
     case PG_F16: pg_score_tile_f16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
     case PG_BF16: pg_score_tile_bf16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
@@ -322,6 +385,18 @@ __attribute__((unused)) static void pg_score_tile(int format, const uint8_t *key
 __attribute__((unused)) static void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
                                const float *weights, int stride, const int64_t *head_offset, int rows,
                                int head_dim, int ahead, float *acc) {
+#if defined(PAGEGATE_CPU_TILES_AVX2_H)
+    if (PG_TILES_AVX2(format, head_dim)) {
+        switch (format) {
+        case PG_F16: pg_accumulate_tile_avx2_f16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        case PG_BF16: pg_accumulate_tile_avx2_bf16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        case PG_I8: pg_accumulate_tile_avx2_i8(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        case PG_E4M3: pg_accumulate_tile_avx2_e4m3(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        case PG_E5M2: pg_accumulate_tile_avx2_e5m2(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        default: pg_accumulate_tile_avx2_f32(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
+        }
+    }
+#endif
     switch (format) {
     case PG_F16: pg_accumulate_tile_f16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
     case PG_BF16: pg_accumulate_tile_bf16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;

@@ -35,20 +35,29 @@ from pagegate.kernels.kv_format import FORMATS, format_of, head_dim_of
 cdef enum:
     KEY_TILE = 128
     ROW_TILE = 32
-    PREFETCH_BYTES = 16384
+    PREFETCH_BYTES = 2048
 
 cdef extern from "cpu_paged.h":
     int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
     enum: PG_MAX_HEAD_DIM
+    enum: PG_MAX_AHEAD
+    int pg_ahead(int64_t prefetch_bytes, int64_t row_bytes) noexcept nogil
+    void pg_slots(const int32_t *table, int block_size, int64_t slot_stride, int first, int count, int total,
+                  int64_t *slot) noexcept nogil
     void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) noexcept nogil
     void pg_scale(float *y, float a, int n) noexcept nogil
     void pg_softcap(float *y, float a, float cap, int n) noexcept nogil
+    float pg_exp_sum(float *p, int n, float max) noexcept nogil
+    float pg_max(const float *p, int n) noexcept nogil
     void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys, const float **query_row,
                        const int64_t *head_offset, int rows, int head_dim, int ahead, float *scores,
                        int stride) noexcept nogil
     void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
                             const float *weights, int stride, const int64_t *head_offset, int rows, int head_dim,
                             int ahead, float *acc) noexcept nogil
+
+cdef enum:
+    SLOTS = KEY_TILE + PG_MAX_AHEAD + 4  # a tile's keys and those it prefetches (pg_slots)
 
 MAX_HEAD_DIM = PG_MAX_HEAD_DIM  # of the formats converted as they are read
 
@@ -91,7 +100,7 @@ cdef struct Scratch:
     float *probs    # [rows, KEY_TILE] scores, then their exp
     const float **query_row  # [rows] each row's query vector
     int64_t *head_offset     # [rows] byte offset of the row's KV head within a cache slot
-    int64_t *slot_offset     # [KEY_TILE] byte offset of each key's slot in the caches
+    int64_t *slot_offset     # [SLOTS] byte offset of each key's slot in the caches
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -240,7 +249,7 @@ cdef Scratch *_new_scratch(int num_threads, int rows, int head_dim, char **memor
     """One Scratch per thread, their buffers all in one allocation (returned in memory_out; the
     caller frees both); NULL when out of memory."""
     # pointer-sized arrays first, so every array stays aligned to its type
-    cdef size_t pointers = rows * (sizeof(float *) + sizeof(int64_t)) + KEY_TILE * sizeof(int64_t)
+    cdef size_t pointers = rows * (sizeof(float *) + sizeof(int64_t)) + SLOTS * sizeof(int64_t)
     cdef size_t per_thread = pointers + (rows * head_dim + 2 * rows + rows * KEY_TILE) * sizeof(float)
     cdef Scratch *scratch = <Scratch *>malloc(num_threads * sizeof(Scratch))
     cdef char *memory = <char *>malloc(num_threads * per_thread)
@@ -255,7 +264,7 @@ cdef Scratch *_new_scratch(int num_threads, int rows, int head_dim, char **memor
         s.query_row = <const float **>(memory + t * per_thread)
         s.head_offset = <int64_t *>(s.query_row + rows)
         s.slot_offset = s.head_offset + rows
-        s.acc = <float *>(s.slot_offset + KEY_TILE)
+        s.acc = <float *>(s.slot_offset + SLOTS)
         s.row_max = s.acc + rows * head_dim
         s.row_sum = s.row_max + rows
         s.probs = s.row_sum + rows
@@ -318,7 +327,7 @@ cdef void _attend_item(const Problem *p, Scratch *s, const Item *item) noexcept 
     cdef int key_start = 0 if p.window == 0 else max(0, first_pos - p.window + 1)
     cdef int r, tile, tile_start, num_keys
     # prefetch distance in keys: PREFETCH_BYTES of the item's K (or V) rows
-    cdef int ahead = max(4, PREFETCH_BYTES // (item.kv_count * <int>p.row_bytes))
+    cdef int ahead = pg_ahead(PREFETCH_BYTES, item.kv_count * p.row_bytes)
     for r in range(rows):
         s.row_max[r] = -INFINITY
         s.row_sum[r] = 0
@@ -327,7 +336,8 @@ cdef void _attend_item(const Problem *p, Scratch *s, const Item *item) noexcept 
     for tile in range((key_end - key_start + KEY_TILE - 1) // KEY_TILE):
         tile_start = key_start + tile * KEY_TILE
         num_keys = min(KEY_TILE, key_end - tile_start)
-        _slot_offsets(p, item.seq, tile_start, num_keys, s.slot_offset)
+        pg_slots(p.block_tables + item.seq * p.table_width, p.block_size, p.num_kv_heads * p.row_bytes, tile_start,
+                 min(num_keys + ahead, key_end - tile_start), num_keys + ahead + 4, s.slot_offset)
         _score_tile(p, s, rows, num_keys, ahead)
         _mask_tile(p, s, item, first_pos, tile_start, num_keys)
         _softmax_tile(s, rows, p.head_dim, num_keys)
@@ -349,22 +359,6 @@ cdef int _item_rows(const Problem *p, Scratch *s, const Item *item) noexcept nog
                           + head * p.q_head_stride)
         s.head_offset[r] = head // group * p.row_bytes
     return item.count * heads
-
-
-cdef void _slot_offsets(const Problem *p, int seq, int key_pos, int num_keys, int64_t *offsets) noexcept nogil:
-    """Byte offset in the caches of the slot of each key key_pos..key_pos+num_keys-1 of
-    sequence seq (walking the pages, so no division per key)."""
-    cdef const int32_t *table = p.block_tables + seq * p.table_width
-    cdef int64_t slot_stride = p.num_kv_heads * p.row_bytes
-    cdef int page = key_pos // p.block_size
-    cdef int slot = key_pos % p.block_size
-    cdef int j
-    for j in range(num_keys):
-        offsets[j] = (<int64_t>table[page] * p.block_size + slot) * slot_stride
-        slot += 1
-        if slot == p.block_size:
-            slot = 0
-            page += 1
 
 
 cdef void _score_tile(const Problem *p, Scratch *s, int rows, int num_keys, int ahead) noexcept nogil:
@@ -404,13 +398,11 @@ cdef void _softmax_tile(Scratch *s, int rows, int head_dim, int num_keys) noexce
     """Online softmax step: fold the tile's scores into each row's running max and sum, rescale
     its accumulator to the new max, and turn the scores into weights exp(score - max)."""
     cdef int r, j
-    cdef float tile_max, new_max, correction, total
+    cdef float tile_max, new_max, correction
     cdef float *probs
     for r in range(rows):
         probs = s.probs + r * KEY_TILE
-        tile_max = -INFINITY
-        for j in range(num_keys):
-            tile_max = max(tile_max, probs[j])
+        tile_max = pg_max(probs, num_keys)
         if tile_max == -INFINITY:  # the row sees none of these keys: weights 0, state unchanged
             for j in range(num_keys):
                 probs[j] = 0
@@ -419,11 +411,7 @@ cdef void _softmax_tile(Scratch *s, int rows, int head_dim, int num_keys) noexce
         correction = expf(s.row_max[r] - new_max)  # 0 for the first keys the row sees
         if correction != 1:
             pg_scale(s.acc + r * head_dim, correction, head_dim)
-        total = 0
-        for j in range(num_keys):
-            probs[j] = expf(probs[j] - new_max)
-            total += probs[j]
-        s.row_sum[r] = s.row_sum[r] * correction + total
+        s.row_sum[r] = s.row_sum[r] * correction + pg_exp_sum(probs, num_keys, new_max)
         s.row_max[r] = new_max
 
 

@@ -112,11 +112,12 @@ def test_c_writes_equal_the_reference_byte_for_byte(name, data):
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_attention_reads_what_the_pages_hold(backend, name, sliding_window):
+@pytest.mark.parametrize("head_dim", [64, 12])  # 12: not whole vectors of 8, the plain C tiles
+def test_attention_reads_what_the_pages_hold(backend, name, sliding_window, head_dim):
     # against float64 attention over the stored values: only the kernel's own float32 arithmetic differs
     if backend == "auto" and cpu_paged is None:
         pytest.skip("the CPU kernels are not built")
-    batch = in_format(make_batch(MIXED_BATCH, 6, 2, 64, seed=3), name)
+    batch = in_format(make_batch(MIXED_BATCH, 6, 2, head_dim, seed=3), name)
     out = run_attention(batch, backend, sliding_window)
     expected = dense_attention(batch, sliding_window)
     assert (out.double() - expected).abs().max() <= 1e-4 * expected.abs().max()

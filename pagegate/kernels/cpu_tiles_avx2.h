@@ -1,0 +1,194 @@
+/* AVX2 + FMA + F16C tiles of paged attention (included by cpu_paged.h on x86-64 gcc; the CPU is asked once).
+   A page's row is read eight values at a time straight into registers (float16 by F16C, int8 and fp8 widened
+   and converted), four keys at a time: the four dot products of a query row are summed across lanes together
+   (three hadds), a one-byte format's scales multiply the four scores (keys) or fold into the four weights
+   (values) rather than every value. Rows of other formats are converted once per KV head into a float tile that
+   the query rows of that head (GQA) then share; float32 rows are read where they lie. head_dim % 8 == 0. */
+#ifndef PAGEGATE_CPU_TILES_AVX2_H
+#define PAGEGATE_CPU_TILES_AVX2_H
+
+#include <immintrin.h>
+
+#define PG_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PG_AVX2_INLINE PG_AVX2 static inline __attribute__((always_inline))
+
+static int pg_has_avx2(void) {
+    static int has = -1;  /* a benign race: every thread stores the same answer */
+    if (has < 0)
+        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return has;
+}
+
+/* Eight stored values of a row from value i, as floats (unscaled); the conversions are pg_ld_*'s. */
+PG_AVX2_INLINE __m256 pg_load8(const int format, const uint8_t *row, int i) {
+    switch (format) {
+    case PG_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+    case PG_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i))), 16));
+    case PG_I8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    case PG_E4M3:
+    case PG_E5M2: {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+        const __m256i rest = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+        const __m256i bits = _mm256_or_si256(sign, format == PG_E4M3 ? _mm256_slli_epi32(rest, 20)
+                                                                     : _mm256_slli_epi32(rest, 21));
+        return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(format == PG_E4M3 ? 0x1p120f : 0x1p112f));
+    }
+    default: return _mm256_loadu_ps((const float *)row + i);
+    }
+}
+
+/* The float rows of four keys: float32 rows where they lie, others converted into tile [4][head_dim]; their
+   scales (1 for unscaled formats) go to scale. */
+PG_AVX2_INLINE void pg_rows4_avx2(const int format, const uint8_t *base, const int64_t *slot, int head_dim,
+                                  float *tile, const float **rows, float *scale) {
+    for (int a = 0; a < 4; a++) {
+        const uint8_t *row = base + slot[a];
+        scale[a] = pg_scaled(format) ? pg_row_scale(row, head_dim, 1.0f / pg_max_value(format)) : 1.0f;
+        if (format == PG_F32) {
+            rows[a] = (const float *)row;
+            continue;
+        }
+        for (int i = 0; i < head_dim; i += 8) _mm256_storeu_ps(tile + a * head_dim + i, pg_load8(format, row, i));
+        rows[a] = tile + a * head_dim;
+    }
+}
+
+/* The slots of keys j..j+3, the last real one repeated past num_keys (its weight is then 0). */
+static inline void pg_slots4(const int64_t *slot, int j, int num_keys, int64_t *out) {
+    for (int a = 0; a < 4; a++) out[a] = slot[j + a < num_keys ? j + a : num_keys - 1];
+}
+
+PG_AVX2_INLINE __m128 pg_dot4_avx2(const float *q, const float *const *k, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int i = 0; i < n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + i), s0);
+        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + i), s1);
+        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + i), s2);
+        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + i), s3);
+    }
+    /* lanes (s0..s3 halves) -> [s0 s1 s2 s3] low and high, then the halves added */
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+PG_AVX2_INLINE void pg_score_tile_avx2_of(const int format, const uint8_t *keys, const int64_t *slot, int num_keys,
+                                          const float **query_row, const int64_t *head_offset, int rows,
+                                          int head_dim, int ahead, float *scores, int stride) {
+    const int64_t span = pg_span(head_offset, rows, pg_row_bytes(format, head_dim));
+    float tile[4 * PG_MAX_HEAD_DIM] __attribute__((aligned(32))), scale[4], out[4];
+    const float *k[4];
+    int64_t slots[4];
+    for (int j = 0; j < num_keys; j += 4) {
+        for (int a = j + ahead; a < j + ahead + 4; a++)
+            pg_prefetch(keys + slot[a] + head_offset[0], span);
+        pg_slots4(slot, j, num_keys, slots);
+        const int valid = num_keys - j < 4 ? num_keys - j : 4;
+        for (int r = 0; r < rows; r++) {
+            if (r == 0 || head_offset[r] != head_offset[r - 1])
+                pg_rows4_avx2(format, keys + head_offset[r], slots, head_dim, tile, k, scale);
+            const __m128 s = _mm_mul_ps(pg_dot4_avx2(query_row[r], k, head_dim), _mm_loadu_ps(scale));
+            if (valid == 4) {
+                _mm_storeu_ps(scores + r * stride + j, s);
+            } else {
+                _mm_storeu_ps(out, s);
+                memcpy(scores + r * stride + j, out, sizeof(float) * valid);
+            }
+        }
+    }
+}
+
+PG_AVX2_INLINE void pg_accumulate_tile_avx2_of(const int format, const uint8_t *values, const int64_t *slot,
+                                               int num_keys, const float *weights, int stride,
+                                               const int64_t *head_offset, int rows, int head_dim, int ahead,
+                                               float *acc) {
+    const int64_t span = pg_span(head_offset, rows, pg_row_bytes(format, head_dim));
+    float tile[4 * PG_MAX_HEAD_DIM] __attribute__((aligned(32))), scale[4];
+    const float *v[4];
+    int64_t slots[4];
+    for (int j = 0; j < num_keys; j += 4) {
+        for (int a = j + ahead; a < j + ahead + 4; a++)
+            pg_prefetch(values + slot[a] + head_offset[0], span);
+        pg_slots4(slot, j, num_keys, slots);
+        for (int r = 0; r < rows; r++) {
+            if (r == 0 || head_offset[r] != head_offset[r - 1])
+                pg_rows4_avx2(format, values + head_offset[r], slots, head_dim, tile, v, scale);
+            __m256 w[4];
+            for (int a = 0; a < 4; a++)
+                w[a] = _mm256_set1_ps(j + a < num_keys ? weights[r * stride + j + a] * scale[a] : 0.0f);
+            float *y = acc + r * head_dim;
+            for (int i = 0; i < head_dim; i += 8) {
+                __m256 sum = _mm256_loadu_ps(y + i);
+                sum = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(v[0] + i), sum);
+                sum = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v[1] + i), sum);
+                sum = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v[2] + i), sum);
+                sum = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v[3] + i), sum);
+                _mm256_storeu_ps(y + i, sum);
+            }
+        }
+    }
+}
+
+/* One function per format, each with its conversion inlined. */
+#define PG_AVX2_TILES(NAME, FORMAT)                                                                           \
+PG_AVX2 static void pg_score_tile_avx2_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
+                                              const float **query_row, const int64_t *head_offset, int rows,  \
+                                              int head_dim, int ahead, float *scores, int stride) {           \
+    pg_score_tile_avx2_of(FORMAT, keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead,        \
+                          scores, stride);                                                                    \
+}                                                                                                             \
+PG_AVX2 static void pg_accumulate_tile_avx2_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
+                                                   const float *weights, int stride,                          \
+                                                   const int64_t *head_offset, int rows, int head_dim,        \
+                                                   int ahead, float *acc) {                                   \
+    pg_accumulate_tile_avx2_of(FORMAT, values, slot, num_keys, weights, stride, head_offset, rows, head_dim,  \
+                               ahead, acc);                                                                   \
+}
+PG_AVX2_TILES(f32, PG_F32)
+PG_AVX2_TILES(f16, PG_F16)
+PG_AVX2_TILES(bf16, PG_BF16)
+PG_AVX2_TILES(i8, PG_I8)
+PG_AVX2_TILES(e4m3, PG_E4M3)
+PG_AVX2_TILES(e5m2, PG_E5M2)
+
+/* p[j] = exp(p[j] - max) for j < n, returning their sum: Cephes' expf (a degree-6 polynomial on
+   [-ln2/2, ln2/2] after taking out n ln2, within 2 ulp of libm's); below -87.3 the result is 0. */
+PG_AVX2 static float pg_exp_sum_avx2(float *p, int n, float max) {
+    const __m256 m = _mm256_set1_ps(max), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 low = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
+    __m256 total = _mm256_setzero_ps();
+    float rest = 0.0f;
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(p + j), m);
+        const __m256 x1 = _mm256_max_ps(x0, low);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 x = _mm256_fnmadd_ps(k, c1, x1);
+        x = _mm256_fnmadd_ps(k, c2, x);
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        y = _mm256_and_ps(y, _mm256_cmp_ps(x0, low, _CMP_GE_OQ));
+        _mm256_storeu_ps(p + j, y);
+        total = _mm256_add_ps(total, y);
+    }
+    for (; j < n; j++) {
+        p[j] = expf(p[j] - max);
+        rest += p[j];
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))) + rest;
+}
+
+#endif /* PAGEGATE_CPU_TILES_AVX2_H */
