@@ -9,7 +9,7 @@ The text is bench/data/kjv_genesis_joseph.txt (KJV Genesis 37, 39-42: about 5,80
    whole text as one window), scored by `prompt_logprobs`; its ratio to float32 pages' is the goal (issue 42: float16
    within +0.5%, int8 and fp8 within +2%).
 2. **Perplexity against context length**: the same scores per `--bucket` positions of a window, drawn in
-   bench/results/kv_quality.png (left: perplexity, right: its ratio to float32 pages).
+   docs/bench-kv-quality.png (left: perplexity, right: its ratio to float32 pages).
 3. **Greedy decoding judged by float32**: prompts cut from the text (`--contexts` tokens of context, `--prompts`
    places each), `--decode` tokens decoded greedily on the format's pages; then float32 pages score prompt +
    continuation (teacher forcing on the format's own choices) and each continuation token's gap to float32's best
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.plots import figure, save_figure, wanted
+from bench.plots import add_png_argument, figure, save_figure, wanted
 from pagegate import LLM, SamplingParams
 from pagegate.engine.outputs import Logprob
 
@@ -238,7 +238,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts of each context length")
     parser.add_argument("--decode", type=int, default=64, help="tokens decoded greedily after each prompt")
     parser.add_argument("--json", type=Path, default=RESULTS / "kv_quality.json")
-    parser.add_argument("--png", type=Path, default=RESULTS / "kv_quality.png", help="'' for none")
+    add_png_argument(parser, "kv-quality")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     contexts = [int(c) for c in args.contexts.split(",") if c]

@@ -4,11 +4,11 @@
                              [--rounds 3] [--tokens 64] [--threads 2] [--no-peers]
 
 pagegate runs the engine on the main thread (as the engine core does) over SmolLM2-135M Q4_1, one engine per
-format, each in its own process; decode tok/s is `tokens` tokens timed after a `depth`-token prompt's first token (llama-bench's tg with
--d). The prompt is the same in every round, so after the first round its prefill is a prefix hit. llama-bench runs
-the same file at the same depths in its two best configurations here: F16 pages without flash attention, and q8_0
-pages (which need flash attention). Formats and peers alternate within each round; medians of the rounds are
-reported. Writes bench/results/kv_speed.{json,png}.
+format, each in its own process; decode tok/s is `tokens` tokens timed after a `depth`-token prompt's first token
+(llama-bench's tg with -d). The prompt is the same in every round, so after the first round its prefill is a prefix
+hit. llama-bench runs the same file at the same depths in its two best configurations here: F16 pages without flash
+attention, and q8_0 pages (which need flash attention). Formats and peers alternate within each round; medians of the
+rounds are reported. Writes bench/results/kv_speed.json and docs/bench-kv-speed.png.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.peers import llamacpp
+from bench.plots import add_png_argument, figure, save_figure, wanted
 from pagegate import LLM, SamplingParams
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -120,12 +121,7 @@ def table(medians: dict[str, dict[int, float]], depths: list[int]) -> str:
 
 
 def plot(medians: dict[str, dict[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    fig, axes = figure()
     for name, row in medians.items():
         depths = sorted(row)
         axes.plot(depths, [row[d] for d in depths], marker="o", linestyle="--" if name in PEERS else "-", label=name)
@@ -134,9 +130,8 @@ def plot(medians: dict[str, dict[int, float]], path: Path) -> None:
     axes.set_ylabel("single-stream decode tok/s")
     axes.set_title("SmolLM2-135M Q4_1, 2 threads: decode speed by KV page format")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    axes.legend()
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -149,6 +144,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peers", action="store_true", help="pagegate's formats only (no llama.cpp build)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_speed.json")
+    add_png_argument(parser, "kv-speed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -162,8 +158,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
                                     "runs": runs, "medians": medians}, indent=1))
-    if args.out.suffix == ".json":
-        plot(medians, args.out.with_suffix(".png"))
+    if wanted(args.png):
+        plot(medians, args.png)
 
 
 if __name__ == "__main__":
