@@ -67,7 +67,7 @@ class EncoderRunner:
         self.num_blocks = config.cache.num_kv_blocks or config.scheduler.max_num_seqs * (-(-self.max_model_len
                                                                                            // block) + 1)
         self.num_cpu_blocks = 0
-        self.kv_format, self.kv_pages = None, "no KV pages: an encoder"
+        self.kv_format, self.kv_bytes_per_token, self.kv_pages = None, 0, "no KV pages: an encoder"
         log.info("encoder %s: %d layers, %d dimensions, %s pooling%s, at most %d tokens a sentence",
                  self.model_name, bert.num_hidden_layers, bert.hidden_size, self.pipeline.pooling,
                  ", normalized" if self.pipeline.normalize else "", self.max_model_len)
