@@ -31,12 +31,12 @@ import numpy as np
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.core import BlockPool
 from pagegate.core.page_map import fill_page_states, max_encoded_size, rle_encode
-from pagegate.engine import async_engine
-from pagegate.engine.async_engine import AsyncEngine
 from pagegate.engine.engine import Engine
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
 from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.serving import async_engine
+from pagegate.engine.serving.async_engine import AsyncEngine
 from pagegate.gateway.dashboard.feed import DashboardFeed, Viewer
 from pagegate.gateway.dashboard.frames import EVERY_ID
 from pagegate.gateway.engine_host import READY

@@ -10,7 +10,7 @@ _LAZY = {
     "SamplingParams": "pagegate.engine.sampling.params",
     "RequestOutput": "pagegate.engine.outputs",
     "CompletionOutput": "pagegate.engine.outputs",
-    "AsyncEngine": "pagegate.engine.async_engine",
+    "AsyncEngine": "pagegate.engine.serving.async_engine",
     "EngineConfig": "pagegate.config",
 }
 

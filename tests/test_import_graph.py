@@ -28,11 +28,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 # The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
 ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models")
-LOOP = ("pagegate.engine.engine", "pagegate.engine.async_engine", "pagegate.engine.llm", "pagegate.engine.runner",
+LOOP = ("pagegate.engine.engine", "pagegate.engine.serving.async_engine", "pagegate.engine.llm", "pagegate.engine.runner",
         "pagegate.engine.intake", "pagegate.engine.postprocess", "pagegate.engine.scheduler",
-        "pagegate.engine.tp_workers", "pagegate.engine.forward", "pagegate.engine.core_process")
+        "pagegate.engine.tp_workers", "pagegate.engine.forward", "pagegate.engine.serving.core_process")
 # the only importers of engine.py
-ENGINE_FRONT = ("pagegate.engine.async_engine", "pagegate.engine.llm", "pagegate.engine.core_process")
+ENGINE_FRONT = ("pagegate.engine.serving.async_engine", "pagegate.engine.llm", "pagegate.engine.serving.core_process")
 
 _CYTHON_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s|c?import\s+([\w.]+))", re.M)
 
@@ -148,7 +148,7 @@ def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "pagegate.core.block_pool" in graph["pagegate.core.block_tables"]  # a .pyx cimport
     assert "pagegate.engine.sampling.structured" in graph["pagegate.engine.sampling.params"]  # TYPE_CHECKING
-    assert "pagegate.engine.engine" in graph["pagegate.engine.async_engine"]
+    assert "pagegate.engine.engine" in graph["pagegate.engine.serving.async_engine"]
     assert len(graph) > 100
 
 
@@ -170,7 +170,7 @@ def test_no_upward_imports():
 
 
 def test_the_gateway_never_imports_the_engine_loop():
-    """The engine loop runs in the core process; the gateway reaches it only through frames (core_frames)."""
+    """The engine loop runs in the core process; the gateway reaches it only through the serving room (its clients and frames)."""
     graph = import_graph()
     reached = [f"{module} -> {target}" for module, targets in sorted(graph.items())
                if _within(module, ("pagegate.gateway",)) for target in sorted(targets) if _within(target, LOOP)]
@@ -178,9 +178,19 @@ def test_the_gateway_never_imports_the_engine_loop():
     assert reached == ["pagegate.gateway.cli -> pagegate.engine.tp_workers"]
 
 
+def test_the_core_frames_stay_in_the_serving_room():
+    """Both halves of the engine-core seam live in pagegate.engine.serving; only they speak its frames."""
+    graph = import_graph()
+    speakers = sorted(module for module, targets in graph.items() if "pagegate.engine.serving.frames" in targets)
+    assert speakers and all(_within(module, ("pagegate.engine.serving",)) for module in speakers), speakers
+    room = [module for module in graph if _within(module, ("pagegate.engine.serving",))]
+    assert not [f"{module} -> {target}" for module in room for target in graph[module]
+                if _within(target, ("pagegate.gateway",))]
+
+
 def test_the_gateway_process_never_imports_torch():
     """So it never starts an OpenMP thread team of its own (one owner of every thread: the core)."""
-    code = ("import sys, pagegate.gateway.cli, pagegate.gateway.core_client, pagegate.gateway.replicas; "
+    code = ("import sys, pagegate.gateway.cli, pagegate.engine.serving.core_client, pagegate.engine.serving.replicas; "
             "print(sorted(m for m in ('torch', 'pagegate.engine.engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

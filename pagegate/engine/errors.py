@@ -5,6 +5,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
 
 
+class EngineStalledError(RuntimeError):
+    """An engine core with work has finished no step within the step timeout (it hangs); try again later."""
+
+
 class RequestFailedError(RuntimeError):
     """One request could not be completed (e.g. it alone needs more KV pages than exist)."""
 

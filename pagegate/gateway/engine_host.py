@@ -19,11 +19,11 @@ from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
-from pagegate.gateway.core_client import CoreClient
-from pagegate.gateway.engine_client import EngineClient
+from pagegate.engine.serving.core_client import CoreClient
+from pagegate.engine.serving.engine_client import EngineClient
+from pagegate.engine.serving.replicas import Replicas
 from pagegate.gateway.errors import EngineStalled, Overloaded, ServiceUnavailable
 from pagegate.gateway.prepare import ModelContext, PreparedRequest
-from pagegate.gateway.replicas import Replicas
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger

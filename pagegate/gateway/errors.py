@@ -109,10 +109,17 @@ def from_status(status_code: int, message: str) -> APIError:
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map anything raised while serving a request onto the error the client sees."""
-    from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+    from pagegate.engine.errors import (
+        EngineDeadError,
+        EngineStalledError,
+        InvalidParamError,
+        RequestFailedError,
+    )
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineStalledError):
+        return EngineStalled(str(exc))
     if isinstance(exc, InvalidParamError):
         return BadRequest(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RequestFailedError):  # this request alone cannot run here (e.g. more pages than exist)

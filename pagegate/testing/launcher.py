@@ -58,11 +58,11 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def core_pids(server_pid: int) -> list[int]:
-    """A server's engine-core processes (`python -m pagegate.engine.core_process`)."""
+    """A server's engine-core processes (`python -m pagegate.engine.serving.core_process`)."""
     found = []
     for pid in descendants(server_pid):
         try:
-            if b"pagegate.engine.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"pagegate.engine.serving.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
         except OSError:
             continue

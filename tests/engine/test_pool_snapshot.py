@@ -11,8 +11,8 @@ import pytest
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, EngineConfig
 from pagegate.core.page_map import CACHED, MAX_REFCOUNT
-from pagegate.engine.async_engine import AsyncEngine
 from pagegate.engine.pool_snapshot import PoolSnapshot, take_snapshot
+from pagegate.engine.serving.async_engine import AsyncEngine
 
 from .test_llm import make_prompts
 

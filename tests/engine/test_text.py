@@ -7,7 +7,7 @@ import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, EngineConfig
-from pagegate.engine.async_engine import AsyncEngine
+from pagegate.engine.serving.async_engine import AsyncEngine
 
 from .conftest import TINY, hf, save_hf_model
 from .test_llm import assert_all_pages_free

@@ -1,7 +1,7 @@
 """A request's timeline: what the scheduler did to it besides producing tokens, and the breakdown read from it.
 
 The core records it as things happen (a few attribute writes per preemption, resume or finish: nothing per
-token) and sends it with the request's final delta, inside `timings` (core_frames.DeltaWriter). The gateway turns
+token) and sends it with the request's final delta, inside `timings` (serving.frames.DeltaWriter). The gateway turns
 `RequestOutput.metrics` back into a `RequestTiming`: the queue / prefill / decode split, the preemptions, the
 pages. Every time is `time.monotonic()` of the core process; on Linux that clock is system-wide, so the gateway,
 another process on the same machine, converts it to epoch time with one offset of its own.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.core_frames import DeltaWriter, OutputAssembler
 from pagegate.engine.observe.timeline import (
     RECOMPUTE,
     SWAP,
@@ -15,6 +14,7 @@ from pagegate.engine.observe.timeline import (
     Timeline,
     merged_breakdown,
 )
+from pagegate.engine.serving.frames import DeltaWriter, OutputAssembler
 
 from ..test_llm import assert_all_pages_free, make_prompts
 

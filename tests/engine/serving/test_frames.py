@@ -10,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.core_frames import (
+from pagegate.engine.errors import InvalidParamError, RequestFailedError
+from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.engine.serving.frames import (
     CoreLoad,
     DeltaWriter,
     OutputAssembler,
@@ -21,8 +23,6 @@ from pagegate.engine.core_frames import (
     params_to_wire,
     unpack,
 )
-from pagegate.engine.errors import InvalidParamError, RequestFailedError
-from pagegate.engine.sampling.structured import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,22 @@ from dataclasses import replace
 from typing import Any
 
 from pagegate.config import EngineConfig
-from pagegate.engine.core_frames import (
+from pagegate.engine.errors import (
+    EngineDeadError,
+    EngineStalledError,
+    InvalidParamError,
+    ModelLoadError,
+    RequestFailedError,
+)
+from pagegate.engine.limits import check_context, check_embedding_length, check_token_ids
+from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
+from pagegate.engine.outputs import RequestOutput
+from pagegate.engine.pins import Pin
+from pagegate.engine.pool_snapshot import PoolSnapshot
+from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
+from pagegate.engine.serving.frames import (
     ABORT,
     CALL,
     FAILED,
@@ -37,16 +52,6 @@ from pagegate.engine.core_frames import (
     error_from_wire,
     framed,
 )
-from pagegate.engine.errors import EngineDeadError, InvalidParamError, ModelLoadError, RequestFailedError
-from pagegate.engine.limits import check_context, check_embedding_length, check_token_ids
-from pagegate.engine.loading.tokenizer import Tokenizer
-from pagegate.engine.observe.stats import EngineHealth, EngineStats
-from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
-from pagegate.engine.pool_snapshot import PoolSnapshot
-from pagegate.engine.sampling.params import SamplingParams
-from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
-from pagegate.gateway.errors import EngineStalled
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -70,7 +75,7 @@ class CoreClient:
                  step_timeout_s: float = 0.0) -> None:
         self.config, self.index, self._env = config, index, env
         self.step_timeout_s = step_timeout_s  # --engine-step-timeout (0: never taken for hung)
-        self.stalled_error: EngineStalled | None = None  # set while the core is taken for hung
+        self.stalled_error: EngineStalledError | None = None  # set while the core is taken for hung
         self._last_heard = time.monotonic()  # the core's last frame, or when an idle core was last given work
         self._stall_watch: asyncio.Task[None] | None = None
         self.on_dead: Callable[[], None] | None = None
@@ -95,7 +100,7 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = CoreSpec(self.config, theirs.fileno(), os.getpid(), logging.getLevelName(logging.getLogger().level))
-        self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.core_process"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.serving.core_process"], stdin=subprocess.PIPE,
                                         env=self._env, pass_fds=(theirs.fileno(),))
         theirs.close()
         assert self.process.stdin is not None
@@ -180,10 +185,10 @@ class CoreClient:
             return
         silent = time.monotonic() - self._last_heard
         if silent >= self.step_timeout_s:
-            self._stall(EngineStalled(f"engine core {self.index} has had work and finished no step for {silent:.0f} s "
-                                      f"(--engine-step-timeout {self.step_timeout_s:g})"))
+            self._stall(EngineStalledError(f"engine core {self.index} has had work and finished no step for "
+                                           f"{silent:.0f} s (--engine-step-timeout {self.step_timeout_s:g})"))
 
-    def _stall(self, error: EngineStalled) -> None:
+    def _stall(self, error: EngineStalledError) -> None:
         """Fail what waits on a hung core and abort its requests (their pages are freed if it ever steps again);
         until it sends a frame, it takes no new work."""
         log.error("%s: its requests fail and it takes no new ones until it steps again", error)
@@ -191,10 +196,10 @@ class CoreClient:
         for request_id in list(self._open_seqs):
             self.abort(request_id)
         for stream in self._streams.values():
-            stream.put_nowait(EngineStalled(error.message))
+            stream.put_nowait(EngineStalledError(str(error)))
         for future in self._calls.values():
             if not future.done():
-                future.set_exception(EngineStalled(error.message))
+                future.set_exception(EngineStalledError(str(error)))
 
     def stalled(self) -> str | None:
         """Why this core is taken for hung (None when it steps)."""
@@ -381,7 +386,7 @@ class CoreClient:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         if self.stalled_error is not None:
-            raise EngineStalled(self.stalled_error.message)
+            raise EngineStalledError(str(self.stalled_error))
 
     # ---- counts ----------------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import pytest
 
 from pagegate import SamplingParams
 from pagegate.config import CacheConfig, EngineConfig
-from pagegate.engine.async_engine import AsyncEngine
 from pagegate.engine.errors import EngineDeadError
+from pagegate.engine.serving.async_engine import AsyncEngine
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The engine core in its own process: `python -m pagegate.engine.core_process`, started by the gateway.
+"""The engine core in its own process: `python -m pagegate.engine.serving.core_process`, started by the gateway.
 
 It reads its EngineConfig and the number of its socket from stdin, builds the Engine on its main thread (the
 only thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames
@@ -24,7 +24,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagegate.engine.core_frames import (
+from pagegate.engine.engine import Engine
+from pagegate.engine.pins import Pin
+from pagegate.engine.pool_snapshot import take_snapshot
+from pagegate.engine.serving.frames import (
     ABORT,
     ADD,
     CALL,
@@ -43,9 +46,6 @@ from pagegate.engine.core_frames import (
     framed,
     params_from_wire,
 )
-from pagegate.engine.engine import Engine
-from pagegate.engine.pins import Pin
-from pagegate.engine.pool_snapshot import take_snapshot
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request

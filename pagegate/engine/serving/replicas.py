@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagegate.config import EngineConfig
-from pagegate.engine.core_frames import CPUS_ENV
+from pagegate.engine.errors import EngineStalledError
 from pagegate.engine.observe.metrics import HEALTH_GRADES
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -24,8 +24,8 @@ from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
-from pagegate.gateway.core_client import CoreClient
-from pagegate.gateway.errors import EngineStalled
+from pagegate.engine.serving.core_client import CoreClient
+from pagegate.engine.serving.frames import CPUS_ENV
 
 
 class PrefixIndex:
@@ -108,10 +108,10 @@ class Replicas:
         return index
 
     def _accepting_cores(self) -> list[int]:
-        """The cores that take new work; EngineStalled (503) when none does."""
+        """The cores that take new work; EngineStalledError (a 503) when none does."""
         accepting = [i for i, core in enumerate(self.cores) if core.accepting]
         if not accepting:
-            raise EngineStalled(f"no engine core is stepping: {self.stalled()}")
+            raise EngineStalledError(f"no engine core is stepping: {self.stalled()}")
         return accepting
 
     def _pages_in_use(self, index: int) -> int:
