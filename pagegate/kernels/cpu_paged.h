@@ -356,55 +356,43 @@ static inline float pg_max(const float *p, int n) {
     return top;
 }
 
-/* The tile functions of a page format (its PG_ code). */
-__attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,
-                          const float **query_row, const int64_t *head_offset, int rows, int head_dim,
-                          int ahead, float *scores, int stride) {
+/* A page format's tile functions, in a table indexed by its PG_ code. */
+typedef void (*pg_score_fn)(const uint8_t *keys, const int64_t *slot, int num_keys, const float **query_row,
+                            const int64_t *head_offset, int rows, int head_dim, int ahead, float *scores, int stride);
+typedef void (*pg_accumulate_fn)(const uint8_t *values, const int64_t *slot, int num_keys, const float *weights,
+                                 int stride, const int64_t *head_offset, int rows, int head_dim, int ahead,
+                                 float *acc);
+typedef struct {
+    pg_score_fn score;
+    pg_accumulate_fn accumulate;
+} pg_tiles;
+
+#define PG_TILE_ROW(PREFIX, NAME) {PREFIX##score_tile_##NAME, PREFIX##accumulate_tile_##NAME}
+#define PG_TILE_TABLE(PREFIX) {PG_TILE_ROW(PREFIX, f32), PG_TILE_ROW(PREFIX, f16), PG_TILE_ROW(PREFIX, bf16),      \
+                               PG_TILE_ROW(PREFIX, i8), PG_TILE_ROW(PREFIX, e4m3), PG_TILE_ROW(PREFIX, e5m2)}
+
+static inline const pg_tiles *pg_tiles_of(int format, int head_dim) {
+    static const pg_tiles plain[] = PG_TILE_TABLE(pg_);
 #if defined(PAGEGATE_CPU_TILES_AVX2_H)
-    if (PG_TILES_AVX2(format, head_dim)) {
-        switch (format) {
-        case PG_F16: pg_score_tile_avx2_f16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        case PG_BF16: pg_score_tile_avx2_bf16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        case PG_I8: pg_score_tile_avx2_i8(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        case PG_E4M3: pg_score_tile_avx2_e4m3(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        case PG_E5M2: pg_score_tile_avx2_e5m2(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        default: pg_score_tile_avx2_f32(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); return;
-        }
-    }
+    static const pg_tiles avx2[] = PG_TILE_TABLE(pg_avx2_);
+    if (PG_TILES_AVX2(format, head_dim)) return &avx2[format];
 #endif
-    switch (format) {
-    case PG_F16: pg_score_tile_f16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
-    case PG_BF16: pg_score_tile_bf16(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
-    case PG_I8: pg_score_tile_i8(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
-    case PG_E4M3: pg_score_tile_e4m3(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
-    case PG_E5M2: pg_score_tile_e5m2(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride); break;
-    default: pg_score_tile_f32(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores, stride);
-    }
+    return &plain[format];
 }
 
-__attribute__((unused)) static void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot, int num_keys,
-                               const float *weights, int stride, const int64_t *head_offset, int rows,
-                               int head_dim, int ahead, float *acc) {
-#if defined(PAGEGATE_CPU_TILES_AVX2_H)
-    if (PG_TILES_AVX2(format, head_dim)) {
-        switch (format) {
-        case PG_F16: pg_accumulate_tile_avx2_f16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        case PG_BF16: pg_accumulate_tile_avx2_bf16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        case PG_I8: pg_accumulate_tile_avx2_i8(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        case PG_E4M3: pg_accumulate_tile_avx2_e4m3(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        case PG_E5M2: pg_accumulate_tile_avx2_e5m2(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        default: pg_accumulate_tile_avx2_f32(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); return;
-        }
-    }
-#endif
-    switch (format) {
-    case PG_F16: pg_accumulate_tile_f16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
-    case PG_BF16: pg_accumulate_tile_bf16(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
-    case PG_I8: pg_accumulate_tile_i8(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
-    case PG_E4M3: pg_accumulate_tile_e4m3(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
-    case PG_E5M2: pg_accumulate_tile_e5m2(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc); break;
-    default: pg_accumulate_tile_f32(values, slot, num_keys, weights, stride, head_offset, rows, head_dim, ahead, acc);
-    }
+__attribute__((unused)) static void pg_score_tile(int format, const uint8_t *keys, const int64_t *slot, int num_keys,
+                                                  const float **query_row, const int64_t *head_offset, int rows,
+                                                  int head_dim, int ahead, float *scores, int stride) {
+    pg_tiles_of(format, head_dim)->score(keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead, scores,
+                                         stride);
+}
+
+__attribute__((unused)) static void pg_accumulate_tile(int format, const uint8_t *values, const int64_t *slot,
+                                                       int num_keys, const float *weights, int stride,
+                                                       const int64_t *head_offset, int rows, int head_dim, int ahead,
+                                                       float *acc) {
+    pg_tiles_of(format, head_dim)->accumulate(values, slot, num_keys, weights, stride, head_offset, rows, head_dim,
+                                              ahead, acc);
 }
 
 #endif /* PAGEGATE_CPU_PAGED_H */

@@ -134,13 +134,13 @@ PG_AVX2_INLINE void pg_accumulate_tile_avx2_of(const int format, const uint8_t *
 
 /* One function per format, each with its conversion inlined. */
 #define PG_AVX2_TILES(NAME, FORMAT)                                                                           \
-PG_AVX2 static void pg_score_tile_avx2_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
+PG_AVX2 static void pg_avx2_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
                                               const float **query_row, const int64_t *head_offset, int rows,  \
                                               int head_dim, int ahead, float *scores, int stride) {           \
     pg_score_tile_avx2_of(FORMAT, keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead,        \
                           scores, stride);                                                                    \
 }                                                                                                             \
-PG_AVX2 static void pg_accumulate_tile_avx2_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
+PG_AVX2 static void pg_avx2_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
                                                    const float *weights, int stride,                          \
                                                    const int64_t *head_offset, int rows, int head_dim,        \
                                                    int ahead, float *acc) {                                   \
