@@ -124,8 +124,11 @@ def test_a_scored_answer_encodes_alike_in_json_and_msgpack(http: httpx.Client, m
 
     body = {"model": model, "prompt": [PROMPT, PROMPT[:7]], "max_tokens": 2, "echo": True, "logprobs": 3,
             "prompt_logprobs": 2, "temperature": 0}
-    as_json = http.post("/v1/completions", json=body).json()
-    packed = http.post("/v1/completions", json=body, headers={"Accept": "application/msgpack"})
+    # each its own cache salt, so both compute their prompts cold: a prefix hit on pages written in another
+    # step shape may differ in the last bits, which is not what this test is about
+    as_json = http.post("/v1/completions", json={**body, "cache_salt": "json"}).json()
+    packed = http.post("/v1/completions", json={**body, "cache_salt": "msgpack"},
+                       headers={"Accept": "application/msgpack"})
     assert packed.headers["content-type"] == "application/msgpack"
     as_msgpack = msgpack.unpackb(packed.content)
     for reply in (as_json, as_msgpack):
