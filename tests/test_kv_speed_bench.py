@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import pytest
-
-from bench.kv_speed import PEERS, SMOLLM2, FormatWorker, table
+from bench.kv_speed import PEERS, FormatWorker, table
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 is fetched by `make test`")
 def test_a_format_worker_measures_decode_after_a_context() -> None:
     worker = FormatWorker("int8", 128)
     try:

@@ -156,6 +156,12 @@ static inline void pg_prefetch(const uint8_t *x, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(x + i);  /* one 64-byte line each */
 }
 
+/* Ask for the rows (span bytes from head_offset0) of the four keys `ahead` places after key j. */
+static inline void pg_prefetch_ahead(const uint8_t *cache, const int64_t *slot, int j, int ahead,
+                                     int64_t head_offset0, int64_t span) {
+    for (int a = j + ahead; a < j + ahead + 4; a++) pg_prefetch(cache + slot[a] + head_offset0, span);
+}
+
 /* tanh as Eigen computes it for float: a 13/6 rational function on [-7.9053, 7.9053] (within 4
    ulp; beyond, tanh rounds to +-1), plain arithmetic so a loop of it vectorises, where libm's
    tanhf is a call per element. NaN stays NaN. */
@@ -223,8 +229,7 @@ PG_CLONES static void pg_score_tile_f32(const uint8_t *keys, const int64_t *slot
     const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
     int j = 0;
     for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4; a++)
-            pg_prefetch(keys + slot[a] + head_offset[0], span);
+        pg_prefetch_ahead(keys, slot, j, ahead, head_offset[0], span);
         for (int r = 0; r < rows; r++) {
             const uint8_t *k = keys + head_offset[r];
             pg_dot4_f32(query_row[r], (const float *)(k + slot[j]), (const float *)(k + slot[j + 1]),
@@ -245,8 +250,7 @@ PG_CLONES static void pg_accumulate_tile_f32(const uint8_t *values, const int64_
     const int64_t span = pg_span(head_offset, rows, (int64_t)head_dim * 4);
     int j = 0;
     for (; j + 4 <= num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4; a++)
-            pg_prefetch(values + slot[a] + head_offset[0], span);
+        pg_prefetch_ahead(values, slot, j, ahead, head_offset[0], span);
         for (int r = 0; r < rows; r++) {
             const uint8_t *v = values + head_offset[r];
             pg_axpy4_f32(acc + r * head_dim, weights + r * stride + j, (const float *)(v + slot[j]),
@@ -282,8 +286,7 @@ PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *s
     float k[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
-        for (int a = j + ahead; a < j + ahead + 4; a++)                                                       \
-            pg_prefetch(keys + slot[a] + head_offset[0], span);                                               \
+        pg_prefetch_ahead(keys, slot, j, ahead, head_offset[0], span);                                        \
         for (int r = 0; r < rows; r++) {                                                                      \
             if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
                 pg_rows4_##NAME(keys + head_offset[r], slot + j, head_dim, k);                                \
@@ -306,8 +309,7 @@ PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int
     float v[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
     for (; j + 4 <= num_keys; j += 4) {                                                                       \
-        for (int a = j + ahead; a < j + ahead + 4; a++)                                                       \
-            pg_prefetch(values + slot[a] + head_offset[0], span);                                             \
+        pg_prefetch_ahead(values, slot, j, ahead, head_offset[0], span);                                      \
         for (int r = 0; r < rows; r++) {                                                                      \
             if (r == 0 || head_offset[r] != head_offset[r - 1])                                               \
                 pg_rows4_##NAME(values + head_offset[r], slot + j, head_dim, v);                              \

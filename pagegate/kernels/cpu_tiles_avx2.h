@@ -83,8 +83,7 @@ PG_AVX2_INLINE void pg_score_tile_avx2_of(const int format, const uint8_t *keys,
     const float *k[4];
     int64_t slots[4];
     for (int j = 0; j < num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4; a++)
-            pg_prefetch(keys + slot[a] + head_offset[0], span);
+        pg_prefetch_ahead(keys, slot, j, ahead, head_offset[0], span);
         pg_slots4(slot, j, num_keys, slots);
         const int valid = num_keys - j < 4 ? num_keys - j : 4;
         for (int r = 0; r < rows; r++) {
@@ -110,8 +109,7 @@ PG_AVX2_INLINE void pg_accumulate_tile_avx2_of(const int format, const uint8_t *
     const float *v[4];
     int64_t slots[4];
     for (int j = 0; j < num_keys; j += 4) {
-        for (int a = j + ahead; a < j + ahead + 4; a++)
-            pg_prefetch(values + slot[a] + head_offset[0], span);
+        pg_prefetch_ahead(values, slot, j, ahead, head_offset[0], span);
         pg_slots4(slot, j, num_keys, slots);
         for (int r = 0; r < rows; r++) {
             if (r == 0 || head_offset[r] != head_offset[r - 1])
