@@ -90,7 +90,8 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.host = host
     app.state.responses = ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes,
-                                        config.responses_store_ttl_s, config.responses_store_path, host.unpin)
+                                        config.responses_store_ttl_s, config.responses_store_path,
+                                        host.engine_requests.unpin)
     app.state.dashboard = dashboard
     app.state.gateway_registry = gateway_registry(host)
     return app

@@ -111,9 +111,10 @@ async def create_embeddings(request: Request) -> Response:
     prepared = await off_loop(prepare_embeddings, body, model, host.config.max_embedding_tokens)
     if host.embedding_size is not None:  # known since the warm-up: a wrong size is refused before any work
         check_dimensions(prepared.request.dimensions, host.embedding_size)
-    host.admit_embeddings(len(prepared.inputs), prepared.request.priority)
-    vectors = await until_disconnect(request, host.embed(prepared.inputs, f"embd-{request_id_of(request)}",
-                                                         prepared.request.priority))
+    host.admission.admit_embeddings(len(prepared.inputs), prepared.request.priority)
+    embedded = host.engine_requests.embed(prepared.inputs, f"embd-{request_id_of(request)}",
+                                          prepared.request.priority)
+    vectors = await until_disconnect(request, embedded)
     if vectors is None:
         return Response(status_code=CLIENT_CLOSED)
     return render(embeddings_body(prepared, vectors), msgpack_body=wants_msgpack(request))

@@ -26,13 +26,13 @@ class GatewayCollector:
         if stats is not None:
             yield from _page_gauges(stats)
         yield GaugeMetricFamily("pagegate:http_generations_active", "Generations the gateway is driving.",
-                                value=float(self.host.num_active))
+                                value=float(self.host.engine_requests.num_active))
         yield GaugeMetricFamily("pagegate:http_requests_pending", "Admitted requests without a first token yet.",
-                                value=float(self.host.num_pending))
+                                value=float(self.host.engine_requests.num_pending))
         yield GaugeMetricFamily("pagegate:server_draining", "1 while a stop signal drains in-flight requests "
                                 "(--shutdown-timeout): new ones get 503.", value=float(self.host.draining))
         yield CounterMetricFamily("pagegate:http_requests_rejected", "Requests refused with 429 (--max-queue).",
-                                  value=float(self.host.num_rejected))
+                                  value=float(self.host.admission.num_rejected))
 
 
 def _page_gauges(stats: EngineStats) -> Iterator[Metric]:

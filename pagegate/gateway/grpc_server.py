@@ -1,7 +1,7 @@
 """The gRPC door (pagegate.v1.Generation, pagegate.proto): the REST routes' twin on the same EngineHost.
 
 A request message becomes the dict a JSON body would be, then goes through the REST code unchanged:
-`prepare_completion` / `prepare_chat` (validation, tokenization, limits), `EngineHost.admit/generate`,
+`prepare_completion` / `prepare_chat` (validation, tokenization, limits), `Admission.admit`, `EngineRequests.generate`,
 the renderers. Response messages are built from the dicts REST would send. So both doors give the same
 results and the same error messages; only the framing differs. Also served: grpc.health.v1 (SERVING
 once the engine is ready) and server reflection, for grpcurl and Kubernetes probes.
@@ -106,7 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                      renderer_cls: type[Renderer], id_prefix: str, response_cls: type) -> Any:
         try:
             prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=False)
-            merger, _ = self.host.generate(prepared, renderer.request_id)
+            merger, _ = self.host.engine_requests.generate(prepared, renderer.request_id)
             finals = await collect(merger)  # cancelled with the call: collect closes the merger (abort)
             return response_from_body(renderer.response(finals), response_cls)
         except Exception as exc:
@@ -118,13 +118,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # CancelledError in this frame, and the finally below aborts the generation at once.
         try:
             prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=True)
-            merger, _ = self.host.generate(prepared, renderer.request_id)
+            merger, _ = self.host.engine_requests.generate(prepared, renderer.request_id)
         except Exception as exc:
             await _abort(context, exc)
         try:
             for chunk in renderer.opening_chunks():
                 await context.write(response_from_body(chunk, chunk_cls))
-            async for batch in merger.batches(self.host.stream_pace):
+            async for batch in merger.batches(self.host.engine_requests.stream_pace):
                 for index, output in batch.items():
                     for chunk in renderer.update(index, output):
                         await context.write(response_from_body(chunk, chunk_cls))
@@ -148,7 +148,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             body["stream"] = True
         prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
         prepared.tenant = tenant
-        self.host.admit(prepared)
+        self.host.admission.admit(prepared)
         return prepared, renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:

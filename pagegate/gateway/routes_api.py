@@ -48,17 +48,17 @@ async def _generate(
 ) -> Response:
     host: EngineHost = request.app.state.host
     _, model = host.require_engine()
-    host.check_generates()  # before the body: an embedding server's 400 says what it is
+    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
-    host.admit(prepared)
+    host.admission.admit(prepared)
     renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}",
                             timing=wants_timing(request.headers))
-    merger, _ = host.generate(prepared, renderer.request_id, trace_headers(request.headers))
+    merger, _ = host.engine_requests.generate(prepared, renderer.request_id, trace_headers(request.headers))
     msgpack_out = wants_msgpack(request)
     if prepared.stream:
-        return _stream(merger, renderer, msgpack_out, host.stream_pace)
+        return _stream(merger, renderer, msgpack_out, host.engine_requests.stream_pace)
     finals = await until_disconnect(request, collect(merger))
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)

@@ -141,7 +141,8 @@ class DashboardFeed:
     def _broadcast(self, snapshot: PoolSnapshot) -> None:
         model = self.host.model.name if self.host.model is not None else ""
         wanted = {(v.audience, not v.following) for v in self.viewers}
-        frames = self.encoder.encode(snapshot, self.history, model, wanted, self.host.request_tenants)
+        tenants = self.host.engine_requests.request_tenants
+        frames = self.encoder.encode(snapshot, self.history, model, wanted, tenants)
         self.ticks += 1
         for viewer in list(self.viewers):
             if viewer.offer(frames[viewer.audience, not viewer.following]):

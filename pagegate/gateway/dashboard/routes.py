@@ -83,7 +83,8 @@ async def request_pages(request: Request) -> Response:
     if not request_id:
         raise BadRequest("Missing query parameter 'request'.", param="request")
     snapshot = await request.app.state.dashboard.current()
-    visible = shown_id(request_id, audience(request), request.app.state.host.request_tenants) is not None
+    tenants = request.app.state.host.engine_requests.request_tenants
+    visible = shown_id(request_id, audience(request), tenants) is not None
     device, cpu = (snapshot.pages_of(request_id) if visible else None) or ((), ())  # another key's: as if gone
     return JSONResponse({"request": request_id, "pages": list(map(int, device)), "cpu_pages": list(map(int, cpu))})
 
@@ -108,7 +109,7 @@ async def page_holders(request: Request) -> Response:
     if not 0 <= page_id < len(states):
         raise NotFound(f"No page {page_id} in a pool of {len(states)}.", param="id")
     state = int(states[page_id])
-    seen_by, tenants = audience(request), request.app.state.host.request_tenants
+    seen_by, tenants = audience(request), request.app.state.host.engine_requests.request_tenants
     holders = snapshot.holders_of(page_id, cpu)
     shown = [rid for rid in holders if shown_id(rid, seen_by, tenants) is not None]
     return JSONResponse({"page": page_id, "pool": "cpu" if cpu else "device", "refcount": state & MAX_REFCOUNT,

@@ -23,7 +23,7 @@ from pagegate.gateway.streaming import collect, stream_body
 async def _prepare(request: Request, host: EngineHost,
                    request_cls: type[MessagesRequest] = MessagesRequest) -> tuple[MessagesRequest, PreparedRequest]:
     _, model = host.require_engine()
-    host.check_generates()  # before the body: an embedding server's 400 says what it is
+    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
     parsed = await off_loop(parse_messages, request_cls, body)
     prepared = await off_loop(_prepare_chat, parsed, model)
@@ -41,12 +41,12 @@ def _prepare_chat(parsed: MessagesRequest, model: ModelContext) -> PreparedReque
 async def create_message(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     parsed, prepared = await _prepare(request, host)
-    host.admit(prepared)
+    host.admission.admit(prepared)
     renderer = MessagesRenderer(prepared, host.require_engine()[1].tokenizer, "msg_" + secrets.token_hex(12),
                                 stop_sequences=parsed.stop_sequences or [])
-    merger, _ = host.generate(prepared, renderer.request_id)
+    merger, _ = host.engine_requests.generate(prepared, renderer.request_id)
     if prepared.stream:
-        body = stream_body(merger, renderer, lambda exc: anthropic_error_body(to_api_error(exc)), False, host.stream_pace)
+        body = stream_body(merger, renderer, lambda exc: anthropic_error_body(to_api_error(exc)), False, host.engine_requests.stream_pace)
         return GenerationStreamResponse(body, merger, headers={"Cache-Control": "no-cache"}, media_type=EVENT_STREAM)
     finals = await until_disconnect(request, collect(merger))
     if finals is None:

@@ -63,7 +63,7 @@ async def create_response(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     store: ResponseStore = request.app.state.responses
     _, model = host.require_engine()
-    host.check_generates()  # before the body: an embedding server's 400 says what it is
+    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
     tenant = request_key_identity(request.scope)
     check_input_count(body, host.config.responses_max_input_items)
@@ -74,10 +74,10 @@ async def create_response(request: Request) -> Response:
     prepared.tenant = tenant
     response_id = "resp_" + secrets.token_hex(16)
     if parsed.store:
-        prepared.pin = host.pin_for(response_id)
-    host.admit(prepared)
+        prepared.pin = host.engine_requests.pin_for(response_id)
+    host.admission.admit(prepared)
     renderer = ResponsesRenderer(prepared, model.tokenizer, response_id, base=describe(parsed))
-    merger, _ = host.generate(prepared, response_id)
+    merger, _ = host.engine_requests.generate(prepared, response_id)
 
     async def keep() -> None:
         """Store the finished response (its own turn only: the rest is its previous response's); its
@@ -88,12 +88,12 @@ async def create_response(request: Request) -> Response:
         messages = turn.messages + ([answer] if answer else [])
         await store.add(response_id, tenant, previous, messages, turn.items, renderer.final)
         if previous is not None:
-            host.unpin(previous.id)
+            host.engine_requests.unpin(previous.id)
 
     if prepared.stream:
         async def events() -> AsyncIterator[bytes]:
             async for chunk in stream_body(merger, renderer, lambda exc: to_api_error(exc).body(),
-                                           wants_msgpack(request), host.stream_pace):
+                                           wants_msgpack(request), host.engine_requests.stream_pace):
                 yield chunk
             await keep()
 
