@@ -28,11 +28,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 # The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
 ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models")
-LOOP = ("pagegate.engine.engine", "pagegate.engine.serving.async_engine", "pagegate.engine.llm", "pagegate.engine.runner",
-        "pagegate.engine.intake", "pagegate.engine.postprocess", "pagegate.engine.scheduler",
-        "pagegate.engine.tp_workers", "pagegate.engine.forward", "pagegate.engine.serving.core_process")
+LOOP = ("pagegate.engine.engine", "pagegate.engine.llm", "pagegate.engine.runner", "pagegate.engine.intake",
+        "pagegate.engine.postprocess", "pagegate.engine.scheduler", "pagegate.engine.tp_workers",
+        "pagegate.engine.forward", "pagegate.engine.serving.core_process")
 # the only importers of engine.py
-ENGINE_FRONT = ("pagegate.engine.serving.async_engine", "pagegate.engine.llm", "pagegate.engine.serving.core_process")
+ENGINE_FRONT = ("pagegate.engine.llm", "pagegate.engine.serving.core_process")
 
 _CYTHON_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s|c?import\s+([\w.]+))", re.M)
 
@@ -148,7 +148,7 @@ def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "pagegate.core.block_pool" in graph["pagegate.core.block_tables"]  # a .pyx cimport
     assert "pagegate.engine.sampling.structured" in graph["pagegate.engine.sampling.params"]  # TYPE_CHECKING
-    assert "pagegate.engine.engine" in graph["pagegate.engine.serving.async_engine"]
+    assert "pagegate.engine.engine" in graph["pagegate.engine.serving.core_process"]
     assert len(graph) > 100
 
 

@@ -57,8 +57,8 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queue a request built by `intake.make_request` (engine thread). Callers give unique ids (the gateway's
-        CoreClient and AsyncEngine check them against their live streams), so a repeated one is a ValueError."""
+        """Queue a request built by `intake.make_request` (engine thread). Callers give unique ids (CoreClient
+        checks them against its live streams), so a repeated one is a ValueError."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.order = next(self._order)

@@ -1,5 +1,5 @@
 """One instant of the page pools and the queues, for the dashboard: taken on the engine thread between two
-steps (by the core process, or AsyncEngine.pool_snapshot), so the pages, the queues and the counts all agree.
+steps (by the core process, asked by its client), so the pages, the queues and the counts all agree.
 
 The engine thread only copies (a C call per pool, a block table per sequence); who holds what is worked out
 later, on the reader's thread, the first time it is asked.

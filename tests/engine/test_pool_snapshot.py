@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, EngineConfig
@@ -72,28 +71,20 @@ def test_swapped_sequences_hold_cpu_pages(llama_model) -> None:
 
 
 def test_async_engine_snapshots_between_steps_and_when_idle(llama_model) -> None:
-    engine = AsyncEngine(EngineConfig(str(llama_model.path), device="cpu", cache=CacheConfig(num_kv_blocks=64)))
+    """Asked of the engine-core process, answered between two of its steps, and by an idle core too."""
+    config = EngineConfig(str(llama_model.path), device="cpu", cache=CacheConfig(num_kv_blocks=64))
 
     async def main() -> tuple[PoolSnapshot, PoolSnapshot]:
-        params = SamplingParams(max_tokens=40, ignore_eos=True, n=2)
-        stream = engine.generate(make_prompts()[7], params, "busy")
-        await stream.__anext__()  # running now
-        busy = await engine.pool_snapshot()
-        async for _ in stream:
-            pass
-        return busy, await asyncio.wait_for(engine.pool_snapshot(), 5)  # the idle loop wakes for it
+        async with await AsyncEngine.start(config) as engine:
+            params = SamplingParams(max_tokens=40, ignore_eos=True, n=2)
+            stream = engine.generate(make_prompts()[7], params, "busy")
+            await stream.__anext__()  # running now
+            busy = await engine.pool_snapshot()
+            async for _ in stream:
+                pass
+            return busy, await asyncio.wait_for(engine.pool_snapshot(), 5)  # the idle core wakes for it
 
-    try:
-        busy, idle = asyncio.run(main())
-        assert busy.stats.used_blocks > 0 and busy.stats.shared_blocks > 0 and busy.queue("running")
-        assert idle.stats.used_blocks == 0
-        assert_counts_agree(busy)
-
-        def broken(_engine: object) -> None:
-            raise RuntimeError("the caller's bug")
-
-        with pytest.raises(RuntimeError, match="caller's bug"):
-            engine.call_between_steps(broken).result(timeout=5)
-        assert engine.is_running  # a failing call is the caller's problem, not the loop's
-    finally:
-        engine.shutdown()
+    busy, idle = asyncio.run(main())
+    assert busy.stats.used_blocks > 0 and busy.stats.shared_blocks > 0 and busy.queue("running")
+    assert idle.stats.used_blocks == 0
+    assert_counts_agree(busy)

@@ -7,6 +7,7 @@ import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, EngineConfig
+from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.serving.async_engine import AsyncEngine
 
 from .conftest import TINY, hf, save_hf_model
@@ -45,22 +46,21 @@ def test_stop_string_across_token_boundaries_is_trimmed(text_model):
 
 
 def test_streamed_text_only_grows_and_never_holds_a_broken_character(text_model):
-    engine = AsyncEngine(EngineConfig(str(text_model), device="cpu", cache=CacheConfig(num_kv_blocks=64)))
+    config = EngineConfig(str(text_model), device="cpu", cache=CacheConfig(num_kv_blocks=64))
 
-    async def stream() -> list:
+    async def stream() -> tuple[list, Tokenizer | None, int]:
         params = SamplingParams(temperature=1.0, seed=7, max_tokens=60, ignore_eos=True)
-        return [o.outputs[0] async for o in engine.generate("emoji 😀 café", params, "s")]
+        async with await AsyncEngine.start(config) as engine:
+            outputs = [o.outputs[0] async for o in engine.generate("emoji 😀 café", params, "s")]
+            return outputs, engine.tokenizer, engine.stats().used_blocks
 
-    try:
-        outputs = asyncio.run(stream())
-    finally:
-        engine.shutdown()
+    outputs, tokenizer, used_blocks = asyncio.run(stream())
     texts = [o.text for o in outputs]
     # a character split across tokens is held back, never sent half and corrected later
     for before, after in zip(texts, texts[1:], strict=False):
         assert after.startswith(before)
-    assert texts[-1] == engine.tokenizer.decode(outputs[-1].token_ids)
-    assert engine.stats().used_blocks == 0
+    assert tokenizer is not None and texts[-1] == tokenizer.decode(outputs[-1].token_ids)
+    assert used_blocks == 0
 
 
 def test_a_stop_token_is_cut_from_the_text_unless_asked_for(text_model):
