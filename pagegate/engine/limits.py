@@ -1,5 +1,7 @@
-"""The hard limits on a request, checked here and nowhere else: the engine calls these on every request
-and the gateway calls the same functions before it starts any of a request's prompts."""
+"""The hard limits on a request, written here and nowhere else, and checked once on each side of the seam: the
+gateway where it prepares a request (prepare.py, embeddings.py) and admits it (admission.py), before it starts any
+of its prompts; the engine in intake (intake.py), for every request whoever sent it. The seam between them
+(engine/serving) checks nothing."""
 
 from __future__ import annotations
 

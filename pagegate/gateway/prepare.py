@@ -181,8 +181,10 @@ def prepare_completion(body: dict[str, Any] | CompletionRequest, model: ModelCon
     max_tokens = 1 if request.echo_only else request.max_tokens  # the engine samples one token, not returned
     prompts = []
     for item in _prompt_items(request.prompt):  # fail on the first prompt too long, before tokenizing the rest
-        prompt = _completion_prompt(item, model, max_tokens)
+        prompt = _completion_prompt(item, model)
         check_context(len(prompt.token_ids), max_tokens, model.max_model_len, "prompt")
+        if prompt.text is None:  # sent as token ids: each must be in the vocabulary
+            check_token_ids(prompt.token_ids, model.vocab_size, "prompt")
         prompts.append(prompt)
     scored = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     # each choice carries its prompt's scores (prompt_logprobs, and the echoed prompt's logprobs)
@@ -272,7 +274,7 @@ def _prompt_items(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: int | None) -> EnginePrompt:
+def _completion_prompt(item: str | list[int], model: ModelContext) -> EnginePrompt:
     if isinstance(item, str):
         tokenizer = model.require_tokenizer("prompt")
         model.check_text_fits(item, "prompt")
@@ -280,8 +282,6 @@ def _completion_prompt(item: str | list[int], model: ModelContext, max_tokens: i
         if not token_ids:
             raise BadRequest("The prompt is empty after tokenization.", param="prompt")
         return EnginePrompt(token_ids, item)
-    check_context(len(item), max_tokens, model.max_model_len, "prompt")
-    check_token_ids(item, model.vocab_size, "prompt")
     return EnginePrompt(list(item), None)
 
 

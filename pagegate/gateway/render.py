@@ -1,8 +1,10 @@
 """Engine outputs -> OpenAI response bodies and stream chunks (completions and chat).
 
-Engine outputs are cumulative, so a renderer remembers per choice what it already sent and turns the
-latest output into a delta. While a choice runs, text that could still become a stop string (or an
-unfinished UTF-8 character) is held back, so streamed text always equals the final text.
+Engine outputs come as deltas (each choice's new text, token ids and logprobs), which a streamed response
+appends as they come; a renderer keeps per prompt only counts (usage, timing) and per choice where its answer
+stands, never the whole text. A non-streamed response renders the whole outputs, joined by `collect`. The
+engine holds back text that could still become a stop string (or an unfinished UTF-8 character), so streamed
+text always equals the final text.
 """
 
 from __future__ import annotations
@@ -32,9 +34,25 @@ def finite_logprob(value: float) -> float:
 
 
 @dataclass
+class PromptProgress:
+    """What usage, timing and echo need of one prompt's outputs so far: counts, never the text."""
+
+    generated: int = 0  # tokens of all its choices
+    cached: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[Logprob | None] | None = None
+    last: RequestOutput | None = None  # its finishing delta (its timings), once it finished
+
+    def take(self, output: RequestOutput) -> None:
+        self.generated += output.num_generated_tokens
+        self.cached = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        if output.finished:
+            self.last = output
+
+
+@dataclass
 class ChoiceState:
-    text_sent: int = 0  # characters of the engine's text already sent
-    tokens_sent: int = 0  # generated tokens whose logprobs were already sent
     text_offset: int = 0  # completions logprobs: offset of the next token in the returned text
     started: bool = False
     finished: bool = False
@@ -49,7 +67,7 @@ class Renderer(ABC):
     tokenizer: TokenizerLike | None
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
-    latest: dict[int, RequestOutput] = field(default_factory=dict)
+    progress: dict[int, PromptProgress] = field(default_factory=dict)  # per prompt
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     widths: dict[int, int] = field(default_factory=dict)
     timing: bool = False  # X-Pagegate-Timing: the finished usage carries `pagegate_timing`
@@ -106,20 +124,29 @@ class Renderer(ABC):
     def usage(self) -> dict:
         """The tokens so far: every prompt's (known before the first output), those generated until now."""
         prompt_tokens = sum(len(prompt.token_ids) for prompt in self.prepared.prompts)
-        completion_tokens = sum(len(c.token_ids) for out in self.latest.values() for c in out.outputs)
-        cached = sum(out.num_cached_tokens for out in self.latest.values())
+        completion_tokens, cached = self.generated_tokens(), self.cached_tokens()
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
         if self.timing and (breakdown := self.timing_breakdown()) is not None:
             usage["pagegate_timing"] = breakdown
         return usage
 
+    def generated_tokens(self) -> int:
+        return sum(progress.generated for progress in self.progress.values())
+
+    def cached_tokens(self) -> int:
+        return sum(progress.cached for progress in self.progress.values())
+
     def timing_breakdown(self) -> dict | None:
         """Where the time went (request_timing.py), once every prompt has finished; None before."""
-        timings = [timing_of(out) for out in self.latest.values()]
+        timings = [timing_of(p.last, p.generated) if p.last is not None else None for p in self.progress.values()]
         if len(timings) < len(self.prepared.prompts) or any(t is None for t in timings):
             return None
         return merged_breakdown([t for t in timings if t is not None])
+
+    def take(self, prompt_index: int, output: RequestOutput) -> None:
+        """Count a delta of one prompt's request (a whole output counts as one delta)."""
+        self.progress.setdefault(prompt_index, PromptProgress()).take(output)
 
     def usage_chunk(self) -> dict:
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created,
@@ -137,8 +164,8 @@ class Renderer(ABC):
         """The whole (non-streamed) response body from each prompt's final output."""
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        """Chunks for one fresh cumulative output of one engine request (possibly none)."""
-        self.latest[prompt_index] = output
+        """Chunks for one delta of one engine request (possibly none)."""
+        self.take(prompt_index, output)
         deltas = []
         for completion in output.outputs:
             index = self.choice_index(prompt_index, completion)
@@ -148,7 +175,7 @@ class Renderer(ABC):
 
     @abstractmethod
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
-        """The deltas one fresh output of one choice adds (possibly none)."""
+        """The chunk deltas one output delta of one choice adds (possibly none)."""
 
     def answer_events(self, state: ChoiceState, text: str, finished: bool) -> list[AnswerEvent]:
         """Fresh text as reasoning, content and completed calls; text that may still be a tag is held back."""
@@ -156,23 +183,13 @@ class Renderer(ABC):
             state.answer = AnswerSplitter(self.prepared.tool_calls, self.prepared.reasoning)
         return state.answer.feed(text) + (state.answer.finish() if finished else [])
 
-    def next_text(self, state: ChoiceState, completion: CompletionOutput) -> str:
-        # The engine's text is already safe to send: it holds back a forming stop string or character.
-        text = completion.text[state.text_sent:]
-        state.text_sent = len(completion.text)
-        return text
-
-    def next_logprobs(self, state: ChoiceState, completion: CompletionOutput) -> list[Logprob]:
-        fresh = (completion.logprobs or [])[state.tokens_sent:]
-        state.tokens_sent += len(fresh)
-        return fresh
-
-    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+    def prompt_logprobs(self, prompt_index: int) -> list[dict | None] | None:
         """vLLM's prompt_logprobs: per prompt token (the first null), the token's and the top alternatives'
         {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
-        if output.prompt_logprobs is None:
+        scored = self.progress[prompt_index].prompt_logprobs
+        if scored is None:
             return None
-        return [None if lp is None else self.ranked_entries(lp) for lp in output.prompt_logprobs]
+        return [None if lp is None else self.ranked_entries(lp) for lp in scored]
 
     def ranked_entries(self, logprob: Logprob) -> dict[str, dict]:
         def entry(token_id: int, value: float, rank: int | None) -> dict:
@@ -183,7 +200,9 @@ class Renderer(ABC):
         return entries
 
     def ordered(self, finals: dict[int, RequestOutput]) -> list[tuple[int, int, CompletionOutput]]:
-        self.latest.update(finals)
+        """Each whole output's choices in the order of their indices (and the outputs counted)."""
+        for prompt_index, output in finals.items():
+            self.take(prompt_index, output)
         rows = [(self.choice_index(p, c), p, c) for p, out in finals.items() for c in out.outputs]
         return sorted(rows, key=lambda row: row[0])
 
@@ -198,26 +217,25 @@ class ItemRenderer(Renderer):
     named_events = True
 
     @abstractmethod
-    def take(self, piece: AnswerEvent) -> list[dict]:
+    def take_piece(self, piece: AnswerEvent) -> list[dict]:
         """The events one piece of the answer (text, reasoning, a call) adds."""
 
     @abstractmethod
-    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
-        """The events that end the answer; sets `final`, the whole response body."""
+    def closing(self, completion: CompletionOutput) -> list[dict]:
+        """The events that end the answer (`completion`: its last delta); sets `final`, the whole response body."""
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        self.latest[prompt_index] = output
+        self.take(prompt_index, output)
         state = self.choices.setdefault(0, ChoiceState())
         return self.choice_deltas(0, state, prompt_index, output.outputs[0])
 
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        events = [event for piece in self.answer_events(state, self.next_text(state, c), c.finished)
-                  for event in self.take(piece)]
+        events = [event for piece in self.answer_events(state, c.text, c.finished) for event in self.take_piece(piece)]
         if c.finished:
             state.finished = True
-            events.extend(self.closing(c, self.latest[prompt_index]))
+            events.extend(self.closing(c))
         return events
 
     def response(self, finals: dict[int, RequestOutput]) -> dict:
@@ -252,7 +270,7 @@ class CompletionRenderer(Renderer):
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        text, fresh = self.next_text(state, c), self.next_logprobs(state, c)
+        text, fresh = c.text, c.logprobs or []
         if self.request.echo_only:  # the engine's one token is not part of the answer
             text, fresh = "", []
         first = not state.started
@@ -267,7 +285,7 @@ class CompletionRenderer(Renderer):
         delta = {"index": index, "text": prefix + text, "logprobs": logprobs,
                  "finish_reason": "length" if c.finished and self.request.echo_only else c.finish_reason}
         if first and self.request.prompt_logprobs is not None:
-            delta["prompt_logprobs"] = self.prompt_logprobs(self.latest[prompt_index])
+            delta["prompt_logprobs"] = self.prompt_logprobs(prompt_index)
         return [delta]
 
     @property
@@ -287,7 +305,7 @@ class CompletionRenderer(Renderer):
         if state.started or not self.request.echo:
             return "", []
         prompt_ids = self.prepared.prompts[prompt_index].token_ids
-        scored = self.latest[prompt_index].prompt_logprobs or [None] * len(prompt_ids)
+        scored = self.progress[prompt_index].prompt_logprobs or [None] * len(prompt_ids)
         return self.prompt_text(prompt_index), list(zip(prompt_ids, scored, strict=True))
 
     def logprobs_block(self, state: ChoiceState, rows: list[tuple[int, Logprob | None]]) -> dict:
@@ -332,8 +350,8 @@ class ChatRenderer(Renderer):
     def choice_deltas(self, index: int, state: ChoiceState, prompt_index: int, c: CompletionOutput) -> list[dict]:
         if state.finished:
             return []
-        events = self.answer_events(state, self.next_text(state, c), c.finished)
-        fresh = self.next_logprobs(state, c)
+        events = self.answer_events(state, c.text, c.finished)
+        fresh = c.logprobs or []
         deltas = []
         thought = "".join(event.text for event in events if isinstance(event, Reasoning))
         if thought:
@@ -381,7 +399,7 @@ class ChatRenderer(Renderer):
         body = self.envelope(self.object_name, choices)
         body["usage"] = self.usage()
         if self.prepared.params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs(finals[0])
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
         return body
 
     def message(self, completion: CompletionOutput) -> dict:

@@ -30,12 +30,12 @@ def trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
     return found or None
 
 
-def timing_of(output: RequestOutput) -> RequestTiming | None:
-    """A finished output's timing (None while it runs, or when it produced no token)."""
+def timing_of(output: RequestOutput, generated: int) -> RequestTiming | None:
+    """A request's timing from its finishing output (a delta will do: it carries the timings) and the tokens all
+    its choices generated (None while it runs, or when it produced no token)."""
     if not output.finished:
         return None
-    completion = sum(len(choice.token_ids) for choice in output.outputs)
-    return RequestTiming.from_metrics(output.request_id, output.metrics, len(output.prompt_token_ids), completion,
+    return RequestTiming.from_metrics(output.request_id, output.metrics, len(output.prompt_token_ids), generated,
                                       output.num_cached_tokens)
 
 
@@ -60,10 +60,11 @@ class TimingRecorder:
         self.tracer = tracer
         self.recent: deque[FinishedRequest] = deque(maxlen=keep)
 
-    def finished(self, output: RequestOutput, started: float, model: str, tenant: str | None = None,
+    def finished(self, output: RequestOutput, generated: int, started: float, model: str, tenant: str | None = None,
                  attributes: Mapping[str, Any] | None = None, trace_context: Mapping[str, str] | None = None) -> None:
-        """A final output came back: keep its row; trace it from `started` (gateway monotonic seconds)."""
-        timing = timing_of(output)
+        """A request finished (`output`: its finishing delta, `generated`: its tokens): keep its row; trace it from
+        `started` (gateway monotonic seconds)."""
+        timing = timing_of(output, generated)
         if timing is None:
             return
         self.recent.append(FinishedRequest(output.request_id, tenant, time.time(), model, timing))

@@ -1,8 +1,8 @@
 """Driving engine requests: merge several requests' outputs, coalesce stale ones, frame them for the wire.
 
-Engine outputs are cumulative, so when the writer is slower than the engine only the newest output of
-each request matters: one pump task per engine request keeps a latest-value slot and the writer sends
-one delta for however many tokens arrived meanwhile. That keeps 64 streams cheap for the event loop.
+Engine outputs come as deltas; when the writer is slower than the engine, one pump task per engine request
+appends each new delta to the one still waiting (RequestOutput.add), and the writer sends one chunk for however
+many tokens arrived meanwhile. That keeps 64 streams cheap for the event loop.
 """
 
 from __future__ import annotations
@@ -26,38 +26,44 @@ MSGPACK_END = {"done": True}  # the last map of a msgpack stream (docs/msgpack.m
 
 
 class OutputMerger:
-    """Pumps N engine output iterators into latest-value slots; `batches()` yields {index: newest output}."""
+    """Pumps N engine output iterators into slots of pending deltas; `batches()` yields {index: what is new}."""
 
     def __init__(
         self,
         streams: list[AsyncIterator[RequestOutput]],
         on_first: Callable[[int], None],
         on_close: Callable[[OutputMerger, set[int]], None],
-        on_finished: Callable[[int, RequestOutput], None] | None = None,
+        on_finished: Callable[[int, RequestOutput, int], None] | None = None,
     ) -> None:
-        self._latest: dict[int, RequestOutput] = {}
+        self._pending: dict[int, RequestOutput] = {}  # per request: its deltas since the last batch, joined
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
         self._ended: set[int] = set()
         self._finished: set[int] = set()
         self._on_first = on_first
         self._on_close = on_close
-        self._on_finished = on_finished  # each request's final output, once (its timing: request_timing.py)
+        self._on_finished = on_finished  # each request's last delta and its token count, once (request_timing.py)
         self._closed = False
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         first = True
+        generated = 0
         try:
-            async for output in stream:
+            async for delta in stream:
                 if first:
                     first = False
                     self._on_first(index)
-                if output.finished:
+                generated += delta.num_generated_tokens
+                if delta.finished:
                     self._finished.add(index)
                     if self._on_finished is not None:
-                        self._on_finished(index, output)
-                self._latest[index] = output
+                        self._on_finished(index, delta, generated)
+                pending = self._pending.get(index)
+                if pending is None:
+                    self._pending[index] = delta
+                else:
+                    pending.add(delta)
                 self._wake.set()
         except asyncio.CancelledError:
             raise
@@ -70,19 +76,19 @@ class OutputMerger:
             self._wake.set()
 
     async def batches(self, pace: Callable[[], float] | None = None) -> AsyncIterator[dict[int, RequestOutput]]:
-        """Newest outputs as they come; with `pace`, batches are at least pace() seconds apart (the
-        first and a finishing one excepted), so a busy server sends several tokens per chunk."""
+        """Deltas as they come; with `pace`, batches are at least pace() seconds apart (the first and a finishing
+        one excepted), so a busy server sends several tokens per chunk."""
         loop = asyncio.get_running_loop()
         last_yield: float | None = None
         while True:
             if self._error is not None:
                 raise self._error
-            if self._latest:
+            if self._pending:
                 delay = self._pacing_delay(pace, last_yield, loop.time())
                 if delay > 0:
                     await asyncio.sleep(delay)  # the pumps keep collecting meanwhile
                     continue
-                batch, self._latest = self._latest, {}
+                batch, self._pending = self._pending, {}
                 last_yield = loop.time()
                 yield batch
                 continue
@@ -92,14 +98,14 @@ class OutputMerger:
             await self._wake.wait()
 
     def _pacing_delay(self, pace: Callable[[], float] | None, last_yield: float | None, now: float) -> float:
-        if pace is None or last_yield is None or any(out.finished for out in self._latest.values()):
+        if pace is None or last_yield is None or any(out.finished for out in self._pending.values()):
             return 0.0
         return last_yield + pace() - now
 
     @property
     def all_finished(self) -> bool:
         """Every engine request has delivered its final output (and it has been handed out)."""
-        return len(self._finished) == len(self._tasks) and not self._latest
+        return len(self._finished) == len(self._tasks) and not self._pending
 
     def stop(self, error: BaseException) -> None:
         """End this generation early (server shutting down); the writer raises `error`."""
@@ -118,11 +124,15 @@ class OutputMerger:
 
 
 async def collect(merger: OutputMerger) -> dict[int, RequestOutput]:
-    """Run a non-streamed generation to the end: the final output of every engine request."""
+    """Run a non-streamed generation to the end: the whole output of every engine request, its deltas joined."""
     finals: dict[int, RequestOutput] = {}
     try:
         async for batch in merger.batches():
-            finals.update(batch)
+            for index, delta in batch.items():
+                if index in finals:
+                    finals[index].add(delta)
+                else:
+                    finals[index] = delta
     finally:
         merger.close()
     return finals

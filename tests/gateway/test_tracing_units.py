@@ -81,8 +81,8 @@ def test_recent_requests_keep_the_last_n_and_hide_other_keys_ids() -> None:
     exporter = InMemorySpanExporter()
     recorder = TimingRecorder(RequestTracer(tracer_provider(exporter=exporter)), keep=2)
     for i, tenant in enumerate(["a", "b", "a"]):
-        recorder.finished(finished_output(f"r{i}"), 0.9, "m", tenant)
-    recorder.finished(RequestOutput("running", None, [1], [], False), 0.9, "m")  # not finished: nothing kept
+        recorder.finished(finished_output(f"r{i}"), 2, 0.9, "m", tenant)
+    recorder.finished(RequestOutput("running", None, [1], [], False), 0, 0.9, "m")  # not finished: nothing kept
     mine = recorder.rows("a", every_id=False)
     assert [row["request_id"] for row in mine] == ["r2", None]  # newest first, b's unnamed
     assert mine[0]["preemptions"] == 1 and mine[0]["swaps"] == 0 and mine[0]["preempted_ms"] == 100.0
@@ -116,6 +116,6 @@ def test_the_flag_and_the_recent_requests_route() -> None:
     assert flagged.otlp_traces_endpoint == "http://c:4318"
     app = TestClient(build_app(EngineConfig(), GatewayConfig(api_keys=["secret"])))  # no lifespan: no engine
     assert app.get("/dashboard/api/recent").status_code == 401
-    app.app.state.host.timings.finished(finished_output("r"), 0.9, "m", None)
+    app.app.state.host.timings.finished(finished_output("r"), 2, 0.9, "m", None)
     response = app.get("/dashboard/api/recent", headers={"Authorization": "Bearer secret"})
     assert response.status_code == 200 and [row["request_id"] for row in response.json()["requests"]] == ["r"]

@@ -1,6 +1,6 @@
 """One engine-core process, seen from the gateway: it starts the process, sends it requests and aborts over a
-socketpair, and turns its per-step delta frames back into each stream's cumulative outputs. Implements EngineClient;
-nothing here imports torch (the gateway process never starts an OpenMP thread team).
+socketpair, and hands each stream the deltas of its outputs as the core's frames bring them. Implements
+EngineClient; nothing here imports torch (the gateway process never starts an OpenMP thread team).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import (
@@ -26,7 +26,6 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
-from pagegate.engine.limits import check_context, check_embedding_length, check_token_ids
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -35,21 +34,22 @@ from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
 from pagegate.engine.serving.frames import (
-    ABORT,
-    CALL,
-    FAILED,
-    OUTPUTS,
-    READY,
-    REPLY,
-    SHUTDOWN,
-    UNPIN,
+    Abort,
+    Add,
+    Call,
     CoreLoad,
     CoreSpec,
+    Failed,
+    Frame,
     FrameReader,
-    OutputAssembler,
+    Outputs,
+    Ready,
+    Reply,
+    RequestDelta,
+    Shutdown,
+    ToGateway,
+    Unpin,
     add_frame,
-    embedding_of,
-    error_from_wire,
     framed,
 )
 
@@ -62,8 +62,9 @@ MAX_STALL_CHECK_S = 1.0  # how often, at most this far apart, a core's silence i
 class _CoreProtocol(asyncio.Protocol):
     """The gateway's end of the socketpair: each whole frame to `take`, on the event loop."""
 
-    def __init__(self, take: Callable[[list[Any]], None]) -> None:
-        self.take, self.reader = take, FrameReader()
+    def __init__(self, take: Callable[[ToGateway], None]) -> None:
+        self.take = take
+        self.reader: FrameReader[ToGateway] = FrameReader(ToGateway)
 
     def data_received(self, data: bytes) -> None:
         for frame in self.reader.feed(data):
@@ -81,13 +82,13 @@ class CoreClient:
         self.on_dead: Callable[[], None] | None = None
         self.dead_error: BaseException | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        self._streams: dict[str, asyncio.Queue[list[Any] | BaseException]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._seqs_sent = self._abort_seqs_sent = 0
         self._open_seqs: dict[str, int] = {}  # request id -> its sequences, while its stream is open
         self._stopping = False
-        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._ready: asyncio.Future[Ready] | None = None
         self._load_wire: list[Any] = []
         self._load: CoreLoad | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -109,20 +110,19 @@ class CoreClient:
         self._transport, _ = await loop.create_connection(lambda: _CoreProtocol(self._take), sock=ours)
         self._ready = loop.create_future()
         self._watcher = loop.create_task(self._watch())
-        info = await self._ready
-        self._take_info(info)
+        self._take_ready(await self._ready)
         if self.step_timeout_s > 0:
             self._stall_watch = loop.create_task(self._watch_steps())
 
-    def _take_info(self, info: dict[str, Any]) -> None:
-        self.model_name: str = info["model_name"]
-        self.max_model_len: int = info["max_model_len"]
-        self.kv_pages: str = info["kv_pages"]
-        self.vocab_size: int = info["vocab_size"]
-        self.default_sampling: dict[str, float] = info["default_sampling"]
-        self.eos_token_ids: list[int] = info["eos_token_ids"]
-        self.tokenizer = Tokenizer.from_wire(info["tokenizer"]) if info["tokenizer"] is not None else None
-        self._load_wire, self._load = info["load"], None
+    def _take_ready(self, ready: Ready) -> None:
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.kv_pages = ready.kv_pages
+        self.vocab_size = ready.vocab_size
+        self.default_sampling = ready.default_sampling
+        self.eos_token_ids = ready.eos_token_ids
+        self.tokenizer = Tokenizer.from_wire(ready.tokenizer) if ready.tokenizer is not None else None
+        self._load_wire, self._load = ready.load, None
         if self.tokenizer is not None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
@@ -230,7 +230,7 @@ class CoreClient:
             self._stall_watch.cancel()
         process = self.process
         if process is not None and process.poll() is None:
-            self._send([SHUTDOWN])
+            self._send(Shutdown())
             try:
                 await asyncio.wait_for(asyncio.to_thread(process.wait), timeout)
             except TimeoutError:
@@ -247,36 +247,35 @@ class CoreClient:
 
     # ---- frames from the core --------------------------------------------------------------------
 
-    def _take(self, frame: list[Any]) -> None:
+    def _take(self, frame: ToGateway) -> None:
         self._heard()
-        kind = frame[0]
-        if kind == OUTPUTS:
-            for delta in frame[1]:
-                stream = self._streams.get(delta[0])
-                if stream is not None:
-                    stream.put_nowait(delta)
-            self._load_wire, self._load = frame[2], None
-        elif kind == REPLY:
-            future = self._calls.pop(frame[1], None)
-            if future is not None and not future.done():
-                future.set_result(frame[3]) if frame[2] else future.set_exception(RuntimeError(frame[3]))
-        elif kind == READY and self._ready is not None:
-            self._ready.set_result(frame[1])
-        elif kind == FAILED and self._ready is not None and not self._ready.done():
-            name, message = frame[1], frame[2]
-            error = ModelLoadError(message) if name == "ModelLoadError" else RuntimeError(f"{name}: {message}")
-            self._ready.set_exception(error)
+        match frame:
+            case Outputs(deltas, load):
+                for delta in deltas:
+                    stream = self._streams.get(delta.request_id)
+                    if stream is not None:
+                        stream.put_nowait(delta)
+                self._load_wire, self._load = load, None
+            case Reply(call_id, ok, result):
+                future = self._calls.pop(call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(result) if ok else future.set_exception(RuntimeError(result))
+            case Ready() if self._ready is not None:
+                self._ready.set_result(frame)
+            case Failed(name, message) if self._ready is not None and not self._ready.done():
+                error = ModelLoadError(message) if name == "ModelLoadError" else RuntimeError(f"{name}: {message}")
+                self._ready.set_exception(error)
 
-    def _send(self, frame: list[Any]) -> None:
+    def _send(self, frame: Frame) -> None:
         self._transport.write(framed(frame))  # buffered by the transport: the event loop never blocks on it
 
-    async def _call(self, name: str) -> Any:
+    async def _call(self, name: Literal["snapshot", "metrics"]) -> Any:
         """A question the core answers between two steps."""
         self._giving_work()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send([CALL, call_id, name])
+        self._send(Call(call_id, name))
         try:
             return await future
         finally:
@@ -287,92 +286,67 @@ class CoreClient:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as they come; leaving the loop early aborts the request."""
-        self._giving_work()
+        """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
+        request. The core checks the request (InvalidParamError from its first delta when it breaks a rule)."""
         text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
-        check_context(len(token_ids), params.max_tokens, self.max_model_len)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._open_seqs[request_id] = params.n
-        self._seqs_sent += params.n
-        self._send(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin))
-        assembler = OutputAssembler(request_id, text, token_ids)
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item[2] is not None:
-                    finished = True
-                    raise error_from_wire(item[2])
-                output = assembler.apply(item)
-                finished = output.finished
-                yield output
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-            self._open_seqs.pop(request_id, None)
+        async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin),
+                                        params.n):
+            yield delta.output(text, token_ids)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
         """The prompt's embedding (little-endian float32), pooled in the core; leaving early aborts it."""
+        async for delta in self._stream(add_frame(request_id, None, token_ids, SamplingParams(), priority,
+                                                  embed=True), 1):
+            if delta.finished:
+                if delta.embedding is None:
+                    raise RequestFailedError("the engine finished an embedding request without its embedding")
+                return delta.embedding
+        raise RequestFailedError("the engine ended an embedding request without finishing it")
+
+    async def _stream(self, add: Add, num_seqs: int) -> AsyncIterator[RequestDelta]:
+        """Send a request; its deltas until the finished one (a failed one raises its error)."""
         self._giving_work()
-        check_token_ids(token_ids, self.vocab_size, "input")
-        check_embedding_length(len(token_ids), self.max_model_len)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue[list[Any] | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._open_seqs[request_id] = 1
-        self._seqs_sent += 1
-        self._send(add_frame(request_id, None, token_ids, SamplingParams(), priority, None, embed=True))
+        if add.request_id in self._streams:
+            raise ValueError(f"request id {add.request_id!r} is already in use")
+        stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._streams[add.request_id] = stream
+        self._open_seqs[add.request_id] = num_seqs
+        self._seqs_sent += num_seqs
+        self._send(add)
         finished = False
         try:
             while not finished:
-                item = await stream.get()
-                finished = isinstance(item, BaseException) or item[2] is not None or item[1]
-                if isinstance(item, BaseException):
-                    raise item
-                if item[2] is not None:
-                    raise error_from_wire(item[2])
-                delta = item
-            vector = embedding_of(delta)
-            if vector is None:
-                raise RequestFailedError("the engine finished an embedding request without its embedding")
-            return vector
+                delta = await stream.get()
+                finished = isinstance(delta, BaseException) or delta.finished or delta.error is not None
+                if isinstance(delta, BaseException):
+                    raise delta
+                if delta.error is not None:
+                    raise delta.error.exception()
+                yield delta
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(add.request_id, None)
             if not finished:
-                self.abort(request_id)
-            self._open_seqs.pop(request_id, None)
+                self.abort(add.request_id)
+            self._open_seqs.pop(add.request_id, None)
 
     def token_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary (InvalidParamError)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParamError("this model has no tokenizer: send the prompt as token ids", "prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-            check_token_ids(token_ids, self.vocab_size, "prompt")
-        if not token_ids:
-            raise InvalidParamError("the prompt is empty", "prompt")
-        return token_ids
+        """The prompt's token ids (a text prompt is tokenized here, where the gateway's tokenizer is)."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise InvalidParamError("this model has no tokenizer: send the prompt as token ids", "prompt")
+        return self.tokenizer.encode(prompt)
 
     def abort(self, request_id: str) -> None:
         """The core frees the request's pages before its next step; admission counts them free already."""
         if self.is_running:
             num_seqs = self._open_seqs.pop(request_id, 0)
             self._abort_seqs_sent += num_seqs
-            self._send([ABORT, [[request_id, num_seqs]]])
+            self._send(Abort(request_id, num_seqs))
 
     def unpin(self, key: str) -> None:
         if self.is_running:
-            self._send([UNPIN, key])
+            self._send(Unpin(key))
 
     def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Check a constraint here, before the request is admitted (InvalidParamError when it is bad); the core

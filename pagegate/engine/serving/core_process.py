@@ -25,26 +25,27 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
-from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.serving.frames import (
-    ABORT,
-    ADD,
-    CALL,
     CPUS_ENV,
-    FAILED,
-    OUTPUTS,
-    READY,
-    REPLY,
-    SHUTDOWN,
-    UNPIN,
+    Abort,
+    Add,
+    Call,
     CoreLoad,
     CoreSpec,
     DeltaWriter,
+    Failed,
+    Frame,
     FrameReader,
-    error_to_wire,
+    Outputs,
+    Ready,
+    Reply,
+    RequestDelta,
+    Shutdown,
+    ToCore,
+    Unpin,
+    WireError,
     framed,
-    params_from_wire,
 )
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class CoreLoop:
         self.engine, self.sock = engine, sock
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
-        self.reader = FrameReader()
+        self.reader: FrameReader[ToCore] = FrameReader(ToCore)
         self.deltas = DeltaWriter()
         self.seqs_taken = self.seqs_aborted = 0
         self.stopping = False
@@ -93,7 +94,7 @@ class CoreLoop:
         """The counts once every request is aborted, so the gateway's last word on the pages is true even when
         the aborts and the stop came in one read (a core stopped, then resumed). The gateway may be gone."""
         try:
-            self._send([OUTPUTS, [], self.load()])
+            self._send(Outputs([], self.load()))
         except OSError:
             pass
 
@@ -107,7 +108,7 @@ class CoreLoop:
         now = time.monotonic()
         if not urgent and self.engine.has_unfinished() and now - self.last_sent < OUTPUT_INTERVAL_S:
             return
-        self._send([OUTPUTS, [self.deltas.delta(r) for r in self.unsent.values()], self.load()])
+        self._send(Outputs([self.deltas.delta(r) for r in self.unsent.values()], self.load()))
         self.unsent.clear()
         self.last_sent = now
 
@@ -124,42 +125,40 @@ class CoreLoop:
             took, timeout_ms = True, 0
         return took
 
-    def _handle(self, frame: list[Any]) -> None:
-        kind = frame[0]
-        if kind == ADD:
-            self._add(*frame[1:])
-        elif kind == ABORT:
-            for request_id, num_seqs in frame[1]:  # counted even when the request had already ended
+    def _handle(self, frame: ToCore) -> None:
+        match frame:
+            case Add():
+                self._add(frame)
+            case Abort(request_id, num_seqs):  # counted even when the request had already ended
                 self.engine.abort(request_id)
                 self.deltas.forget(request_id)
                 self.unsent.pop(request_id, None)
                 self.seqs_aborted += num_seqs
-        elif kind == UNPIN:
-            self.engine.unpin(frame[1])
-        elif kind == CALL:
-            self._answer(frame[1], frame[2])
-        elif kind == SHUTDOWN:
-            self.stopping = True
+            case Unpin(key):
+                self.engine.unpin(key)
+            case Call(call_id, name):
+                self._answer(call_id, name)
+            case Shutdown():
+                self.stopping = True
 
-    def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: dict[str, Any], priority: int,
-             cache_salt: str | None, pin: list[Any] | None = None, embed: bool = False) -> None:
+    def _add(self, frame: Add) -> None:
         try:
-            sampling = params_from_wire(params)
+            sampling = frame.sampling
             self.seqs_taken += sampling.n
-            request = self.engine.intake.make_request(request_id, token_ids, sampling, priority, cache_salt,
-                                                      Pin(*pin) if pin is not None else None, embed)
-            request.prompt = prompt
+            request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
+                                                      frame.cache_salt, frame.pin, frame.embed)
+            request.prompt = frame.prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core
-            self._send([OUTPUTS, [[request_id, True, error_to_wire(error), 0, None, []]], self.load()])
+            self._send(Outputs([RequestDelta(frame.request_id, True, WireError.of(error))], self.load()))
 
     def _answer(self, call_id: int, name: str) -> None:
         try:
             result: Any = {"snapshot": self._snapshot, "metrics": self._metrics}[name]()
-            self._send([REPLY, call_id, True, result])
+            self._send(Reply(call_id, True, result))
         except Exception as error:
             log.exception("call %s failed", name)
-            self._send([REPLY, call_id, False, f"{type(error).__name__}: {error}"])
+            self._send(Reply(call_id, False, f"{type(error).__name__}: {error}"))
 
     def _snapshot(self) -> dict[str, Any]:
         return take_snapshot(self.engine).to_wire()
@@ -174,18 +173,15 @@ class CoreLoop:
         return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
                         self.seqs_taken, self.seqs_aborted).to_wire()
 
-    def _send(self, frame: list[Any]) -> None:
+    def _send(self, frame: Frame) -> None:
         self.sock.sendall(framed(frame))
 
 
-def ready_info(loop: CoreLoop) -> dict[str, Any]:
-    """What the gateway needs to validate, tokenize and render without a model of its own."""
+def ready_frame(loop: CoreLoop) -> Ready:
     engine = loop.engine
-    return {"model_name": engine.model_name, "max_model_len": engine.max_model_len, "kv_pages": engine.kv_pages,
-            "vocab_size": engine.model_config.vocab_size, "eos_token_ids": list(engine.eos_token_ids),
-            "default_sampling": engine.runner.generation.sampling_overrides(),
-            "tokenizer": engine.tokenizer.to_wire() if engine.tokenizer is not None else None,
-            "load": loop.load()}
+    return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
+                 list(engine.eos_token_ids), engine.runner.generation.sampling_overrides(),
+                 engine.tokenizer.to_wire() if engine.tokenizer is not None else None, loop.load())
 
 
 def _never_outlive(parent_pid: int) -> None:
@@ -201,13 +197,13 @@ def serve(spec: CoreSpec) -> int:
         engine = Engine(spec.config)
     except Exception as error:
         log.debug("the engine failed to start", exc_info=True)
-        sock.sendall(framed([FAILED, type(error).__name__, str(error)]))
+        sock.sendall(framed(Failed(type(error).__name__, str(error))))
         return 1
     if engine.runner.workers is not None:  # a dead rank: end here, the gateway sees the exit and fails streams
         engine.runner.workers.on_death = _worker_died
     loop = CoreLoop(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
-    sock.sendall(framed([READY, ready_info(loop)]))
+    sock.sendall(framed(ready_frame(loop)))
     loop.run()
     engine.close()
     sock.close()

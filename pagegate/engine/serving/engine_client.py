@@ -41,8 +41,9 @@ class EngineClient(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
                  pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as they come; leaving the loop early aborts the request. With a pin, the finished
-        request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""
+        """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
+        joins them where a whole answer is needed); leaving the loop early aborts the request. With a pin, the
+        finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""
         ...
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:

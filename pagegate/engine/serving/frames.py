@@ -1,13 +1,14 @@
-"""The frames between the gateway and an engine-core process: msgpack lists, `[kind, ...]`, each behind its
-4-byte length on one Unix stream socket (a socketpair the core inherits).
+"""The frames between the gateway and an engine-core process: one named `msgspec.Struct` per frame, array-like
+(positional msgpack arrays on the wire, named in code) and tagged by their first element, each behind its 4-byte
+length on one Unix stream socket (a socketpair the core inherits).
 
-Gateway -> core: `add`, `abort`, `call` (a question answered between two steps), `shutdown`.
-Core -> gateway: `ready` (what the gateway needs to know of the model), `outputs` (one frame per step: what
-each request that moved gained in it, then the core's counts), `reply`, `failed` (the core could not start).
+Gateway -> core: `Add`, `Abort`, `Unpin`, `Call` (a question answered between two steps), `Shutdown`.
+Core -> gateway: `Ready` (what the gateway needs to know of the model), `Outputs` (one frame per step: what each
+request that moved gained in it, then the core's counts), `Reply`, `Failed` (the core could not start).
 
 NOTE: outputs cross as deltas (the new token ids, text and logprobs of each choice), not cumulative lists: a
-frame's size and its encoding stay O(batch), however long the generations get. The gateway's assembler appends
-them into the cumulative `RequestOutput`s that renderers read. Nothing here imports torch.
+frame's size and its encoding stay O(batch), however long the generations get, and the gateway's renderers
+append them as they come. Nothing here imports torch.
 
 NOTE: a socketpair, not ZMQ: each side's own thread writes and reads the socket, so a frame wakes no I/O thread
 (ZMQ runs one per process), and on a 2-core machine every wake-up steals time from the core's OpenMP team.
@@ -15,10 +16,10 @@ NOTE: a socketpair, not ZMQ: each side's own thread writes and reads the socket,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-import msgpack
+import msgspec
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
@@ -31,36 +32,151 @@ from pagegate.engine.sampling.structured import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
 
-ADD, ABORT, UNPIN, CALL, SHUTDOWN = "add", "abort", "unpin", "call", "shutdown"
-READY, OUTPUTS, REPLY, FAILED = "ready", "outputs", "reply", "failed"
-
 CPUS_ENV = "PAGEGATE_CORE_CPUS"  # the CPUs a core pins itself to, e.g. "0,1" (one share under data parallelism)
 
 _STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
 _HEALTH_FIELDS = tuple(f.name for f in fields(EngineHealth))
 
 
-def pack(frame: list[Any]) -> bytes:
-    return msgpack.packb(frame, use_bin_type=True)
+class Frame(msgspec.Struct, array_like=True, tag=True):
+    """A frame; its tag (the class's `tag=`) is the first element of its array on the wire."""
 
 
-def unpack(data: bytes) -> list[Any]:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias and top logprobs: int keys
+# ---- gateway -> core -----------------------------------------------------------------------------------
 
 
-def framed(frame: list[Any]) -> bytes:
+class Add(Frame, tag="add"):
+    """A request: its prompt (the text, when it came as text, for the outputs), sampling parameters as
+    `params_to_wire` writes them, and `embed` for an embedding request (its prompt pooled, not continued)."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: dict[str, Any]
+    priority: int = 0
+    cache_salt: str | None = None
+    pin: Pin | None = None
+    embed: bool = False
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return params_from_wire(dict(self.params))
+
+
+class Abort(Frame, tag="abort"):
+    """`num_seqs`: the sequences the gateway counted for it, counted back by the core even when it had ended."""
+
+    request_id: str
+    num_seqs: int
+
+
+class Unpin(Frame, tag="unpin"):
+    key: str
+
+
+class Call(Frame, tag="call"):
+    call_id: int
+    name: Literal["snapshot", "metrics"]
+
+
+class Shutdown(Frame, tag="shutdown"):
+    pass
+
+
+ToCore = Add | Abort | Unpin | Call | Shutdown
+
+
+# ---- core -> gateway -----------------------------------------------------------------------------------
+
+
+class WireError(msgspec.Struct, array_like=True):
+    """Why a request failed: a bad parameter (a 400, naming it) or a failure."""
+
+    invalid: bool
+    message: str
+    param: str | None = None
+    code: str = "invalid_value"
+
+    @classmethod
+    def of(cls, error: BaseException | str) -> WireError:
+        if isinstance(error, InvalidParamError):
+            return cls(True, str(error), error.param, error.code)
+        return cls(False, str(error))
+
+    def exception(self) -> Exception:
+        return InvalidParamError(self.message, self.param, self.code) if self.invalid else RequestFailedError(self.message)
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """What one request gained since its last delta: each choice's new part, the prompt's logprobs (once, when all
+    are in), its timings (once, when it finishes), an embedding request's vector (little-endian float32 bytes)."""
+
+    request_id: str
+    finished: bool
+    error: WireError | None = None
+    num_cached_tokens: int = 0
+    timings: dict[str, Any] | None = None
+    choices: list[CompletionOutput] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None
+    embedding: bytes | None = None
+
+    def output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        """This delta as the engine's output type (its choices hold only what is new)."""
+        return RequestOutput(self.request_id, prompt, prompt_token_ids, self.choices, self.finished,
+                             self.num_cached_tokens, self.timings or {},
+                             self.error.message if self.error is not None else None, self.prompt_logprobs)
+
+
+class Ready(Frame, tag="ready"):
+    """What the gateway needs to validate, tokenize and render without a model of its own."""
+
+    model_name: str
+    max_model_len: int
+    kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
+    vocab_size: int
+    eos_token_ids: list[int]
+    default_sampling: dict[str, float]  # generation_config.json, as SamplingParams keywords
+    tokenizer: dict[str, Any] | None  # Tokenizer.to_wire
+    load: list[Any]  # CoreLoad.to_wire
+
+
+class Outputs(Frame, tag="outputs"):
+    deltas: list[RequestDelta]
+    load: list[Any]  # CoreLoad.to_wire: decoded only when the gateway reads it
+
+
+class Reply(Frame, tag="reply"):
+    call_id: int
+    ok: bool
+    result: Any  # the answer, or the error's text when not ok
+
+
+class Failed(Frame, tag="failed"):
+    error_type: str
+    message: str
+
+
+ToGateway = Ready | Outputs | Reply | Failed
+
+F = TypeVar("F", bound=Frame)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def framed(frame: Frame) -> bytes:
     """A frame as it goes on the socket: its length, then its msgpack bytes."""
-    payload = pack(frame)
+    payload = _ENCODER.encode(frame)
     return len(payload).to_bytes(4, "big") + payload
 
 
-class FrameReader:
-    """Bytes off the socket in, whole frames out (a frame may arrive in pieces, several in one read)."""
+class FrameReader(Generic[F]):
+    """Bytes off the socket in, whole frames of one direction out (a frame may arrive in pieces, several in one
+    read); a frame that is not of that direction's types raises msgspec.ValidationError."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: Any) -> None:
+        self._decoder: msgspec.msgpack.Decoder[F] = msgspec.msgpack.Decoder(kinds)
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[list[Any]]:
+    def feed(self, data: bytes) -> list[F]:
         buffer = self._buffer
         buffer += data
         frames, start = [], 0
@@ -68,7 +184,7 @@ class FrameReader:
             end = start + 4 + int.from_bytes(buffer[start:start + 4], "big")
             if end > len(buffer):
                 break
-            frames.append(unpack(bytes(buffer[start + 4:end])))
+            frames.append(self._decoder.decode(bytes(buffer[start + 4:end])))
             start = end
         del buffer[:start]
         return frames
@@ -102,11 +218,9 @@ def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**wire)
 
 
-def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int,
-              cache_salt: str | None, pin: Pin | None = None, embed: bool = False) -> list[Any]:
-    """`embed`: an embedding request (its prompt pooled, not continued)."""
-    wire_pin = [pin.key, pin.ttl_s] if pin is not None else None
-    return [ADD, request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, wire_pin, embed]
+def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
+              cache_salt: str | None = None, pin: Pin | None = None, embed: bool = False) -> Add:
+    return Add(request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, pin, embed)
 
 
 # ---- the core's counts ---------------------------------------------------------------------------------
@@ -135,100 +249,49 @@ class CoreLoad:
         return cls(EngineStats.from_values(stats), EngineHealth(*health), *counts)
 
 
-# ---- outputs: deltas out of the core, cumulative again in the gateway -------------------------------------
+# ---- outputs: deltas out of the core -------------------------------------------------------------------
 
 
-def error_to_wire(error: BaseException | str) -> list[Any]:
-    if isinstance(error, InvalidParamError):
-        return ["invalid", str(error), error.param, error.code]
-    return ["failed", str(error), None, None]
-
-
-def error_from_wire(wire: list[Any]) -> Exception:
-    kind, message, param, code = wire
-    return InvalidParamError(message, param, code) if kind == "invalid" else RequestFailedError(message)
-
-
-def _logprob_to_wire(logprob: Logprob) -> list[Any]:
-    return [logprob.token_id, logprob.logprob, logprob.top, logprob.rank]
-
-
-def _logprob_from_wire(wire: list[Any] | None) -> Logprob | None:
-    return None if wire is None else Logprob(*wire)
-
-
-PROMPT_SENT = -1  # DeltaWriter's key (beside the choice indices) once a request's prompt logprobs went out
+@dataclass
+class _Sent:
+    tokens: int = 0
+    chars: int = 0
+    logprobs: int = 0
 
 
 class DeltaWriter:
     """Core side: per request and choice, how much was already sent (tokens, characters, logprobs)."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, dict[int, list[int]]] = {}
+        self._sent: dict[str, dict[int, _Sent]] = {}
+        self._scored: set[str] = set()  # requests whose prompt logprobs went out
 
-    def delta(self, request: Request) -> list[Any]:
-        """[request id, finished, error, cached tokens, timings when finished, [choice deltas], prompt logprobs
-        (once, when all are in), embedding (little-endian float32 bytes, once an embedding request has it)]."""
+    def delta(self, request: Request) -> RequestDelta:
         sent = self._sent.setdefault(request.request_id, {})
         choices = []
         for seq in request.seqs if request.forked or request.params.n == 1 else ():
-            tokens, chars, logprobs = sent.setdefault(seq.index, [0, 0, 0])
-            new_ids = seq.token_ids[seq.num_prompt_tokens + tokens:]
-            new_logprobs = ([_logprob_to_wire(lp) for lp in seq.logprobs[logprobs:]]
-                            if seq.logprobs is not None else None)
-            choices.append([seq.index, new_ids, seq.text[chars:], new_logprobs, seq.finish_reason,
-                            seq.stop_reason])
-            sent[seq.index] = [tokens + len(new_ids), len(seq.text),
-                               len(seq.logprobs) if seq.logprobs is not None else 0]
+            mark = sent.setdefault(seq.index, _Sent())
+            new_ids = seq.token_ids[seq.num_prompt_tokens + mark.tokens:]
+            new_logprobs = seq.logprobs[mark.logprobs:] if seq.logprobs is not None else None
+            choices.append(CompletionOutput(seq.index, seq.text[mark.chars:], new_ids, seq.finish_reason,
+                                            new_logprobs, seq.stop_reason))
+            mark.tokens, mark.chars = mark.tokens + len(new_ids), len(seq.text)
+            mark.logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
         finished = request.finished or request.error is not None
-        if finished:
-            self._sent.pop(request.request_id, None)
-        error = error_to_wire(request.error) if request.error is not None else None
-        scored = request.scored_prompt if PROMPT_SENT not in sent else None
+        scored = request.scored_prompt if request.request_id not in self._scored else None
         if scored is not None:
-            sent[PROMPT_SENT] = []
-        return [request.request_id, request.finished, error, request.num_cached_tokens,
-                request.timings() if finished else None, choices,
-                [None if lp is None else _logprob_to_wire(lp) for lp in scored] if scored is not None else None,
-                request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None]
+            self._scored.add(request.request_id)
+        if finished:
+            self.forget(request.request_id)
+        return RequestDelta(request.request_id, request.finished,
+                            WireError.of(request.error) if request.error is not None else None,
+                            request.num_cached_tokens, request.timings() if finished else None, choices, scored,
+                            request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._scored.discard(request_id)
 
     def is_new(self, request: Request) -> bool:
         """Nothing of it was sent yet: its first token should not wait."""
         return request.request_id not in self._sent
-
-
-@dataclass
-class OutputAssembler:
-    """Gateway side: one request's cumulative output, grown by each delta in place."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    choices: dict[int, CompletionOutput] = field(default_factory=dict)
-    prompt_logprobs: list[Logprob | None] | None = None
-
-    def apply(self, delta: list[Any]) -> RequestOutput:
-        _, finished, error, cached, timings, choices, prompt_logprobs, *_ = delta  # then an embedding: embedding_of
-        if prompt_logprobs is not None:
-            self.prompt_logprobs = [_logprob_from_wire(lp) for lp in prompt_logprobs]
-        for index, token_ids, text, logprobs, finish_reason, stop_reason in choices:
-            choice = self.choices.get(index)
-            if choice is None:
-                choice = self.choices[index] = CompletionOutput(index, "", [], logprobs=[] if logprobs is not None
-                                                                else None)
-            choice.token_ids.extend(token_ids)
-            choice.text += text
-            if logprobs and choice.logprobs is not None:
-                choice.logprobs.extend(Logprob(*wire) for wire in logprobs)
-            choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
-        outputs = [self.choices[i] for i in sorted(self.choices)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, cached,
-                             timings or {}, error[1] if error is not None else None, self.prompt_logprobs)
-
-
-def embedding_of(delta: list[Any]) -> bytes | None:
-    """The embedding a finished embedding request's delta carries (little-endian float32), else None."""
-    return delta[7] if len(delta) > 7 else None

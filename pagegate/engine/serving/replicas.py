@@ -10,6 +10,7 @@ import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields, replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -218,7 +219,7 @@ def _nth_endpoint(endpoint: str, index: int) -> str:
 
 
 def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
-    totals: dict = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)
+    totals: dict[str, Any] = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)
                     if f.name != "spec_accepted_per_position"}
     per_position = [tuple(s.spec_accepted_per_position) for s in all_stats]
     totals["spec_accepted_per_position"] = tuple(map(sum, itertools.zip_longest(*per_position, fillvalue=0)))

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagegate.engine.outputs import CompletionOutput, RequestOutput
+from pagegate.engine.outputs import CompletionOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
 from pagegate.gateway.render import ItemRenderer
 from pagegate.gateway.tool_formats import ParsedCall
@@ -29,17 +29,15 @@ class MessagesRenderer(ItemRenderer):
 
     object_name = "message"
 
-    def message(self, output: RequestOutput | None) -> dict[str, Any]:
-        completion = output.outputs[0] if output is not None else None
+    def message(self, completion: CompletionOutput | None) -> dict[str, Any]:
+        """The message so far: `completion` is the answer's last delta once it finished."""
         return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.prepared.model,
                 "content": list(self.blocks), "stop_reason": self.stop_reason(completion),
-                "stop_sequence": self.stop_sequence(completion), "usage": self.usage_of(output)}
+                "stop_sequence": self.stop_sequence(completion), "usage": self.usage_of()}
 
-    def usage_of(self, output: RequestOutput | None) -> dict[str, Any]:
+    def usage_of(self) -> dict[str, Any]:
         """Anthropic counts cache reads apart: input_tokens are the prompt tokens computed anew."""
-        prompt = len(self.prepared.prompts[0].token_ids)
-        cached = output.num_cached_tokens if output is not None else 0
-        generated = len(output.outputs[0].token_ids) if output is not None else 0
+        prompt, cached, generated = len(self.prepared.prompts[0].token_ids), self.cached_tokens(), self.generated_tokens()
         return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
                 "cache_read_input_tokens": cached, "output_tokens": generated}
 
@@ -63,15 +61,15 @@ class MessagesRenderer(ItemRenderer):
     def error_chunk(self, body: dict) -> dict:
         return body  # already Anthropic's shape (the route's error_body)
 
-    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
+    def closing(self, completion: CompletionOutput) -> list[dict]:
         events = self.close_block()
-        final = self.final = self.message(output)
+        final = self.final = self.message(completion)
         return [*events, {"type": "message_delta", "usage": {"output_tokens": final["usage"]["output_tokens"]},
                           "delta": {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}},
                 {"type": "message_stop"}]
 
     # -- blocks ---------------------------------------------------------------------------------------
-    def take(self, piece: AnswerEvent) -> list[dict]:
+    def take_piece(self, piece: AnswerEvent) -> list[dict]:
         if isinstance(piece, ParsedCall):
             return [*self.close_block(), *self.tool_use(piece)]
         kind, text = ("thinking", piece.text) if isinstance(piece, Reasoning) else ("text", piece)

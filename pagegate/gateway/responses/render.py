@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagegate.engine.outputs import CompletionOutput, RequestOutput
+from pagegate.engine.outputs import CompletionOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
 from pagegate.gateway.render import ItemRenderer
 from pagegate.gateway.tool_formats import ParsedCall
@@ -42,20 +42,19 @@ class ResponsesRenderer(ItemRenderer):
 
     object_name = "response"
 
-    def response_object(self, status: str, output: RequestOutput | None = None) -> dict[str, Any]:
+    def response_object(self, status: str, finished: bool = False) -> dict[str, Any]:
         body = {"id": self.request_id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.prepared.model, "output": list(self.items), "error": None,
                 "incomplete_details": None, **self.base}
-        if output is not None:
-            body["usage"] = self.usage_of(output)
+        if finished:
+            body["usage"] = self.usage_of()
             if status == "incomplete":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
         return body
 
-    def usage_of(self, output: RequestOutput) -> dict[str, Any]:
-        prompt = len(self.prepared.prompts[0].token_ids)
-        generated = sum(len(c.token_ids) for c in output.outputs)
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+    def usage_of(self) -> dict[str, Any]:
+        prompt, generated = len(self.prepared.prompts[0].token_ids), self.generated_tokens()
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": self.cached_tokens()},
                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + generated}
 
@@ -73,16 +72,16 @@ class ResponsesRenderer(ItemRenderer):
         return self.event("error", code=error.get("code"), message=error.get("message", ""),
                           param=error.get("param"))
 
-    def closing(self, completion: CompletionOutput, output: RequestOutput) -> list[dict]:
+    def closing(self, completion: CompletionOutput) -> list[dict]:
         events = self.close_item()
         self.final = self.response_object("incomplete" if completion.finish_reason == "length" else "completed",
-                                          output)
+                                          finished=True)
         # NOTE: one cut short by max_output_tokens ends with response.completed too (its status says
         # incomplete), as vLLM does: the SDK's stream helper only finishes on response.completed.
         return [*events, self.event("response.completed", response=self.final)]
 
     # -- items ----------------------------------------------------------------------------------------
-    def take(self, piece: AnswerEvent) -> list[dict]:
+    def take_piece(self, piece: AnswerEvent) -> list[dict]:
         if isinstance(piece, ParsedCall):
             return [*self.close_item(), *self.call_item(piece)]
         kind = "reasoning" if isinstance(piece, Reasoning) else "message"

@@ -14,7 +14,7 @@ from pagegate.engine.observe.timeline import (
     Timeline,
     merged_breakdown,
 )
-from pagegate.engine.serving.frames import DeltaWriter, OutputAssembler
+from pagegate.engine.serving.frames import DeltaWriter
 
 from ..test_llm import assert_all_pages_free, make_prompts
 
@@ -68,11 +68,13 @@ def test_the_timeline_crosses_the_core_frames_with_the_final_delta_only(llama_mo
     engine, writer = llm.engine, DeltaWriter()
     request = engine.add_request("r", make_prompts()[3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     request.timeline.preempted(SWAP, 1.0, 3, 0)  # as if: the wire carries it whatever it holds
-    assembler, deltas = OutputAssembler("r", None, request.prompt_token_ids), []
+    deltas = []
     while engine.has_unfinished():
         deltas += [writer.delta(r) for r in engine.step_requests()]
-    assert all(d[4] is None for d in deltas[:-1]) and deltas[-1][4] is not None
-    output = [assembler.apply(d) for d in deltas][-1]
+    assert all(d.timings is None for d in deltas[:-1]) and deltas[-1].timings is not None
+    output = deltas[0].output(None, request.prompt_token_ids)
+    for delta in deltas[1:]:
+        output.add(delta.output(None, request.prompt_token_ids))
     timing = timing_of(output)
     assert timing.preemptions == (Preemption(SWAP, 1.0, 3, 0, None),) and timing.pages_held >= 3
 
