@@ -123,10 +123,11 @@ class EngineRequests:
             for index in unfinished:
                 self._abort(ids[index])
 
-        def on_finished(index: int, output: RequestOutput) -> None:
+        def on_finished(index: int, output: RequestOutput, generated: int) -> None:
             try:  # runs in the request's pump: its timing or its spans must never fail the answer
                 attributes = sampling_attributes(prepared.params) if self.timings.tracer is not None else None
-                self.timings.finished(output, started, prepared.model, prepared.tenant, attributes, trace_context)
+                self.timings.finished(output, generated, started, prepared.model, prepared.tenant, attributes,
+                                      trace_context)
             except Exception:
                 logger.exception("request %s: recording its timing failed", output.request_id)
 
