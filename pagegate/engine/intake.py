@@ -1,7 +1,6 @@
-"""Request intake: prompts and parameters become validated `Request`s, and each choice its `Sequence`.
-
-Nothing here touches engine state, so any thread may call it: AsyncEngine.generate builds requests on the
-caller's thread and the engine thread only queues them."""
+"""Request intake: prompts and parameters become validated `Request`s, and each choice its `Sequence`. The
+engine's side of every rule in `limits.py` is checked here, once, for every request whoever sent it (the offline
+`LLM`, or the gateway through the core process's frames)."""
 
 from __future__ import annotations
 

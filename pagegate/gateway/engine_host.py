@@ -17,9 +17,8 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.sampling.params import SamplingParams
-from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.engine_client import EngineClient
-from pagegate.engine.serving.replicas import Replicas
+from pagegate.engine.serving.replicas import start_cores
 from pagegate.gateway.admission import Admission, serves_embeddings, serves_generations
 from pagegate.gateway.engine_requests import EngineRequests
 from pagegate.gateway.errors import ServiceUnavailable
@@ -67,7 +66,7 @@ class EngineHost:
 
     async def _load(self) -> None:
         try:
-            self.engine = engine = await start_engine(self.engine_config, self.config.data_parallel_size,
+            self.engine = engine = await start_cores(self.engine_config, self.config.data_parallel_size,
                                                       self.config.engine_step_timeout_s)
             engine.on_dead = self._engine_died
             self.model = self._model_context(engine)
@@ -238,17 +237,6 @@ class EngineHost:
 def start_tracer(endpoint: str | None) -> RequestTracer | None:
     """The request tracer with --otlp-traces-endpoint; without it, OpenTelemetry is never imported."""
     return start_tracing(endpoint) if endpoint else None
-
-
-async def start_engine(config: EngineConfig, data_parallel_size: int = 1,
-                       step_timeout_s: float = 0.0) -> EngineClient:
-    """The engine cores, each its own process (loading in the background: /health answers meanwhile);
-    `step_timeout_s`: --engine-step-timeout (0: a core is never taken for hung)."""
-    if data_parallel_size == 1:
-        core = CoreClient(config, step_timeout_s=step_timeout_s)
-        await core.start()
-        return core
-    return await Replicas.start(config, data_parallel_size, step_timeout_s)
 
 
 def serving_line(host: EngineHost) -> str:

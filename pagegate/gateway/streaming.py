@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pagegate.engine.outputs import RequestOutput
@@ -30,7 +30,7 @@ class OutputMerger:
 
     def __init__(
         self,
-        streams: list[AsyncIterator[RequestOutput]],
+        streams: Sequence[AsyncIterator[RequestOutput]],
         on_first: Callable[[int], None],
         on_close: Callable[[OutputMerger, set[int]], None],
         on_finished: Callable[[int, RequestOutput, int], None] | None = None,

@@ -12,11 +12,12 @@ process the engine steps on that process's main thread, as in `pagegate serve`. 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from types import TracebackType
-from typing import cast
+
+from msgspec import structs
 
 from pagegate.config import EngineConfig
 from pagegate.engine.loading.tokenizer import Tokenizer
@@ -25,19 +26,8 @@ from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
-from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.engine_client import EngineClient
-from pagegate.engine.serving.replicas import Replicas
-
-
-async def start_cores(config: EngineConfig, data_parallel_size: int = 1, step_timeout_s: float = 0.0) -> EngineClient:
-    """The engine-core process(es), started and loaded: one CoreClient, or Replicas over `data_parallel_size`
-    cores (each its own process, page pool and share of the CPUs). ModelLoadError when the model cannot load."""
-    if data_parallel_size == 1:
-        core = CoreClient(config, step_timeout_s=step_timeout_s)
-        await core.start()
-        return core
-    return await Replicas.start(config, data_parallel_size, step_timeout_s)
+from pagegate.engine.serving.replicas import start_cores
 
 
 class AsyncEngine:
@@ -78,12 +68,15 @@ class AsyncEngine:
         request (its pages are free within one step). InvalidParamError before the first output for a bad
         request, RequestFailedError when it fails, EngineDeadError when the engine dies under it. With a pin,
         the finished request's pages stay cached under its key (see `unpin`)."""
-        # the Protocol says AsyncIterator; both clients' generate are async generators, which can be closed
-        outputs = cast(AsyncGenerator[RequestOutput, None], self.client.generate(
-            prompt, params, request_id, priority=priority, cache_salt=cache_salt, pin=pin))
+        outputs = self.client.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt, pin=pin)
+        joined: RequestOutput | None = None
         async with aclosing(outputs):  # closed at once when the caller leaves: the abort goes out now, not at GC
-            async for output in outputs:
-                yield whole_answer(output)
+            async for delta in outputs:
+                if joined is None:
+                    joined = delta
+                else:
+                    joined.add(delta)
+                yield whole_answer(joined)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
         """The prompt's embedding (little-endian float32), pooled in the engine; cancelling aborts it."""
@@ -120,11 +113,10 @@ class AsyncEngine:
         return await self.client.metrics_text()
 
 
-def whole_answer(output: RequestOutput) -> RequestOutput:
-    """What `generate` yields for each output of the client: the whole answer so far, in objects of its own (a
-    caller may keep every output it was given, and the client grows its own in place).
-
-    NOTE: the one place where the client's outputs become the caller's; today they are cumulative already."""
-    return replace(output, outputs=[replace(choice, token_ids=list(choice.token_ids),
-                                            logprobs=list(choice.logprobs) if choice.logprobs is not None else None)
-                                    for choice in output.outputs])
+def whole_answer(joined: RequestOutput) -> RequestOutput:
+    """What `generate` yields: the whole answer so far, in objects of its own (a caller may keep every output it
+    was given, while `joined` keeps growing by the client's deltas)."""
+    return replace(joined, outputs=[structs.replace(choice, token_ids=list(choice.token_ids),
+                                                    logprobs=list(choice.logprobs) if choice.logprobs is not None
+                                                    else None)
+                                    for choice in joined.outputs])

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -285,7 +285,7 @@ class CoreClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
+                       pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
         request. The core checks the request (InvalidParamError from its first delta when it breaks a rule)."""
         text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
@@ -303,7 +303,7 @@ class CoreClient:
                 return delta.embedding
         raise RequestFailedError("the engine ended an embedding request without finishing it")
 
-    async def _stream(self, add: Add, num_seqs: int) -> AsyncIterator[RequestDelta]:
+    async def _stream(self, add: Add, num_seqs: int) -> AsyncGenerator[RequestDelta, None]:
         """Send a request; its deltas until the finished one (a failed one raises its error)."""
         self._giving_work()
         if add.request_id in self._streams:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
@@ -40,7 +40,7 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
-                 pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
+                 pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
         joins them where a whole answer is needed); leaving the loop early aborts the request. With a pin, the
         finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""

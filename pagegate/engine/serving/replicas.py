@@ -8,7 +8,8 @@ import itertools
 import os
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import fields, replace
 from typing import Any
 
@@ -120,7 +121,7 @@ class Replicas:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
+                       pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
         index = self.route(token_ids, cache_salt)
         core = self.cores[index]
@@ -128,12 +129,13 @@ class Replicas:
         self._unstarted_pages[index] += pages
         self._owner[request_id] = core
         try:
-            async for output in core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                              pin=pin):
-                if pages:
-                    self._unstarted_pages[index] -= pages
-                    pages = 0
-                yield output
+            async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                              pin=pin)) as outputs:  # leaving early aborts at once, not at GC
+                async for output in outputs:
+                    if pages:
+                        self._unstarted_pages[index] -= pages
+                        pages = 0
+                    yield output
         finally:
             self._unstarted_pages[index] -= pages
             self._owner.pop(request_id, None)
@@ -200,6 +202,18 @@ class Replicas:
     async def shutdown(self) -> None:
         await asyncio.gather(*(core.shutdown() for core in self.cores))
 
+
+
+async def start_cores(config: EngineConfig, data_parallel_size: int = 1,
+                      step_timeout_s: float = 0.0) -> CoreClient | Replicas:
+    """The engine-core process(es), started and loaded: one CoreClient, or Replicas over `data_parallel_size`
+    cores (each its own process, page pool and share of the CPUs); ModelLoadError when the model cannot load.
+    `step_timeout_s` > 0: a core with work that finishes no step in that long is taken for hung."""
+    if data_parallel_size == 1:
+        core = CoreClient(config, step_timeout_s=step_timeout_s)
+        await core.start()
+        return core
+    return await Replicas.start(config, data_parallel_size, step_timeout_s)
 
 def core_config(config: EngineConfig, index: int) -> EngineConfig:
     """Core `index`'s config: its own KV-event endpoints (tcp ports + index, ipc paths suffixed)."""
