@@ -186,6 +186,9 @@ def test_the_core_frames_stay_in_the_serving_room():
     room = [module for module in graph if _within(module, ("pagegate.engine.serving",))]
     assert not [f"{module} -> {target}" for module in room for target in graph[module]
                 if _within(target, ("pagegate.gateway",))]
+    # each rule is checked once a side, by the gateway's prepare and admission and the engine's intake: never
+    # again on the way between them
+    assert not [module for module in room if "pagegate.engine.limits" in graph[module]]
 
 
 def test_the_gateway_process_never_imports_torch():
