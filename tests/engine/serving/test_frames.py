@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
-from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
+from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.frames import (
     Abort,
     CoreLoad,
