@@ -17,6 +17,9 @@
 #include "cpu_quant.h"
 
 #define PGQ_GROUP 4   /* weight rows a kernel call takes */
+#ifndef PGQ_PREFETCH
+#define PGQ_PREFETCH 2048  /* bytes ahead of the block being read that a decode step prefetches in each row */
+#endif
 #define PGQ_MAX_M 16  /* activation rows a kernel call takes */
 
 /* Activations in Q8: m rows of k values; per 32-block b of row r (index r * k / 32 + b): the

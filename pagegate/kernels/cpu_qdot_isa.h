@@ -53,9 +53,47 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
             out[r * out_stride + i] = pgq_hsum(acc[r * PGQ_GROUP + i]) + corr[r * PGQ_GROUP + i];
 }
 
+/* pgq_qdot_body for one activation row (a decode step) and PGQ_GROUP weight rows: its few accumulators stay in
+   registers (the body's 64 are kept on the stack), and each weight row is prefetched PGQ_PREFETCH bytes ahead,
+   four streams the hardware prefetcher alone keeps too short. */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_one)(const int qtype, const uint8_t *w, int64_t row_bytes, const pgq_act *a,
+                                                float *out) {
+    const int64_t nb = a->k / 32;
+    __m256 acc[PGQ_GROUP];
+    float corr[PGQ_GROUP];
+    #pragma GCC unroll 4
+    for (int i = 0; i < PGQ_GROUP; i++) {
+        acc[i] = _mm256_setzero_ps();
+        corr[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + b * 32));
+        const __m256 dx = _mm256_set1_ps(a->d[b]);
+        const float s0 = a->s[2 * b], s1 = a->s[2 * b + 1], s01 = s0 + s1;
+        #pragma GCC unroll 4
+        for (int i = 0; i < PGQ_GROUP; i++) {
+            const uint8_t *row = w + i * row_bytes;
+            _mm_prefetch((const char *)pgq_block_of(qtype, row, b) + PGQ_PREFETCH, _MM_HINT_T0);
+            __m256 d;
+            float c[2];
+            const __m256i u = pgq_unpack_avx2(qtype, row, b, &d, c);
+            __m256i dot;
+            if (qtype == PGQ_Q8_0) {
+                dot = PGQ_DOT(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+            } else {
+                dot = PGQ_DOT(u, q);
+                corr[i] += qtype == PGQ_Q6_K ? c[0] * s0 + c[1] * s1 : c[0] * s01;
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc[i]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < PGQ_GROUP; i++) out[i] = pgq_hsum(acc[i]) + corr[i];
+}
+
 #define PGQ_CASE(T)                                                                              \
     case T:                                                                                      \
-        if (rows == PGQ_GROUP && a->m == 1) PGQ_FN(pgq_qdot_body)(T, w, row_bytes, PGQ_GROUP, a, 1, out, out_stride); \
+        if (rows == PGQ_GROUP && a->m == 1) PGQ_FN(pgq_qdot_one)(T, w, row_bytes, a, out);       \
         else if (rows == PGQ_GROUP) PGQ_FN(pgq_qdot_body)(T, w, row_bytes, PGQ_GROUP, a, a->m, out, out_stride);     \
         else PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, a->m, out, out_stride);              \
         break;
