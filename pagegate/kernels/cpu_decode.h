@@ -292,26 +292,18 @@ static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_
 }
 
 /* act(gate) * up of every token into out [T, intermediate]: silu (SwiGLU) or tanh-approximated GELU
-   (GeGLU, torch's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))). */
+   (GeGLU, torch's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))). Split over the values, not the
+   tokens: a decode step has one token, which would leave every thread but one waiting. */
 static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, float *out) {
     const int64_t n = m->intermediate;
-    if (m->act == PGD_GELU_TANH) {
-        const float beta = (float)0.7978845608028654, kappa = 0.044715f;  /* sqrt(2 / pi) */
-        #pragma omp for schedule(static)
-        for (int t = 0; t < tokens; t++)
-            for (int64_t i = 0; i < n; i++) {
-                const float g = gate_up[t * 2 * n + i];
-                const float inner = beta * (g + kappa * (g * g * g));
-                out[t * n + i] = 0.5f * g * (1.0f + pg_tanh(inner)) * gate_up[t * 2 * n + n + i];
-            }
-        return;
-    }
+    const float beta = (float)0.7978845608028654, kappa = 0.044715f;  /* sqrt(2 / pi) */
     #pragma omp for schedule(static)
-    for (int t = 0; t < tokens; t++)
-        for (int64_t i = 0; i < n; i++) {
-            const float g = gate_up[t * 2 * n + i];
-            out[t * n + i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * n + n + i];
-        }
+    for (int64_t j = 0; j < tokens * n; j++) {
+        const int64_t t = j / n, i = j % n;
+        const float g = gate_up[t * 2 * n + i], up = gate_up[t * 2 * n + n + i];
+        out[j] = m->act == PGD_GELU_TANH ? 0.5f * g * (1.0f + pg_tanh(beta * (g + kappa * (g * g * g)))) * up
+                                          : g / (1.0f + expf(-g)) * up;
+    }
 }
 
 /* One decoder layer over the step's tokens, x [T, hidden] the residual stream; act is this
