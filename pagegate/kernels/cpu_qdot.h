@@ -160,9 +160,10 @@ PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row,
     }
     if (qtype == PGQ_Q4_0 || qtype == PGQ_Q4_1 || qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1) {
         const int one = qtype == PGQ_Q4_1 || qtype == PGQ_Q5_1, five = qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1;
-        const float dd = pgq_half_f16c(blk);
-        *d = _mm256_set1_ps(dd);
-        c[0] = c[1] = one ? pgq_half_f16c(blk + 2) : (five ? -16.0f : -8.0f) * dd;
+        /* the scale and the minimum (Q4_1, Q5_1) are adjacent halves: one conversion for both */
+        const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128((int)pgq_u32(blk)));
+        *d = _mm256_broadcastss_ps(scales);
+        c[0] = c[1] = one ? _mm_cvtss_f32(_mm_movehdup_ps(scales)) : (five ? -16.0f : -8.0f) * _mm_cvtss_f32(scales);
         const __m256i u = pgq_nibbles_16(blk + (one ? 4 : 2) + (five ? 4 : 0));
         return five ? _mm256_or_si256(u, pgq_bits_to_16s(pgq_u32(blk + (one ? 4 : 2)))) : u;
     }
