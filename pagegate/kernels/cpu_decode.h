@@ -297,13 +297,19 @@ static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_
 static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, float *out) {
     const int64_t n = m->intermediate;
     const float beta = (float)0.7978845608028654, kappa = 0.044715f;  /* sqrt(2 / pi) */
-    #pragma omp for schedule(static)
-    for (int64_t j = 0; j < tokens * n; j++) {
-        const int64_t t = j / n, i = j % n;
-        const float g = gate_up[t * 2 * n + i], up = gate_up[t * 2 * n + n + i];
-        out[j] = m->act == PGD_GELU_TANH ? 0.5f * g * (1.0f + pg_tanh(beta * (g + kappa * (g * g * g)))) * up
-                                          : g / (1.0f + expf(-g)) * up;
+    for (int t = 0; t < tokens; t++) {
+        const float *gate = gate_up + t * 2 * n, *up = gate + n;
+        float *o = out + t * n;
+        if (m->act == PGD_GELU_TANH) {
+            #pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < n; i++)
+                o[i] = 0.5f * gate[i] * (1.0f + pg_tanh(beta * (gate[i] + kappa * (gate[i] * gate[i] * gate[i])))) * up[i];
+        } else {
+            #pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
     }
+    #pragma omp barrier
 }
 
 /* One decoder layer over the step's tokens, x [T, hidden] the residual stream; act is this
