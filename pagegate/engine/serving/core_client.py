@@ -285,10 +285,12 @@ class CoreClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       pin: Pin | None = None, token_ids: list[int] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
-        request. The core checks the request (InvalidParamError from its first delta when it breaks a rule)."""
-        text, token_ids = (prompt if isinstance(prompt, str) else None), self.token_ids(prompt)
+        request. The core checks the request (InvalidParamError from its first delta when it breaks a rule).
+        `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
         async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin),
                                         params.n):
             yield delta.output(text, token_ids)

@@ -130,7 +130,7 @@ class Replicas:
         self._owner[request_id] = core
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                              pin=pin)) as outputs:  # leaving early aborts at once, not at GC
+                                              pin=pin, token_ids=token_ids)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:
                         self._unstarted_pages[index] -= pages
