@@ -37,11 +37,12 @@ def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as matmul_q8 rounds it: per 32 values, int8 steps of max|x| / 127 (ties to even)."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    scale = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()
-    steps = torch.where(scale > 0, blocks / scale, 0).float().round()
-    return (steps.double() * scale).reshape(x.shape)
+    """x rounded as matmul_q8 rounds it: per 32 values, int8 steps of d = max|x| / 127 (ties to even), each
+    value times the float32 1 / d (a division instead moves a near-tie by one step)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    steps = (blocks * torch.where(scale > 0, 1 / scale, 0)).round()
+    return (steps.double() * scale.double()).reshape(x.shape)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
