@@ -98,6 +98,18 @@ static void pgd_row(const pgd_linear *l, const uint8_t *w, const float *x, int t
     }
 }
 
+/* part[i] = x . row i for four float rows of one activation row (F32 rows need not be whole blocks). */
+static void pgd_rows4_one(const pgd_linear *l, const uint8_t *w, const float *x, float *part) {
+    const int k = (int)l->k, whole = k & ~31;
+    pgq_rows4_one(l->qtype, w, l->row_bytes, whole, x, part);
+    for (int i = 0; i < PGQ_GROUP && whole < k; i++) {
+        const float *wf = (const float *)(w + i * l->row_bytes);
+        float tail = 0.0f;
+        for (int j = whole; j < k; j++) tail += wf[j] * x[j];
+        part[i] += tail;
+    }
+}
+
 /* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, rows split over the threads:
    x (T rows of l->k floats) for float weights, its Q8 act (filled by the caller) for integer blocks. */
 static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
@@ -110,6 +122,7 @@ static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, 
         const uint8_t *w = l->data + first * l->row_bytes;
         float part[PGD_MAX_TOKENS * PGQ_GROUP];
         if (pgd_q8(m, l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
+        else if (tokens == 1 && rows == PGQ_GROUP) pgd_rows4_one(l, w, x, part);
         else
             for (int i = 0; i < rows; i++)
                 pgd_row(l, w + i * l->row_bytes, x, tokens, part + i, PGQ_GROUP);

@@ -225,6 +225,37 @@ PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const fl
     }
 }
 
+/* A decode step's float matvec: out[i] = x . row i for four F32/F16 rows of k (whole blocks) at once, each
+   row's two accumulators in registers (pgq_row_avx2's order of addition: rows = 1 gives its bits) and every
+   row prefetched PGQ_FLOAT_PREFETCH bytes ahead (rows are contiguous, so this runs on into the next rows). */
+#define PGQ_FLOAT_PREFETCH 256
+PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x,
+                                        float *out) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m256 x0 = _mm256_loadu_ps(x + b * 32), x1 = _mm256_loadu_ps(x + b * 32 + 8);
+        const __m256 x2 = _mm256_loadu_ps(x + b * 32 + 16), x3 = _mm256_loadu_ps(x + b * 32 + 24);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *row = w + r * row_bytes;
+            __m256 v[4];
+            _mm_prefetch((const char *)pgq_block_of(qtype, row, b) + PGQ_FLOAT_PREFETCH, _MM_HINT_T0);
+            pgq_decode_avx2(qtype, row, b, v);
+            acc[2 * r] = _mm256_fmadd_ps(v[0], x0, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(v[1], x1, acc[2 * r + 1]);
+            acc[2 * r] = _mm256_fmadd_ps(v[2], x2, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(v[3], x3, acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        const __m256 v = _mm256_add_ps(acc[2 * r], acc[2 * r + 1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[r] = _mm_cvtss_f32(h);
+    }
+}
+
 PGQ_AVX2 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {
     for (int64_t b = 0; b < k / 32; b++) {
         __m256 w[4];
@@ -239,18 +270,27 @@ static int pgq_has_avx2(void) {
 static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
                          int64_t out_stride) {}
 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {}
+static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x, float *out) {}
 static int pgq_has_avx2(void) { return 0; }
 #endif
 
 typedef void (*pgq_row_fn)(int, const uint8_t *, int, const float *, int, float *, int64_t);
-typedef void (*pgq_dequantize_fn)(int, const uint8_t *, int, float *);
 static pgq_row_fn pgq_row = pgq_row_plain;
+typedef void (*pgq_dequantize_fn)(int, const uint8_t *, int, float *);
+typedef void (*pgq_rows4_one_fn)(int, const uint8_t *, int64_t, int, const float *, float *);
+
+/* Four rows, one activation row, row by row (what pgq_rows4_one_avx2 does in one pass). */
+static void pgq_rows4_one_plain(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x, float *out) {
+    for (int r = 0; r < 4; r++) pgq_row(qtype, w + r * row_bytes, k, x, 1, out + r, 1);
+}
 static pgq_dequantize_fn pgq_dequantize_row = pgq_dequantize_row_plain;
+static pgq_rows4_one_fn pgq_rows4_one = pgq_rows4_one_plain;
 static void pgq_init_float(void) {
     for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
     if (pgq_has_avx2()) {
         pgq_row = pgq_row_avx2;
         pgq_dequantize_row = pgq_dequantize_row_avx2;
+        pgq_rows4_one = pgq_rows4_one_avx2;
     }
 }
 
