@@ -181,11 +181,14 @@ class GGUFFile:
             found = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
             tensors = [t for t in found if t is not None]
             kinds = {int(t.tensor_type) for t in tensors}
+            if len(kinds) > 1 and kinds <= _WIDENS_TO_Q8_0 and Q8_0 in block_types:
+                kinds = {Q8_0}  # shards of mixed types (Q4_K_M's Q5_0 q/k beside a Q8_0 v): one Q8_0 matrix
             if len(tensors) != len(names) or len(kinds) != 1 or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
-            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(np.array(t.data).view(np.uint8)))
+            qtype = kinds.pop()
+            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(_blocks_as(t, qtype)))
                                 for name, t in zip(names, tensors, strict=True)])
-            model.set_submodule(path, _block_module(module, blocks, kinds.pop()))
+            model.set_submodule(path, _block_module(module, blocks, qtype))
             self.kept.update(t.name for t in tensors)
         embedding = model.model.embed_tokens
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
@@ -230,6 +233,25 @@ class GGUFFile:
             return values
         rest = values.shape[1:]
         return values.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(values.shape)
+
+
+Q8_0 = int(GGMLQuantizationType.Q8_0)
+_WIDENS_TO_Q8_0 = {Q8_0, int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q5_0)}
+
+
+def _blocks_as(tensor: ReaderTensor, qtype: int) -> np.ndarray:
+    """A tensor's blocks as bytes [rows, row bytes] of `qtype`: its own, or (Q4_0, Q5_0 -> Q8_0) widened
+    without loss: each block keeps its float16 scale d first, and its integer steps (-16..15) fit int8."""
+    data = np.array(tensor.data).view(np.uint8)
+    if int(tensor.tensor_type) == qtype:
+        return data
+    assert qtype == Q8_0 and int(tensor.tensor_type) in _WIDENS_TO_Q8_0
+    rows = data.shape[0]
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(rows, -1, 32)
+    scales = data.reshape(rows, values.shape[1], -1)[:, :, :2].copy()  # every 32-block starts with its d
+    d = scales.view(np.float16).astype(np.float32)
+    steps = np.rint(np.divide(values, d, out=np.zeros_like(values), where=d != 0)).astype(np.int8)
+    return np.concatenate([scales, steps.view(np.uint8)], axis=2).reshape(rows, -1)
 
 
 def _block_module(module: nn.Embedding | nn.Linear, blocks: torch.Tensor, qtype: int) -> nn.Module:

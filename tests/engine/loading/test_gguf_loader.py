@@ -17,6 +17,7 @@ from pagegate.engine.loading.gguf_loader import GGUFFile
 from pagegate.engine.loading.loader import load_model, weight_bytes
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.kernels.quant import dequantize_rows
 from pagegate.testing.launcher import free_port
 
 from ..conftest import SavedModel, hf, save_hf_model
@@ -100,6 +101,22 @@ def test_block_types_stay_in_blocks_and_serve_like_dequantized_weights(qtype: Q,
         assert kept.config.tie_word_embeddings == (arch == "qwen2")
         assert weight_bytes(kept) < 0.55 * weight_bytes(load_model(path, quantization="none").model)
         assert greedy(path) == greedy(path, quantization="none")
+
+
+def test_mixed_q4_0_q5_0_q8_0_shards_stay_in_blocks_as_exact_q8_0(wide_model: SavedModel, tmp_path: Path) -> None:
+    """Q4_K_M puts a Q8_0 v beside Q5_0 q/k: the packed q/k/v (and gate/up) is widened to Q8_0 without loss,
+    not dequantized to float32."""
+    kinds = {"v_proj": Q.Q8_0, "q_proj": Q.Q5_0, "gate_proj": Q.Q4_0, "up_proj": Q.Q5_0}
+    path = write_gguf(tmp_path / "mixed.gguf", wide_model.hf_model,
+                      quant=lambda name, values: next((q for part, q in kinds.items() if part in name), Q.Q5_0))
+    kept = load_model(path).model
+    layer = kept.model.layers[0]
+    for packed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        assert isinstance(packed, QuantLinear) and packed.qtype == int(Q.Q8_0)
+    exact = _checkpoint_tensors(load_model(path, quantization="none").model)
+    dequantized = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(dequantize_rows(layer.self_attn.qkv_proj.blocks, int(Q.Q8_0), WIDE["hidden_size"],
+                                       torch.arange(dequantized.shape[0])), dequantized)
 
 
 def wide_model_of(tmp_path: Path) -> torch.nn.Module:
