@@ -192,6 +192,27 @@ PGQ_AVX2 static inline void pgq_decode_avx2(int qtype, const uint8_t *row, int64
             for (int i = 0; i < 4; i++)
                 w[i] = _mm256_mul_ps(d, _mm256_sub_ps(pgq_bytes_to_float(nibbles[i], 0), eight));
         }
+    } else if (qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1) {
+        const int one = qtype == PGQ_Q5_1;
+        const __m256 d = _mm256_set1_ps(pgq_half_f16c(blk));
+        const __m128i low4 = _mm_set1_epi8(15), sixteen = _mm_set1_epi8(16);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (one ? 8 : 6)));
+        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        /* value l's fifth bit is bit l of qh: byte l / 8 of qh spread over eight bytes, one bit each */
+        const __m128i qh = _mm_cvtsi32_si128((int)pgq_u32(blk + (one ? 4 : 2)));
+        const __m128i bit = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m128i lo_bits = _mm_shuffle_epi8(qh, _mm_set_epi64x(0x0101010101010101LL, 0));
+        const __m128i hi_bits = _mm_shuffle_epi8(qh, _mm_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL));
+        const __m128i q_lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(lo_bits, bit), bit), sixteen));
+        const __m128i q_hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hi_bits, bit), bit), sixteen));
+        const __m128i fives[4] = {q_lo, _mm_srli_si128(q_lo, 8), q_hi, _mm_srli_si128(q_hi, 8)};
+        if (one) {
+            const __m256 m = _mm256_set1_ps(pgq_half_f16c(blk + 2));
+            for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(d, pgq_bytes_to_float(fives[i], 0)), m);
+        } else {
+            const __m256 bias = _mm256_set1_ps(16.0f);
+            for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(pgq_bytes_to_float(fives[i], 0), bias));
+        }
     } else {
         float plain[32];
         pgq_decode(qtype, row, b, plain);
