@@ -38,6 +38,10 @@ class CacheConfig:
     max_pinned_fraction: float = 0.25  # of the pool, at most, held by prefix pins (released first under pressure)
     default_cpu_kv_cache_memory: str = "1GiB"  # CPU budget when nothing else is given
     kv_cache_dtype: str = "auto"  # the pages' format (pagegate.kernels.kv_format): auto, float32, ..., int8, fp8_e4m3
+    kv_offload_memory: int | str | None = None  # host-memory tier under the prefix cache (bytes or "4GiB"); None: off
+    kv_cache_dir: str | None = None  # disk tier under it, kept across restarts; None: off
+    kv_cache_disk: int | str = "16GiB"  # the disk tier's budget
+    kv_offload_min_reuse: int = 2  # a page goes down a tier once its hash was seen this often (1: always)
 
 
 @dataclass

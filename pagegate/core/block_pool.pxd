@@ -27,6 +27,16 @@ cdef class BlockPool:
     cdef int64_t prefix_hits
     cdef int64_t prefix_queries
     cdef list events                # None, or the prefix-cache changes since take_events()
+    cdef uint8_t* firsts            # per cached page: it starts its chain (its parent is a root hash)
+    # the eviction log (record_evictions): pages whose cached content take_free dropped since take_evicted(),
+    # with that content copied (hash, parent, first, tokens), so a lower tier can keep their bytes
+    cdef bint logging_evictions
+    cdef int num_evicted
+    cdef int32_t* evicted_ids
+    cdef uint64_t* evicted_hashes
+    cdef uint64_t* evicted_parents
+    cdef uint8_t* evicted_firsts
+    cdef int32_t* evicted_tokens
 
     cdef void push_back(self, int32_t sentinel, int32_t b) noexcept
     cdef void unlink(self, int32_t b) noexcept
@@ -34,6 +44,7 @@ cdef class BlockPool:
     cdef int32_t find(self, uint64_t h) noexcept
     cdef void insert(self, int32_t block) noexcept
     cdef void evict(self, int32_t block) noexcept
+    cdef void log_eviction(self, int32_t block) noexcept
     cdef int check_ids(self, const int32_t* ids, Py_ssize_t n, bint allocated) except -1
     cdef bint same_content(self, int32_t b, uint64_t h, uint64_t parent, const int32_t* t) noexcept
     cdef int take_free(self) noexcept

@@ -106,14 +106,23 @@ cdef class BlockPool:
         self.parent_hashes = <uint64_t*>malloc(num_blocks * sizeof(uint64_t))
         self.tokens = <int32_t*>malloc(<size_t>num_blocks * block_size * sizeof(int32_t))
         self.table_blocks = <int32_t*>malloc(capacity * sizeof(int32_t))
+        self.firsts = <uint8_t*>malloc(num_blocks * sizeof(uint8_t))
+        self.evicted_ids = <int32_t*>malloc(num_blocks * sizeof(int32_t))
+        self.evicted_hashes = <uint64_t*>malloc(num_blocks * sizeof(uint64_t))
+        self.evicted_parents = <uint64_t*>malloc(num_blocks * sizeof(uint64_t))
+        self.evicted_firsts = <uint8_t*>malloc(num_blocks * sizeof(uint8_t))
+        self.evicted_tokens = <int32_t*>malloc(<size_t>num_blocks * block_size * sizeof(int32_t))
         if not (self.refcounts and self.prev and self.next and self.cached and self.hashes
-                and self.parent_hashes and self.tokens and self.table_blocks):
+                and self.parent_hashes and self.tokens and self.table_blocks and self.firsts and self.evicted_ids
+                and self.evicted_hashes and self.evicted_parents and self.evicted_firsts and self.evicted_tokens):
             raise MemoryError("cannot allocate the block pool's bookkeeping arrays")
         self.reset()
 
     def __dealloc__(self):
         free(self.refcounts); free(self.prev); free(self.next); free(self.cached)
         free(self.hashes); free(self.parent_hashes); free(self.tokens); free(self.table_blocks)
+        free(self.firsts); free(self.evicted_ids); free(self.evicted_hashes); free(self.evicted_parents)
+        free(self.evicted_firsts); free(self.evicted_tokens)
 
     def reset(self) -> None:
         """Return every page to the free list and forget the prefix cache."""
@@ -133,6 +142,7 @@ cdef class BlockPool:
         self.num_shared = 0
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.num_evicted = 0
 
     # ---- free lists ------------------------------------------------------------------------
 
@@ -153,6 +163,8 @@ cdef class BlockPool:
         # one freed longest ago goes: the least likely to be hit again, and the list's head gives it in O(1).
         if b == uncached:
             b = self.next[uncached + 1]
+            if self.logging_evictions:
+                self.log_eviction(b)
             self.evict(b)
             self.num_cached_free -= 1
         self.unlink(b)
@@ -225,6 +237,18 @@ cdef class BlockPool:
         self.table_blocks[i] = -1
         self.cached[block] = 0
 
+    cdef void log_eviction(self, int32_t block) noexcept:
+        # NOTE: each page is logged at most once between drains: it is handed out uncached, and only caching
+        # (after the step's forward, past the drain) makes it evictable again. The log has a row per page.
+        cdef int i = self.num_evicted
+        self.evicted_ids[i] = block
+        self.evicted_hashes[i] = self.hashes[block]
+        self.evicted_parents[i] = self.parent_hashes[block]
+        self.evicted_firsts[i] = self.firsts[block]
+        memcpy(&self.evicted_tokens[<size_t>i * self.block_size], &self.tokens[<size_t>block * self.block_size],
+               self.block_size * sizeof(int32_t))
+        self.num_evicted += 1
+
     # ---- batch API --------------------------------------------------------------------------
 
     cdef int allocate_into(self, int32_t* out, int n) except -1:
@@ -256,9 +280,11 @@ cdef class BlockPool:
     cdef int free_ptr(self, const int32_t* ids, Py_ssize_t n) except -1:
         self.check_ids(ids, n, True)
         cdef Py_ssize_t i, j
-        for i in range(n):
+        # NOTE: last page first. A sequence's pages then reach the LRU list tail first, so eviction takes a chain
+        # from its end and keeps its head (shared by more prompts, and the only way into the rest of the chain).
+        for i in range(n - 1, -1, -1):
             if self.refcounts[ids[i]] == 0:  # the same id freed more often than referenced
-                for j in range(i - 1, -1, -1):
+                for j in range(i + 1, n):
                     self.ref(ids[j])
                 raise ValueError(f"block {ids[i]} freed more times than it is referenced")
             self.unref(ids[i])
@@ -303,6 +329,7 @@ cdef class BlockPool:
         if self.find(h) == -1:
             self.hashes[block_id] = h
             self.parent_hashes[block_id] = parent
+            self.firsts[block_id] = first
             memcpy(&self.tokens[<size_t>block_id * self.block_size], t, self.block_size * sizeof(int32_t))
             self.insert(block_id)
             self.cached[block_id] = 1
@@ -344,6 +371,50 @@ cdef class BlockPool:
         self.prefix_queries += tokens.shape[0]
         self.prefix_hits += i * bs
         return out[:i], i * bs
+
+    def prefix_hashes(self, token_ids, root_hash: int = 0) -> cnp.ndarray:
+        """The chain hash of every full page of `token_ids` (uint64), as cache_block and match_prefix compute it."""
+        cdef cnp.ndarray tokens = as_int32_array(token_ids)
+        cdef const int32_t* t = <int32_t*>cnp.PyArray_DATA(tokens)
+        cdef int bs = self.block_size, num_full = tokens.shape[0] // bs, i
+        out = np.empty(num_full, dtype=np.uint64)
+        cdef uint64_t[:] o = out
+        cdef uint64_t parent = <uint64_t>root_hash
+        for i in range(num_full):
+            parent = hash_tokens(parent, &t[i * bs], bs) & self.hash_mask
+            o[i] = parent
+        return out
+
+    # ---- the eviction log (for lower tiers) ---------------------------------------------------------
+
+    def record_evictions(self) -> None:
+        """From now on, log every cached page that allocation takes back (see take_evicted)."""
+        self.logging_evictions = True
+        self.num_evicted = 0
+
+    def take_evicted(self) -> tuple:
+        """The cached pages allocation evicted since the last call, their content as it was: (block ids int32,
+        hashes uint64, parent hashes uint64, firsts bool, token ids int32 [n, block_size]). Their bytes are
+        intact until the step that received them writes: drain before it."""
+        cdef int n = self.num_evicted, bs = self.block_size
+        ids = np.asarray(<int32_t[:max(n, 1)]>self.evicted_ids)[:n].copy() if n else np.zeros(0, np.int32)
+        hashes = np.asarray(<uint64_t[:max(n, 1)]>self.evicted_hashes)[:n].copy() if n else np.zeros(0, np.uint64)
+        parents = np.asarray(<uint64_t[:max(n, 1)]>self.evicted_parents)[:n].copy() if n else np.zeros(0, np.uint64)
+        firsts = np.asarray(<uint8_t[:max(n, 1)]>self.evicted_firsts)[:n].astype(bool) if n else np.zeros(0, bool)
+        tokens = (np.asarray(<int32_t[:max(n, 1) * bs]>self.evicted_tokens)[:n * bs].reshape(n, bs).copy() if n
+                  else np.zeros((0, bs), np.int32))
+        self.num_evicted = 0
+        return ids, hashes, parents, firsts, tokens
+
+    def cached_blocks(self) -> tuple:
+        """Every page holding cached content, as take_evicted gives them (for writing them down at shutdown)."""
+        ids = np.flatnonzero(np.asarray(<uint8_t[:self.num_blocks]>self.cached)).astype(np.int32)
+        hashes = np.asarray(<uint64_t[:self.num_blocks]>self.hashes)[ids].copy()
+        parents = np.asarray(<uint64_t[:self.num_blocks]>self.parent_hashes)[ids].copy()
+        firsts = np.asarray(<uint8_t[:self.num_blocks]>self.firsts)[ids].astype(bool)
+        tokens = np.asarray(<int32_t[:self.num_blocks * self.block_size]>self.tokens).reshape(
+            self.num_blocks, self.block_size)[ids].copy()
+        return ids, hashes, parents, firsts, tokens
 
     # ---- events (KV-cache events for routers) -----------------------------------------------------
 

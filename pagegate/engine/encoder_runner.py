@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagegate.config import EngineConfig
-from pagegate.core import BlockTables
+from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.encoder_loader import load_encoder
 from pagegate.engine.loading.loader import GenerationDefaults, model_path, resolve_device
@@ -27,6 +27,7 @@ from pagegate.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from pagegate.engine.draft import DraftModel
+    from pagegate.engine.kv_tiers import TierStack
     from pagegate.engine.tp_workers import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class EncoderRunner:
         self.device = resolve_device(config.device)
         self.workers: WorkerGroup | None = None
         self.draft: DraftModel | None = None
+        self.tiers: TierStack | None = None  # an encoder keeps no KV pages
         path = model_path(config)
         log.info("loading the encoder from %s", path)
         loaded = load_encoder(path, _DTYPES[config.dtype], self.device)
@@ -97,7 +99,7 @@ class EncoderRunner:
         for seq, vector in zip(seqs, vectors.cpu(), strict=True):
             seq.request.embedding = vector
 
-    def close(self, graceful: bool = True) -> None:
+    def close(self, graceful: bool = True, pool: BlockPool | None = None) -> None:
         """Nothing runs beside the encoder."""
 
 

@@ -31,9 +31,9 @@ class Engine:
         self.runner = runner = make_runner(config)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                       runner.max_model_len, config.speculative, runner.draft)
+                                       runner.max_model_len, config.speculative, runner.draft, runner.tiers)
             runner.bind(self.scheduler.tables)
-            self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool)
+            self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers)
         except BaseException:
             runner.close(graceful=False)
             raise
@@ -51,7 +51,7 @@ class Engine:
 
     def close(self) -> None:
         """End the tensor-parallel workers and the KV-event publisher."""
-        self.runner.close()
+        self.runner.close(pool=self.scheduler.pool)
         self.monitor.close()
 
     # ---- requests ----------------------------------------------------------------------------------

@@ -69,6 +69,30 @@ class PagedKVCache:
             kernels.copy_blocks([k for k, _ in self.layers], [v for _, v in self.layers],
                                 pairs[:, 0], pairs[:, 1])
 
+    @property
+    def page_bytes(self) -> int:
+        """One page's bytes in every layer (K and V), as the tiers store it."""
+        return sum(t[0].numel() * t.element_size() for t in self._flat(self.layers))
+
+    def read_pages(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Pages as bytes [n, page_bytes]: layer by layer, K then V (the tiers' page layout)."""
+        index = self._index(block_ids)
+        rows = [t.view(torch.uint8).index_select(0, index).reshape(len(index), -1) for t in self._flat(self.layers)]
+        return torch.cat(rows, dim=1).cpu()
+
+    def write_pages(self, block_ids: np.ndarray, data: torch.Tensor) -> None:
+        """The inverse of read_pages: `data` [n, page_bytes] into pages `block_ids`."""
+        index = self._index(block_ids)
+        data, start = data.to(index.device), 0
+        for t in self._flat(self.layers):
+            raw = t.view(torch.uint8)  # every format as its bytes (index_copy_ has no float8 kernel)
+            size = raw[0].numel()
+            raw.index_copy_(0, index, data[:, start:start + size].reshape(len(index), *raw.shape[1:]))
+            start += size
+
+    def _index(self, block_ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(self.layers[0][0].device)
+
     def swap_out(self, pairs: np.ndarray) -> None:
         """(device page, cpu page) pairs, device -> CPU."""
         if len(pairs):

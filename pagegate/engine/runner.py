@@ -9,17 +9,20 @@ import numpy as np
 import torch
 
 from pagegate.config import EngineConfig
-from pagegate.core import BatchBuilder, BlockTables
+from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.draft import DraftModel
 from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
+from pagegate.engine.prefix_tiers import move_tier_pages, write_down
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.sequence import Sequence
+from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import resolve_format
 
@@ -39,6 +42,7 @@ class ModelRunner:
         self.serves = Serves(generate=True, pooling=config.pooling)
         self.device = resolve_device(config.device)
         self.workers: WorkerGroup | None = None
+        self.tiers: TierStack | None = None
         if config.tensor_parallel_size > 1:  # the workers load their slices while this rank loads its own
             self.workers = WorkerGroup(config, self.device)
             self.device = rank_device(self.device, 0, config.tensor_parallel_size)
@@ -77,6 +81,17 @@ class ModelRunner:
         self.draft = (DraftModel(spec.model, config, self.device, self.num_blocks, self.max_model_len,
                                  self.model_config.vocab_size) if spec is not None and spec.model else None)
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
+        self.tiers = self._tiers()
+
+    def _tiers(self) -> TierStack | None:
+        cache = self.config.cache
+        if cache.kv_offload_memory is None and cache.kv_cache_dir is None:
+            return None
+        if self.workers is not None or self.draft is not None:
+            raise ValueError("the KV tiers (--kv-offload-memory, --kv-cache-dir) do not combine with tensor "
+                             "parallelism or a draft model yet")
+        print_ = fingerprint(self.model, self.model_config, self.tokenizer, cache.block_size, self.kv_format)
+        return build_tiers(cache, self.kv_cache.page_bytes, print_)
 
     def _size_kv_cache(self) -> tuple[int, int]:
         """Device and CPU pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which
@@ -129,6 +144,8 @@ class ModelRunner:
         # tokens left after a prefix hit, or a short chunk, must too: on the native step a GGUF's integer blocks
         # take Q8-rounded activations, and a hit's tail would then write other K/V than a cold prefill did (a
         # cached prefix changed greedy answers). Decode steps keep the native decoder.
+        if self.tiers is not None:  # before anything writes the step's new pages
+            move_tier_pages(self.kv_cache, self.tiers, batch.evicted, batch.tier_loads)
         native = None if holds_prompt_tokens(seqs, counts) else self.native
         hidden = forward(self.model, self.kv_cache, step, native)
         compute_logits = (self.native or self.model).compute_logits
@@ -142,8 +159,13 @@ class ModelRunner:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         return compute_logits(hidden[last])
 
-    def close(self, graceful: bool = True) -> None:
-        """End the tensor-parallel workers."""
+    def close(self, graceful: bool = True, pool: BlockPool | None = None) -> None:
+        """End the tensor-parallel workers; write the pool's cached pages (`pool`) down the KV tiers."""
+        if self.tiers is not None:
+            if graceful and pool is not None:
+                write_down(self.kv_cache, self.tiers, pool)
+            self.tiers.close()
+            self.tiers = None
         if self.workers is not None:
             self.workers.close(graceful=graceful)
             self.workers = None

@@ -12,17 +12,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
+from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
 from pagegate.engine.pins import Pin, PrefixPins
+from pagegate.engine.prefix_tiers import WAIT, Found, PrefixTiers, TierLoad
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
+
+if TYPE_CHECKING:
+    from pagegate.core.block_pool import EvictedPages
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,7 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 # (256 of 2,048 tokens): the chunk sets how much slower each of the generation's steps is, and what the embeddings
 # lose while it runs is a step's fixed cost per chunk. bench/embed_starvation.py measures both (README, Security).
 POOLING_SHARE = 0.125
+DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
 
 
 @dataclass
@@ -44,6 +51,8 @@ class ScheduledBatch:
     swap_out: list[np.ndarray] = field(default_factory=list)  # (device, cpu) page pairs
     swap_in: list[np.ndarray] = field(default_factory=list)  # (cpu, device) page pairs
     copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)  # copy-on-write (src, dst)
+    evicted: EvictedPages | None = None  # cached pages allocation took back this step (KV tiers on)
+    tier_loads: list[TierLoad] = field(default_factory=list)  # pages coming back from the tiers
     preempted: int = 0
     failed: list[Sequence] = field(default_factory=list)  # alone need more pages than the pool has
 
@@ -63,7 +72,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, tiers: TierStack | None = None) -> None:
         self.config = config
         self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
@@ -71,6 +80,7 @@ class Scheduler:
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
         self.tables = BlockTables(self.pool, *config.table_shape(max_model_len, cache.block_size), self.cpu_pool)
+        self.tiers = PrefixTiers(tiers, self.pool) if tiers is not None and self.prefix_caching else None
         self.watermark_blocks = int(cache.watermark * num_blocks)
         mode = config.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         if mode not in ("swap", "recompute"):
@@ -102,6 +112,8 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.pooling.discard(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq)
         if seq.handle != NO_PAGES:
             seq.request.timeline.held(self.tables.num_blocks(seq.handle))
             self.tables.free_sequence(seq.handle)
@@ -115,7 +127,10 @@ class Scheduler:
             return False
         full = self.tables.num_committed(seq.handle) // self.block_size
         pages = self.tables.block_ids(seq.handle)[:full]
-        cached = np.array([b for b in pages if self.pool.block_hash(int(b)) is not None], dtype=np.int32)
+        hashes = {int(b): self.pool.block_hash(int(b)) for b in pages}
+        cached = np.array([b for b, h in hashes.items() if h is not None], dtype=np.int32)
+        if self.tiers is not None:  # a stored conversation spills down the tiers when its pin goes, seen once or not
+            self.tiers.tiers.gate.vouch(h for h in hashes.values() if h is not None)
         return self.pins.hold(pin.key, cached, now + pin.ttl_s)
 
     def unpin(self, key: str) -> bool:
@@ -190,6 +205,10 @@ class Scheduler:
             if not self.swapped:
                 self._admit(batch, budget, now)
         batch.copies = self.tables.take_cow_pairs()
+        if self.tiers is not None:
+            batch.evicted = self.pool.take_evicted()
+            if not batch.seqs:
+                self.tiers.wait_for_disk(DISK_WAIT_S)
         self.cap.update(now, len(self.running), batch.preempted, self.pool.num_used_blocks / self.pool.num_blocks,
                         len(self.waiting) + len(self.swapped))
         return batch
@@ -363,7 +382,9 @@ class Scheduler:
             no_slots = self.tables.num_sequences + pending_forks + wanted > self.tables.max_seqs
             if budget <= 0 or over_cap or no_slots:
                 return  # head of line waits: later ones must not overtake it forever
-            n = self._try_admit(seq, allowance, now)
+            n = self._try_admit(seq, allowance, now, batch)
+            if n is WAIT:
+                continue  # its prefix is being read from disk: the ones behind it need not wait
             if n == 0:
                 return
             self._add(batch, seq, n)
@@ -378,20 +399,31 @@ class Scheduler:
             seq.request.effective_priority = seq.request.priority - self.config.aging_rate * waited
         return sorted(self.waiting, key=lambda s: s.sort_key)
 
-    def _try_admit(self, seq: Sequence, budget: int, now: float) -> int:
-        """Give a waiting sequence its prefix-cache hits and first chunk; 0 when it does not fit."""
+    def _try_admit(self, seq: Sequence, budget: int, now: float, batch: ScheduledBatch) -> int | None:
+        """Give a waiting sequence its prefix-cache hits (from the pool, then the tiers) and first chunk; 0 when
+        it does not fit, WAIT while its prefix is read from disk."""
         request = seq.request
         limit = len(seq.token_ids) - 1
         if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
             limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
-        hits, num_hit = self.pool.match_prefix(seq.token_ids[:limit] if not seq.pools else [], request.root_hash)
+        tokens = seq.token_ids[:limit] if not seq.pools else []
+        hits, num_hit = self.pool.match_prefix(tokens, request.root_hash)
+        found = None
+        if self.tiers is not None and tokens:
+            found = self.tiers.find(seq, tokens, request.root_hash, len(hits))
+            if found is WAIT:
+                self.pool.free(hits)
+                return WAIT
+            num_hit += len(found.keys) * self.block_size
         n = self._chunk(seq, num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
         if not self._free_up(need + reserve):
             self.pool.free(hits)
             return 0
+        if found is not None and found.keys:
+            hits, num_hit = self._stage(seq, found, hits, num_hit, batch)
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += num_hit
         seq.handle = self.tables.add_sequence(hits, num_hit, request.root_hash)
@@ -407,6 +439,17 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return n
+
+    def _stage(self, seq: Sequence, found: Found, hits: np.ndarray, num_hit: int,
+               batch: ScheduledBatch) -> tuple[np.ndarray, int]:
+        """The tier pages after the pool's hits become pool pages (filled before the forward)."""
+        assert self.tiers is not None
+        staged, load = self.tiers.stage(found)
+        if load is not None:
+            batch.tier_loads.append(load)
+        self.tiers.forget(seq)
+        num_hit -= (len(found.keys) - len(staged)) * self.block_size  # pages the pool would not cache: computed
+        return np.concatenate([hits, staged]), num_hit
 
     # ---- introspection -----------------------------------------------------------------------------
 
@@ -424,7 +467,20 @@ class Scheduler:
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
             max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks, spec_drafts=spec.num_drafts,
             spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position))
+            spec_accepted_per_position=tuple(spec.accepted_per_position), **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, int]:
+        if self.tiers is None:
+            return dict.fromkeys(("host_tier_pages", "host_tier_capacity", "disk_tier_pages", "disk_tier_capacity",
+                                  "tier_hit_pages"), 0)
+        tiers = self.tiers.tiers
+        stats = tiers.stats()
+        host, disk = stats.host, stats.disk
+        return {"host_tier_pages": host.pages if host else 0,
+                "host_tier_capacity": tiers.host.num_pages if tiers.host else 0,
+                "disk_tier_pages": disk.pages if disk else 0,
+                "disk_tier_capacity": tiers.disk.capacity_pages if tiers.disk else 0,
+                "tier_hit_pages": (host.hits if host else 0) + (disk.hits if disk else 0)}
 
 
 def _decodes(seq: Sequence) -> bool:

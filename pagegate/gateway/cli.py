@@ -97,6 +97,14 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
                             '"prompt_lookup_max": 4}\'')
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
+    group.add_argument("--kv-offload-memory", default=None,
+                       help="a host-memory tier under the prefix cache, like '4GiB': evicted prefix pages go there "
+                            "(on CPU: a second, larger pool outside the step's working set) and come back on a hit")
+    group.add_argument("--kv-cache-dir", default=None,
+                       help="a disk tier under it (one file per page): prefixes outlive the process (warm restarts)")
+    group.add_argument("--kv-cache-disk", default=defaults.kv_cache_disk, help="the disk tier's budget, like '16GiB'")
+    group.add_argument("--kv-offload-min-reuse", type=int, default=defaults.kv_offload_min_reuse,
+                       help="a page goes down a tier only once its prefix was seen this often (1: always)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--max-pinned-fraction", type=float, default=defaults.max_pinned_fraction,
@@ -232,7 +240,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching,
-                        max_pinned_fraction=args.max_pinned_fraction, kv_cache_dtype=args.kv_cache_dtype)
+                        max_pinned_fraction=args.max_pinned_fraction, kv_cache_dtype=args.kv_cache_dtype,
+                        kv_offload_memory=args.kv_offload_memory, kv_cache_dir=args.kv_cache_dir,
+                        kv_cache_disk=args.kv_cache_disk, kv_offload_min_reuse=args.kv_offload_min_reuse)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                                 scheduling_policy=args.scheduling_policy)

@@ -64,7 +64,7 @@ class PoolModel:
         self.check_allocated(ids)
         if any(count > self.refs[b] for b, count in Counter(ids).items()):
             raise ValueError(ids)
-        for block in ids:
+        for block in reversed(list(ids)):  # last page first: a chain is evicted from its tail
             self.unref(block)
 
     def incref(self, ids) -> None:

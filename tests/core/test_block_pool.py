@@ -113,18 +113,49 @@ def test_stats_report_shared_and_evictable_pages():
 tokens_st = st.lists(st.integers(0, 2), min_size=BS, max_size=BS)
 
 
+def cached_content(pages: tuple) -> dict[int, tuple]:
+    ids, hashes, parents, firsts, tokens = pages
+    rows = zip(ids, hashes, parents, firsts, tokens, strict=True)
+    return {int(b): (int(h), int(p), bool(f), tuple(t)) for b, h, p, f, t in rows}
+
+
+def test_prefix_hashes_are_the_chain_cache_block_computes():
+    pool = BlockPool(8, BS)
+    tokens = list(range(3 * BS + 2))
+    parent, expected = 7, []
+    for i in range(3):
+        parent = compute_block_hash(parent, tokens[i * BS:(i + 1) * BS])
+        expected.append(parent)
+    assert pool.prefix_hashes(tokens, 7).tolist() == expected
+
+
+def test_cached_blocks_and_the_eviction_log_keep_first_pages_apart():
+    pool = BlockPool(2, BS)
+    pool.record_evictions()
+    a, b = pool.allocate(2).tolist()
+    h = pool.cache_block(a, 5, [1] * BS, first=True)
+    pool.cache_block(b, h, [2] * BS)
+    assert cached_content(pool.cached_blocks()) == {a: (h, 5, True, (1,) * BS), b: (pool.block_hash(b), h, False,
+                                                                                     (2,) * BS)}
+    pool.free([a, b])
+    pool.allocate(1)  # the chain's tail goes first
+    assert cached_content(pool.take_evicted()) == {b: (compute_block_hash(h, [2] * BS), h, False, (2,) * BS)}
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = BlockPool(12, BS, hash_bits=6)
         self.model = PoolModel(12, BS, hash_bits=6)
         self.hashes = [0]
+        self.pool.record_evictions()
 
     def held(self):
         return [b for b in range(12) for _ in range(self.model.refs[b])]
 
     @rule(n=st.integers(0, 14))
     def allocate(self, n):
+        before = cached_content(self.pool.cached_blocks())
         try:
             expected = self.model.allocate(n)
         except NoFreeBlocksError:
@@ -132,6 +163,11 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.allocate(n)
             return
         assert self.pool.allocate(n).tolist() == expected
+        # the eviction log: exactly the cached pages this allocation took, with the content they held
+        evicted = cached_content(self.pool.take_evicted())
+        still = cached_content(self.pool.cached_blocks())
+        assert evicted == {b: c for b, c in before.items() if b not in still and b in expected}
+        assert cached_content(self.pool.take_evicted()) == {}
 
     @rule(data=st.data())
     def free(self, data):

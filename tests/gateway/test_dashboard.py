@@ -24,7 +24,9 @@ STATS = EngineStats(running=2, waiting=1, swapped=0, num_blocks=6, free_blocks=3
                     shared_blocks=1, kv_cache_usage=0.5, cpu_blocks=2, cpu_used_blocks=0, preemptions=0,
                     swap_outs=0, swap_out_blocks=0, swap_in_blocks=0, prefix_cache_queries=10,
                     prefix_cache_hits=4, max_num_seqs=8, pinned_blocks=0, spec_drafts=3, spec_draft_tokens=8,
-                    spec_accepted_tokens=6, spec_accepted_per_position=(3, 2, 1), requests=2, prompt_tokens=10, generation_tokens=0)
+                    spec_accepted_tokens=6, spec_accepted_per_position=(3, 2, 1), host_tier_pages=5,
+                    host_tier_capacity=40, disk_tier_pages=0, disk_tier_capacity=0, tier_hit_pages=3, requests=2,
+                    prompt_tokens=10, generation_tokens=0)
 
 
 def snapshot(device: list[int], seq_pages: dict | None = None, stats: EngineStats = STATS) -> PoolSnapshot:

@@ -33,6 +33,15 @@ class ReuseGate:
         for hash in hashes:
             self.see(hash)
 
+    def vouch(self, hashes: Iterable[int]) -> None:
+        """Admit these hashes however often they were seen (a stored conversation's pages: reused by design)."""
+        if self.min_seen == 1:
+            return
+        for hash in hashes:
+            self._seen[hash] = max(self._seen.pop(hash, 0), self.min_seen)
+            if len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+
     def admits(self, hash: int) -> bool:
         return self.min_seen == 1 or self._seen.get(hash, 0) >= self.min_seen
 

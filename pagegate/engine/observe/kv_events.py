@@ -5,7 +5,8 @@ a publisher thread through a bounded queue (a full queue drops the batch and cou
 never waits). The thread sends ZMQ multipart messages `[topic, seq, payload]`: `seq` an 8-byte big-endian
 counter from 0, `payload` msgpack arrays `[ts, events, data_parallel_rank]` with events
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`,
-`["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`. A ROUTER socket replays the buffered
+`["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`; `medium` is "GPU" for the pool's pages (on CPU
+servers too, as vLLM names them), "CPU" for the host-memory tier and "DISK" for the disk tier. A ROUTER socket replays the buffered
 batches from a requested sequence number.
 """
 
@@ -17,11 +18,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from pagegate.config import KVEventsConfig
+
+if TYPE_CHECKING:
+    from pagegate.engine.kv_tiers import TierEvent
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +39,36 @@ def encode_batch(events: Sequence[tuple[Any, ...]], block_size: int, ts: float |
     encoded: list[list[Any]] = []
     for event in events:
         kind = event[0]
+        last = encoded[-1] if encoded else None
         if kind == "BlockStored":
-            _, block_hash, parent, tokens = event
-            last = encoded[-1] if encoded else None
-            if last is not None and last[0] == "BlockStored" and parent == last[1][-1]:
+            _, block_hash, parent, tokens, *where = event
+            medium = where[0] if where else MEDIUM
+            if last is not None and last[0] == "BlockStored" and parent == last[1][-1] and last[6] == medium:
                 last[1].append(block_hash)
                 last[3].extend(tokens)
             else:
-                encoded.append(["BlockStored", [block_hash], parent, list(tokens), block_size, None, MEDIUM, None])
+                encoded.append(["BlockStored", [block_hash], parent, list(tokens), block_size, None, medium, None])
         elif kind == "BlockRemoved":
-            last = encoded[-1] if encoded else None
-            if last is not None and last[0] == "BlockRemoved":
+            medium = event[2] if len(event) > 2 else MEDIUM
+            if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
                 last[1].append(event[1])
             else:
-                encoded.append(["BlockRemoved", [event[1]], MEDIUM])
+                encoded.append(["BlockRemoved", [event[1]], medium])
         else:
             encoded.append(["AllBlocksCleared"])
     return msgpack.packb([time.time() if ts is None else ts, encoded, data_parallel_rank])
+
+
+def tier_events(events: Sequence[TierEvent]) -> list[tuple[Any, ...]]:
+    """The KV tiers' events as the pool's, with their medium ("CPU", "DISK") last."""
+    out: list[tuple[Any, ...]] = []
+    for event in events:
+        for key in event.keys:
+            if event.name == "BlockStored":
+                out.append(("BlockStored", key.hash, None if key.first else key.parent, key.token_ids, event.medium))
+            else:
+                out.append(("BlockRemoved", key.hash, event.medium))
+    return out
 
 
 class EventPublisher:

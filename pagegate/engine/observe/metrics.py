@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagegate.config import HealthThresholds
+from pagegate.engine.kv_tiers.records import StackStats, TierStats
 from pagegate.engine.observe.stats import SchedulerStats
 
 if TYPE_CHECKING:
@@ -74,8 +75,28 @@ class EngineMetrics:
         self.spec_accepted_per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Guessed tokens kept, by position in the guess.",
             ["model_name", "position"], registry=self.registry)
+        self.tier_pages = Gauge("pagegate:kv_tier_pages", "Pages held by a KV tier under the pool (host, disk).",
+                                ["model_name", "tier"], registry=self.registry)
+        self.tier_capacity = Gauge("pagegate:kv_tier_capacity_bytes", "A KV tier's budget in bytes.",
+                                   ["model_name", "tier"], registry=self.registry)
+        self.tier_counters = {name: Counter(f"pagegate:kv_tier_{name}", documentation, ["model_name", "tier"],
+                                            registry=self.registry) for name, documentation in _TIER_COUNTERS.items()}
+        self._last_tiers: dict[str, TierStats] = {}
         zeros: dict = {f.name: 0 for f in fields(SchedulerStats)}
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
+
+    def update_tiers(self, stats: StackStats) -> None:
+        """The KV tiers' gauges and counters (labelled tier="host" / "disk")."""
+        for tier, now in (("host", stats.host), ("disk", stats.disk)):
+            if now is None:
+                continue
+            self.tier_pages.labels(self._model_name, tier).set(now.pages)
+            self.tier_capacity.labels(self._model_name, tier).set(now.capacity_bytes)
+            last = self._last_tiers.get(tier, TierStats())
+            for name, field in _TIER_FIELDS.items():
+                _advance(self.tier_counters[name].labels(self._model_name, tier),
+                         getattr(now, field) - getattr(last, field))
+            self._last_tiers[tier] = replace(now)
 
     def kv_page_format(self, kv_format: KVFormat | None, bytes_per_token: int) -> None:
         """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format (none when
@@ -130,6 +151,15 @@ class EngineMetrics:
         return grade, reason
 
 
-def _advance(counter: Counter, amount: int) -> None:
+_TIER_COUNTERS = {"hits": "Pages found in a KV tier and brought back into the pool (prefill not recomputed).",
+                  "stores": "Pages written down into a KV tier.",
+                  "evictions": "Pages a KV tier dropped to make room (least recently used first).",
+                  "read_bytes": "Bytes brought back from a KV tier.",
+                  "load_seconds": "Time spent bringing pages back from a KV tier."}
+_TIER_FIELDS = {"hits": "hits", "stores": "stores", "evictions": "evictions", "read_bytes": "bytes_read",
+                "load_seconds": "load_seconds"}
+
+
+def _advance(counter: Counter, amount: float) -> None:
     if amount:
         counter.inc(amount)

@@ -9,21 +9,22 @@ from typing import TYPE_CHECKING
 
 from pagegate.config import EngineConfig, KVEventsConfig
 from pagegate.core import BlockPool
-from pagegate.engine.observe.kv_events import EventPublisher
+from pagegate.engine.observe.kv_events import EventPublisher, tier_events
 from pagegate.engine.observe.metrics import EngineMetrics
 from pagegate.engine.observe.stats import EngineHealth, EngineStats, SchedulerStats
 
 if TYPE_CHECKING:
+    from pagegate.engine.kv_tiers import TierStack
     from pagegate.engine.sequence import Request
 
 log = logging.getLogger(__name__)
 
 
 class EngineMonitor:
-    def __init__(self, model_name: str, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(self, model_name: str, config: EngineConfig, pool: BlockPool, tiers: TierStack | None = None) -> None:
         self.metrics = EngineMetrics(model_name, config.health)
         self.metrics.cache_config(config.cache.block_size, pool.num_blocks)
-        self.pool = pool
+        self.pool, self.tiers = pool, tiers
         self.kv_events = start_kv_events(config.kv_events, pool)
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.grade, self.reason = "OK", "starting"
@@ -52,9 +53,15 @@ class EngineMonitor:
     def refresh(self, stats: SchedulerStats, now: float | None = None) -> None:
         """Recompute the gauges and the health grade; publish the pool's new KV events."""
         self.grade, self.reason = self.metrics.update(stats, now)  # None: update reads the clock
-        if self.kv_events is not None and (events := self.pool.take_events()):
-            if not self.kv_events.publish(events):
-                self.metrics.kv_events_dropped.inc()
+        if self.tiers is not None:
+            self.metrics.update_tiers(self.tiers.stats())
+        if self.kv_events is None:
+            return
+        events = self.pool.take_events()
+        if self.tiers is not None:
+            events += tier_events(self.tiers.take_events())
+        if events and not self.kv_events.publish(events):
+            self.metrics.kv_events_dropped.inc()
 
     def stats(self, scheduler: SchedulerStats, num_requests: int) -> EngineStats:
         return EngineStats(**{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},

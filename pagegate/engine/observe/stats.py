@@ -30,6 +30,11 @@ class SchedulerStats:
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_accepted_per_position: tuple[int, ...]  # tokens kept at each guessed position
+    host_tier_pages: int  # KV tiers under the pool (--kv-offload-memory, --kv-cache-dir): pages held, capacity
+    host_tier_capacity: int
+    disk_tier_pages: int
+    disk_tier_capacity: int
+    tier_hit_pages: int  # pages brought back from either tier since start
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,9 @@ def figures(snapshot: PoolSnapshot) -> dict[str, Any]:
         "spec_acceptance_rate": (stats.spec_accepted_tokens / stats.spec_draft_tokens
                                  if stats.spec_draft_tokens else None),  # speculation: guesses kept
         "preemptions": stats.preemptions, "swap_outs": stats.swap_outs,
+        "host_tier_pages": stats.host_tier_pages, "host_tier_capacity": stats.host_tier_capacity,
+        "disk_tier_pages": stats.disk_tier_pages, "disk_tier_capacity": stats.disk_tier_capacity,
+        "tier_hit_pages": stats.tier_hit_pages,
         "health": snapshot.health, "health_reason": snapshot.health_reason,
     }
 

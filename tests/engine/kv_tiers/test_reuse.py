@@ -41,3 +41,10 @@ def test_second_sighting_admits() -> None:
 def test_rejects_nonsense_settings() -> None:
     with pytest.raises(ValueError):
         ReuseGate(0, 4)
+
+
+def test_vouched_hashes_are_admitted_unseen() -> None:
+    gate = ReuseGate(min_seen=3, capacity=8)
+    gate.see(1)
+    gate.vouch([1, 2])
+    assert gate.admits(1) and gate.admits(2) and not gate.admits(3)

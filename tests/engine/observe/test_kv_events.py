@@ -11,7 +11,7 @@ import zmq
 from prometheus_client import generate_latest
 
 from pagegate import LLM, SamplingParams
-from pagegate.config import KVEventsConfig
+from pagegate.config import CacheConfig, EngineConfig, KVEventsConfig, SchedulerConfig
 from pagegate.core import BlockPool, compute_block_hash
 from pagegate.engine.observe.kv_events import END_OF_REPLAY, encode_batch
 from pagegate.engine.observe.monitor import start_kv_events
@@ -74,6 +74,37 @@ def drain(socket: zmq.Socket, index: PageIndex, seqs: list[int]) -> None:
         assert topic == b"kv@pod@model"
         seqs.append(int.from_bytes(seq, "big"))
         index.apply(payload)
+
+
+def test_events_name_the_tier_and_predict_cached_tokens_with_tiers() -> None:
+    """With a host-memory tier, pages leaving the pool are announced as stored on "CPU", and a router's index
+    of both media still predicts every request's cached tokens exactly."""
+    port = free_port()
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.bind(f"tcp://127.0.0.1:{port}")
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@pod@model")
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+                            replay_endpoint=None, topic="kv@pod@model")
+    cache = CacheConfig(num_kv_blocks=24, kv_offload_memory="4MiB", kv_offload_min_reuse=1)
+    llm = LLM.from_config(EngineConfig(cache=cache, scheduler=SchedulerConfig(max_model_len=256)))
+    llm.engine.monitor.kv_events = start_kv_events(config, llm.engine.scheduler.pool)
+    try:
+        index, seqs, rng = PageIndex(), [], random.Random(1)
+        systems = [[rng.randrange(3, 2000) for _ in range(5 * BLOCK + 5)] for _ in range(4)]
+        drain(subscriber, index, seqs)
+        served_from_tiers = 0
+        for turn in range(20):
+            prompt = rng.choice(systems) + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 40))]
+            predicted, from_pool = index.cached_tokens(prompt), PageIndex.cached_tokens_of(index.pages, prompt)
+            output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+            assert output.num_cached_tokens == predicted, turn
+            served_from_tiers += predicted - from_pool
+            drain(subscriber, index, seqs)
+        assert index.media["CPU"] and served_from_tiers > 0
+    finally:
+        llm.shutdown()
+        context.destroy(linger=0)
 
 
 def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:

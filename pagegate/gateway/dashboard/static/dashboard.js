@@ -219,6 +219,10 @@
     $("f-shared").textContent = number(f.shared_pages);
     $("f-cached").textContent = number(f.cached_pages);
     $("f-cpu").textContent = `${number(f.cpu_used_pages)} of ${number(f.cpu_total_pages)}`;
+    $("f-tiers").textContent = f.host_tier_capacity || f.disk_tier_capacity
+      ? `${number(f.host_tier_pages)} of ${number(f.host_tier_capacity)} · ${number(f.disk_tier_pages)} of ` +
+        `${number(f.disk_tier_capacity)} (${number(f.tier_hit_pages)})`
+      : "off";
     $("f-queues").textContent = `${f.running} · ${f.waiting} · ${f.swapped}`;
     $("f-cap").textContent = number(f.running_cap);
     $("f-hits").textContent = percent(f.prefix_hit_rate);
