@@ -3,6 +3,7 @@ or disk bit-exact (every page format), a restart finds its disk pages, and a for
 
 from __future__ import annotations
 
+import itertools
 import stat
 from pathlib import Path
 
@@ -110,4 +111,23 @@ def test_a_stored_conversation_spills_to_the_tiers_when_its_pin_goes() -> None:
     assert llm.stats().pinned_blocks == 0
     push_out(llm)
     assert run(llm, PROMPT)[1] == PAGES * 16
+    llm.engine.close()
+
+
+def test_a_salted_prefix_is_never_another_salts_hit_in_a_tier(tmp_path: Path) -> None:
+    """--prefix-cache-scope key salts the chain with the key: the tiers (and their files) keep keys apart."""
+    llm = engine(kv_offload_memory="8MiB", kv_cache_dir=str(tmp_path), kv_offload_min_reuse=1)
+    ids = itertools.count()
+
+    def cached(salt: str) -> int:
+        request = llm.engine.add_request(f"salted-{next(ids)}", PROMPT, GREEDY, cache_salt=salt)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return request.num_cached_tokens
+
+    cached("key:a:")
+    push_out(llm)
+    assert cached("key:b:") == 0
+    push_out(llm)
+    assert cached("key:a:") == PAGES * 16
     llm.engine.close()
