@@ -7,7 +7,8 @@ For each model, the CPU float32 run is the reference (greedy, top-2 logprobs). T
 give the same tokens, except after a near tie (the CPU's top two within --tie-nats), and the same logprobs
 within --logprob-tol. In the model's own dtype (`auto`: bfloat16 for SmolLM2 on CUDA) agreement is reported,
 not judged, and throughput is timed: one stream, then --batch requests at once. With --rows, appends markdown
-table rows (check | result | figures) for bench/gpu_check.sh. Exits 1 when an agreement check fails.
+table rows (check | result | figures) for bench/gpu_check.sh. Then the KV tiers on the device (host memory and disk
+give back a prefix's pages with the cold run's tokens). Exits 1 when an agreement or tier check fails.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import gc
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 from pagegate import LLM, SamplingParams  # noqa: E402
+from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pagegate.engine.outputs import CompletionOutput, Logprob  # noqa: E402
 from pagegate.kernels import resolve_backend  # noqa: E402
 
@@ -151,6 +154,38 @@ def check_model(name: str, model: Path | None, args: argparse.Namespace) -> tupl
     return ok, rows
 
 
+def check_tiers(device: str) -> tuple[bool, tuple[str, str, str]]:
+    """The KV tiers on the device: a prefix pushed out of a small pool comes back from host memory, and after a
+    restart from disk, each with the tokens of its cold run (the default model, every page a 16-token copy)."""
+    rng = random.Random(7)
+    prefix, others = [rng.randrange(10, 2000) for _ in range(100)], [
+        [rng.randrange(10, 2000) for _ in range(200)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    with tempfile.TemporaryDirectory(prefix="pagegate-gpu-tiers-") as directory:
+        cache = CacheConfig(num_kv_blocks=24, kv_offload_memory="8MiB", kv_cache_dir=directory, kv_offload_min_reuse=1)
+        config = EngineConfig(device=device, dtype="float32", cache=cache, scheduler=SchedulerConfig(max_model_len=256))
+        llm = LLM.from_config(config)
+        cold, _ = run(llm, prefix)
+        for other in others:
+            run(llm, other)
+        host, host_cached = run(llm, prefix)
+        llm.engine.close()
+        release(llm)
+        llm = LLM.from_config(config)
+        disk, disk_cached = run(llm, prefix)
+        llm.engine.close()
+        release(llm)
+    ok = host == cold == disk and host_cached == disk_cached == 96
+    figures = f"cached tokens from host memory {host_cached}, from disk after a restart {disk_cached} (of 96)"
+    print(f"[tiers] {device}: {figures}, outputs {'equal' if host == cold == disk else 'DIFFER'}")
+    return ok, (f"KV tiers on {device}: pushed-out and restarted prefixes = cold", "PASS" if ok else "FAIL", figures)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="device under test (cpu: a dry run against itself)")
@@ -189,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         model_ok, model_rows = check_model(name, model, args)
         ok &= model_ok
         rows += model_rows
+    tiers_ok, tiers_row = check_tiers(args.device)
+    ok &= tiers_ok
+    rows.append(tiers_row)
     if not args.smollm2.is_file():
         print(f"SmolLM2 skipped: {args.smollm2} is missing")
         rows.append(("engine SmolLM2-135M Q4_1", "SKIP", f"{args.smollm2} not present"))
