@@ -73,15 +73,27 @@ class ModelRunner:
         self.kv_bytes_per_token = self.kv_format.bytes_per_token(*kv_shape)
         self.kv_pages = self.kv_format.describe(*kv_shape)
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
-        m, cache = self.model, config.cache
-        self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
-                                     self.kv_format, self.device, self.num_cpu_blocks)
-        self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
+        self.allocate_kv_cache()
         spec = config.speculative
         self.draft = (DraftModel(spec.model, config, self.device, self.num_blocks, self.max_model_len,
                                  self.model_config.vocab_size) if spec is not None and spec.model else None)
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
         self.tiers = self._tiers()
+
+    def allocate_kv_cache(self) -> None:
+        """The KV pages and the native decoder over them: at load, and again when a sleeping engine wakes."""
+        m, cache = self.model, self.config.cache
+        self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
+                                     self.kv_format, self.device, self.num_cpu_blocks)
+        self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
+
+    def free_kv_cache(self) -> None:
+        """Sleep: the KV pages' memory (device and swap) goes back, the weights stay. Refused where something
+        else holds pages of this pool (tensor-parallel ranks, a draft model, the KV tiers)."""
+        if self.workers is not None or self.draft is not None or self.tiers is not None:
+            raise ValueError("sleep does not combine with tensor parallelism, a draft model or the KV tiers yet")
+        self.native = None
+        del self.kv_cache
 
     def _tiers(self) -> TierStack | None:
         cache = self.config.cache

@@ -39,18 +39,19 @@ class Admission:
         """400 if n choices could never run at once; 429 unless the request's sequences (prompts x n) fit
         in the engine's free running slots plus --max-queue waiting ones; callers then start the generation
         at once. A 503 if the server began stopping while the request was being prepared."""
-        self._require_engine()
+        self._require_engine(prepared.model)
         self._check_runnable(prepared)
-        self._check_queue(len(prepared.prompts) * prepared.params.n)
-        self._check_stepping()
+        self._check_queue(len(prepared.prompts) * prepared.params.n, prepared.model)
+        self._check_stepping(prepared.model)
 
-    def admit_embeddings(self, num_inputs: int, priority: int) -> None:
-        """`admit` for an embedding request: 400 where the server does not embed, 429 past --max-queue."""
-        self._require_engine()
+    def admit_embeddings(self, num_inputs: int, priority: int, model: str | None = None) -> None:
+        """`admit` for an embedding request to `model`: 400 where the server does not embed, 429 past
+        --max-queue."""
+        self._require_engine(model)
         self._check_task(embed=True)
         check_priority(priority, self.engine_config.scheduler.scheduling_policy)
-        self._check_queue(num_inputs)
-        self._check_stepping()
+        self._check_queue(num_inputs, model)
+        self._check_stepping(model)
 
     def check_generates(self) -> None:
         """A 400 for a generation sent to an embedding server (--task embed)."""
@@ -67,16 +68,18 @@ class Admission:
         check_priority(prepared.priority, scheduler.scheduling_policy)
         check_choices(prepared.params.n, scheduler.max_num_seqs)
 
-    def _check_stepping(self) -> None:
+    def _check_stepping(self, model: str | None) -> None:
         """A 503 when no engine core could take the request: each has work it has not stepped on within
         --engine-step-timeout (hung). With several cores, the router passes over the stalled ones."""
-        engine, _ = self._require_engine()
+        engine, _ = self._require_engine(model)
         if not engine.accepting:
             raise EngineStalled(f"The engine is not stepping: {engine.stalled()}. Retry later.",
                                 headers={"Retry-After": str(self.config.retry_after_s)})
 
-    def _check_queue(self, num_seqs: int) -> None:
-        engine, _ = self._require_engine()
+    def _check_queue(self, num_seqs: int, model: str | None) -> None:
+        """NOTE: with several models the queue bound is each model's (its core's queue), the requests not yet in
+        any core's inbox counted against all."""
+        engine, _ = self._require_engine(model)
         limit = self.config.max_queue
         if limit is None:
             return

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
-from pagegate.gateway import embeddings, routes_api, routes_ops
+from pagegate.gateway import embeddings, routes_api, routes_models, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
@@ -51,6 +51,11 @@ ROUTES = [
     Route("/metrics", routes_ops.metrics, methods=["GET"]),
     Route("/version", routes_ops.version, methods=["GET"]),
     Route("/openapi.json", routes_ops.openapi, methods=["GET"]),
+    Route("/models/load", routes_models.load, methods=["POST"]),
+    Route("/models/unload", routes_models.unload, methods=["POST"]),
+    Route("/sleep", routes_models.sleep, methods=["POST"]),
+    Route("/wake_up", routes_models.wake_up, methods=["POST"]),
+    Route("/is_sleeping", routes_models.is_sleeping, methods=["GET"]),
 ]
 
 

@@ -12,7 +12,8 @@ from pagegate.gateway.codec import is_msgpack, render_error
 from pagegate.gateway.errors import Unauthorized, speaks_anthropic
 
 # /health, /metrics, /version and the dashboard's page and files stay open; its data does not
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/api/")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/api/", "/models/", "/sleep", "/wake_up",
+                      "/is_sleeping")
 QUERY_KEY_PREFIXES = ("/dashboard/api/",)  # also take ?api_key=: an EventSource cannot send a header
 
 

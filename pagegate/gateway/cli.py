@@ -10,6 +10,8 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -30,8 +32,9 @@ from pagegate.gateway.answer import REASONING_PARSERS
 from pagegate.gateway.app import build_app
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
+from pagegate.gateway.model_slots import discover_models
 from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
-from pagegate.gateway.settings import GatewayConfig
+from pagegate.gateway.settings import GatewayConfig, ServedModel
 from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.gateway.tools import TOOL_CALL_PARSERS
 
@@ -50,10 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("model_tag", nargs="?", default=None, help="same as --model (positional, like vllm serve)")
-    group.add_argument("--model", default=None,
-                       help="a local Hugging Face checkpoint folder or GGUF file (default: the embedded model)")
+    group.add_argument("--model", action="append", default=None,
+                       help="a local Hugging Face checkpoint folder or GGUF file (default: the embedded model); "
+                            "repeat it to serve several models behind one endpoint, each its own engine core, "
+                            "picked by the requests' `model`")
+    group.add_argument("--models-dir", default=None, metavar="DIR",
+                       help="serve every *.gguf file and every folder with a config.json in DIR, named by its file "
+                            "or folder name (llama.cpp's router flag); they load on their first request")
+    group.add_argument("--models-max", type=_non_negative_int, default=0, metavar="N",
+                       help="with several models, at most N loaded at once: the least recently used idle one is "
+                            "unloaded to make room (llama.cpp's flag); 0: no bound")
+    group.add_argument("--sleep-idle-seconds", type=_non_negative, default=0.0, metavar="S",
+                       help="with several models, one with no request for S seconds sleeps: its KV pages are "
+                            "freed for the others, its weights stay in memory (llama.cpp's flag); 0: never")
     group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="the name(s) clients use in `model`; the first is reported (default: the model's name)")
+                       help="the name(s) clients use in `model`; the first is reported (default: the model's name); "
+                            "with several models, one name per model, in order")
     group.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--seed", type=int, default=0)
@@ -214,6 +229,13 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
@@ -246,7 +268,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                                 scheduling_policy=args.scheduling_policy)
-    engine = EngineConfig(model=args.model or args.model_tag, served_model_name=names[0] if names else None,
+    paths = list(args.model or ([args.model_tag] if args.model_tag else []))
+    models = served_models(paths, names, args.models_dir)
+    if models:  # several models: a name each (--served-model-name gave one per model, not aliases)
+        names = []
+    engine = EngineConfig(model=paths[0] if paths else None, served_model_name=names[0] if names else None,
                           dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
@@ -271,6 +297,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             request_read_timeout_s=args.request_timeout,
                             idle_connection_timeout_s=args.idle_connection_timeout,
                             max_connections=args.max_connections, data_parallel_size=args.data_parallel_size,
+                            models=models, models_max=args.models_max, sleep_idle_s=args.sleep_idle_seconds,
                             stream_chunk_rate=args.stream_chunk_rate, shutdown_timeout_s=args.shutdown_timeout,
                             engine_step_timeout_s=args.engine_step_timeout,
                             log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -285,6 +312,27 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             responses_max_input_items=args.responses_max_input_items,
                             responses_pin_ttl_s=args.responses_pin_ttl)
     return engine, gateway
+
+
+def served_models(paths: list[str], names: list[str], models_dir: str | None) -> list[ServedModel]:
+    """The models of a several-model server (--model repeated, then --models-dir's), each named by its
+    --served-model-name (in order), else by its file or folder name; empty for a one-model server."""
+    if len(paths) <= 1 and models_dir is None:
+        return []
+    models = [ServedModel(_model_name(path), path) for path in paths]
+    models += discover_models(models_dir) if models_dir is not None else []
+    if len(names) > len(models):
+        raise SystemExit(f"--served-model-name: {len(names)} names for {len(models)} models (one name per model)")
+    models = [replace(model, name=name) for model, name in zip(models, names, strict=False)] + models[len(names):]
+    seen = [model.name for model in models]
+    if len(set(seen)) != len(seen):
+        raise SystemExit(f"two models have the same name ({', '.join(seen)}): name them with --served-model-name")
+    return models
+
+
+def _model_name(path: str) -> str:
+    """A GGUF file's name without its extension; a folder's name."""
+    return Path(path).stem if path.lower().endswith(".gguf") else Path(path.rstrip("/")).name
 
 
 def _pooling(task: str, pooling: str | None) -> str | None:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from pagegate.engine.limits import check_embedding_length, check_token_ids
 from pagegate.gateway.codec import read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import BadRequest
 from pagegate.gateway.prepare import ModelContext, off_loop
 from pagegate.gateway.protocol import EmbeddingRequest, parse_request
@@ -106,14 +106,16 @@ def embeddings_body(prepared: PreparedEmbeddings, vectors: list[bytes]) -> dict[
 
 async def create_embeddings(request: Request) -> Response:
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
+    host.check_serving()
     body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))
     prepared = await off_loop(prepare_embeddings, body, model, host.config.max_embedding_tokens)
-    if host.embedding_size is not None:  # known since the warm-up: a wrong size is refused before any work
-        check_dimensions(prepared.request.dimensions, host.embedding_size)
-    host.admission.admit_embeddings(len(prepared.inputs), prepared.request.priority)
+    embedding_size = host.slot_for(prepared.model).embedding_size
+    if embedding_size is not None:  # known since the warm-up: a wrong size is refused before any work
+        check_dimensions(prepared.request.dimensions, embedding_size)
+    host.admission.admit_embeddings(len(prepared.inputs), prepared.request.priority, prepared.model)
     embedded = host.engine_requests.embed(prepared.inputs, f"embd-{request_id_of(request)}",
-                                          prepared.request.priority)
+                                          prepared.request.priority, prepared.model)
     vectors = await until_disconnect(request, embedded)
     if vectors is None:
         return Response(status_code=CLIENT_CLOSED)

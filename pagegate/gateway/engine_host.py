@@ -1,16 +1,20 @@
-"""The gateway's only contact with the engine: load it off the event loop, report its state and health, count
+"""The gateway's only contact with the engines: load them off the event loop, report their state and health, count
 the API requests in flight for a drain, and end everything on shutdown (pagegate.gateway.shutdown). It composes
 the two other jobs: `admission` (may this request start now?) and `engine_requests` (start generations and
-embeddings, count them)."""
+embeddings, count them). With several models (--model repeated, --models-dir) each is a slot
+(pagegate.gateway.model_slots) loaded on its first request, unloaded least recently used first under --models-max,
+put to sleep when idle, and failed alone when its core dies; with one, the server is what it always was: the model
+loads at start and the server stops if its engine dies."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from pagegate.config import EngineConfig
@@ -18,10 +22,12 @@ from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.serving.engine_client import EngineClient
-from pagegate.engine.serving.replicas import start_cores
+from pagegate.engine.serving.replicas import start_cores, sum_stats
 from pagegate.gateway.admission import Admission, serves_embeddings, serves_generations
 from pagegate.gateway.engine_requests import EngineRequests
-from pagegate.gateway.errors import ServiceUnavailable
+from pagegate.gateway.errors import APIError, NotFound, ServiceUnavailable
+from pagegate.gateway.model_slots import FAILED as MODEL_FAILED
+from pagegate.gateway.model_slots import LOADED, LOADING, SLEEPING, UNLOADED, ModelSlot, share_config
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.request_timing import TimingRecorder
 from pagegate.gateway.settings import GatewayConfig
@@ -30,12 +36,24 @@ from pagegate.gateway.tracing import RequestTracer, start_tracing
 
 logger = logging.getLogger("pagegate.gateway")
 
-LOADING, READY, DRAINING, FAILED, STOPPING = "loading", "ready", "draining", "failed", "stopping"
+READY, DRAINING, FAILED, STOPPING = "ready", "draining", "failed", "stopping"  # and LOADING, a model's too
+ROOM_TIMEOUT_S = 60.0  # how long a model to load waits for a loaded one to become idle under --models-max
+IDLE_CHECK_S = 1.0  # how often idle models are looked for (--sleep-idle-seconds)
+
+# The slots an API request being served has addressed (EngineHost.serving sets it): a slot with any is never unloaded
+_HELD: contextvars.ContextVar[list[ModelSlot] | None] = contextvars.ContextVar("pagegate_held_models", default=None)
+
+
+class ModelBusy(APIError):
+    """An unload or sleep asked of a model that is serving requests."""
+
+    status_code = 409
+    default_code = "model_busy"
 
 
 class EngineHost:
-    """The engine's lifecycle (load, warm-up, drain, stop), the server's state and health; `admission` and
-    `engine_requests` do the per-request work on the engine it holds."""
+    """The engines' lifecycle (load, warm-up, sleep, unload, drain, stop), the server's state and health;
+    `admission` and `engine_requests` do the per-request work on the engine of the model a request names."""
 
     def __init__(self, engine_config: EngineConfig, config: GatewayConfig,
                  on_fatal: Callable[[], None] | None = None) -> None:
@@ -43,48 +61,85 @@ class EngineHost:
         self.config = config
         self.state = LOADING
         self.reason = "loading the model"
-        self.engine: EngineClient | None = None
-        self.model: ModelContext | None = None
         self.started_at = int(time.time())
         self._on_fatal = on_fatal
         self._in_flight = 0  # API requests being served, REST or gRPC, whatever the route (`serving`)
         self._idle = asyncio.Event()  # set while no API request is being served (a drain waits on it)
         self._idle.set()
+        self._changed = asyncio.Event()  # a model became idle or finished loading (a load waiting for room)
         self._load_task: asyncio.Task | None = None
+        self._sleeper: asyncio.Task | None = None
         self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
-        self.embedding_size: int | None = None  # the model's embedding size, from the warm-up (if it embeds)
+        self.several = bool(config.models)
+        self.slots = model_slots(engine_config, config)
         self.loop: asyncio.AbstractEventLoop | None = None
-        # NOTE: the parts reach the engine through two callables (the engine only while serving, or whatever the
-        # state), never through the host: what each may touch is named, and neither imports this module.
-        self.engine_requests = EngineRequests(config, self.timings, self.require_engine, lambda: self.engine)
+        # NOTE: the parts reach the engines through two callables (a model's engine only while serving, or every
+        # running one), never through the host: what each may touch is named, and neither imports this module.
+        self.engine_requests = EngineRequests(config, self.timings, self.require_engine, self.running_engines)
         self.admission = Admission(engine_config, config, self.require_engine, self.engine_requests)
+
+    # -- the default model (the first; the only one of a one-model server) ------------------------
+    @property
+    def engine(self) -> EngineClient | None:
+        return self.slots[0].engine
+
+    @property
+    def model(self) -> ModelContext | None:
+        return self.slots[0].model
+
+    @property
+    def embedding_size(self) -> int | None:
+        return self.slots[0].embedding_size
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._load_task = self.loop.create_task(self._load())
+        self._load_task = self.loop.create_task(self._start())
 
-    async def _load(self) -> None:
-        try:
-            self.engine = engine = await start_cores(self.engine_config, self.config.data_parallel_size,
-                                                      self.config.engine_step_timeout_s)
-            engine.on_dead = self._engine_died
-            self.model = self._model_context(engine)
-            await self._warm_up(engine)
-        except Exception as exc:
-            if isinstance(exc, ModelLoadError):  # the user's file or flags: the message says it all
-                logger.error("cannot serve this model: %s", exc)
-            else:
-                logger.exception("the engine failed to start")
-            self.state, self.reason = FAILED, f"the engine failed to start: {type(exc).__name__}: {exc}"
+    async def _start(self) -> None:
+        """Load the default model; with several, the others load on their first request."""
+        slot = self.slots[0]
+        await self._load(slot)
+        if slot.state == MODEL_FAILED and not self.several:
+            self.state, self.reason = FAILED, slot.reason
             if self._on_fatal is not None:
                 self._on_fatal()
             return
         if self.state == LOADING:
             self.state, self.reason = READY, "serving"
             logger.info(serving_line(self))
+            if self.several and self.config.sleep_idle_s > 0:
+                self._sleeper = asyncio.get_running_loop().create_task(self._sleep_idle_models())
 
-    async def _warm_up(self, engine: EngineClient) -> None:
+    async def _load(self, slot: ModelSlot) -> None:
+        """Start the model's core(s) and warm them up; on failure the model is FAILED, with the reason."""
+        slot.state, slot.reason = LOADING, "loading"
+        config = share_config(slot.engine_config, self.config.models_max or len(self.slots)) if self.several \
+            else slot.engine_config
+        started = time.perf_counter()
+        try:
+            slot.engine = engine = await start_cores(config, self.config.data_parallel_size,
+                                                     self.config.engine_step_timeout_s)
+            slot.loads += 1
+            engine.on_dead = lambda: self._engine_died(slot, engine)
+            slot.model = self._model_context(slot, engine)
+            await self._warm_up(slot, engine)
+        except Exception as exc:
+            if isinstance(exc, ModelLoadError):  # the user's file or flags: the message says it all
+                logger.error("cannot serve %s: %s", slot.name if self.several else "this model", exc)
+            else:
+                logger.exception("the engine of %s failed to start", slot.name)
+            slot.state, slot.reason = MODEL_FAILED, f"the engine failed to start: {type(exc).__name__}: {exc}"
+            if self.several:  # a one-model server keeps it for stop(); a slot is retried with a fresh one
+                await self._drop_engine(slot)
+            return
+        if slot.state == LOADING:
+            slot.state, slot.reason = LOADED, "serving"
+            if self.several:
+                logger.info("model %s loaded in %.1f s (%s)", slot.name, time.perf_counter() - started,
+                            self._pages_of(slot))
+
+    async def _warm_up(self, slot: ModelSlot, engine: EngineClient) -> None:
         """One short generation (and embedding, where the server embeds) through the whole path, so the first
         client does not pay for lazy set-up."""
         started = time.perf_counter()
@@ -97,12 +152,12 @@ class EngineHost:
             logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
         if serves_embeddings(self.engine_config):
             started = time.perf_counter()
-            self.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
-            logger.info("warm-up: a %d-dimensional embedding took %.0f ms", self.embedding_size,
+            slot.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
+            logger.info("warm-up: a %d-dimensional embedding took %.0f ms", slot.embedding_size,
                         (time.perf_counter() - started) * 1000)
 
-    def _model_context(self, engine: EngineClient) -> ModelContext:
-        names = tuple(self.config.served_model_names) or (engine.model_name,)
+    def _model_context(self, slot: ModelSlot, engine: EngineClient) -> ModelContext:
+        names = slot.names or (engine.model_name,)
         tokenizer = engine.tokenizer
         vocab = tokenizer.vocab_size if tokenizer is not None else engine.vocab_size
         if tokenizer is not None and self.config.chat_template is not None:
@@ -114,13 +169,159 @@ class EngineHost:
                                 self.config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
                             max_scoring_tokens=self.config.max_scoring_tokens)
 
-    def _engine_died(self) -> None:
-        """An engine core (or one of its tensor-parallel workers) died. /health already says so; the server
-        exits non-zero (a supervisor restarts it) rather than serve 503s for ever."""
-        logger.error("the engine died: the server stops")
-        if self._on_fatal is not None:
-            self._on_fatal()
+    def _engine_died(self, slot: ModelSlot, engine: EngineClient) -> None:
+        """An engine core (or one of its tensor-parallel workers) died. A one-model server exits non-zero (a
+        supervisor restarts it) rather than serve 503s for ever; with several, that model alone is FAILED (its
+        requests got the engine's error) and is loaded again on its next request."""
+        if not self.several:
+            logger.error("the engine died: the server stops")
+            if self._on_fatal is not None:
+                self._on_fatal()
+            return
+        if slot.engine is not engine:  # an engine already dropped (unloaded, replaced)
+            return
+        logger.error("the engine of %s died: it is marked failed and loads again on its next request", slot.name)
+        slot.state, slot.reason = MODEL_FAILED, "its engine core died"
+        if self.loop is not None:
+            self.loop.create_task(self._drop_engine(slot))
 
+    async def _drop_engine(self, slot: ModelSlot) -> None:
+        """Forget the model's engine and end its processes (its pages and weights go with them)."""
+        engine, slot.engine, slot.model = slot.engine, None, None
+        if engine is not None:
+            await engine.shutdown()
+        self._changed.set()
+
+    # -- several models: load on demand, room under --models-max, unload, sleep ------------------
+    async def acquire(self, requested: str | None) -> tuple[EngineClient, ModelContext]:
+        """The engine and model a request names (None: the default one), loaded or woken first if need be (the
+        request waits; others go on); the model counts the request as in flight until it is served. A 404
+        `model_not_found` for a name no model has. A one-model server: `require_engine`, as always."""
+        if not self.several:
+            return self.require_engine()
+        self.check_serving()
+        slot = self.slot_for(requested)
+        held = _HELD.get()
+        if held is not None and slot not in held:
+            held.append(slot)
+            slot.in_flight += 1
+        slot.used()
+        await self.ensure_loaded(slot)
+        return self.require_engine(slot.name)
+
+    async def ensure_loaded(self, slot: ModelSlot) -> None:
+        """Load or wake the model unless it is loaded; a 503 that says why when it cannot be."""
+        if slot.loading is None and slot.state != LOADED:
+            slot.loading = asyncio.get_running_loop().create_task(self._bring_up(slot))
+        if slot.loading is not None:
+            await asyncio.shield(slot.loading)
+        if slot.state != LOADED:
+            raise ServiceUnavailable(f"The model `{slot.name}` is not available: {slot.reason}.",
+                                     code="model_unavailable", headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def _bring_up(self, slot: ModelSlot) -> None:
+        try:
+            if slot.state == SLEEPING and slot.engine is not None:
+                await self._wake(slot)
+            else:
+                await self._make_room(slot)
+                await self._load(slot)
+        except Exception as exc:
+            slot.state, slot.reason = MODEL_FAILED, f"{type(exc).__name__}: {exc}"
+        finally:
+            slot.loading = None
+            self._changed.set()
+
+    async def _make_room(self, slot: ModelSlot) -> None:
+        """Under --models-max, unload the least recently used idle model until this one fits; wait (at most
+        ROOM_TIMEOUT_S) while every loaded one is serving.
+
+        NOTE: a model serving requests is never unloaded, not even the least recently used: its requests would
+        fail. A sleeping model holds its weights, so it counts as loaded (llama.cpp's router counts the same)."""
+        limit = self.config.models_max
+        deadline = time.monotonic() + ROOM_TIMEOUT_S
+        while limit:
+            others = [s for s in self.slots if s is not slot and (s.holds_memory or s.loading is not None)]
+            if len(others) < limit:
+                return
+            idle = [s for s in others if s.idle and s.holds_memory]
+            if idle:
+                await self._unload(min(idle, key=lambda s: s.last_used))
+                continue
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"--models-max {limit}: every loaded model has been serving requests for "
+                                   f"{ROOM_TIMEOUT_S:g} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, IDLE_CHECK_S))
+
+    async def _unload(self, slot: ModelSlot) -> None:
+        logger.info("unloading %s (%s)", slot.name, "least recently used" if self.config.models_max else "asked")
+        slot.state, slot.reason = UNLOADED, "unloaded"
+        await self._drop_engine(slot)
+
+    async def load_model(self, name: str | None) -> ModelSlot:
+        """POST /models/load: load (or wake) a model now."""
+        self.check_serving()
+        slot = self.slot_for(name)
+        slot.used()
+        await self.ensure_loaded(slot)
+        return slot
+
+    async def unload_model(self, name: str | None) -> ModelSlot:
+        """POST /models/unload: free a model's core now (a 409 while it serves requests)."""
+        slot = self.slot_for(name)
+        if slot.loading is not None:
+            await asyncio.shield(slot.loading)
+        self._check_idle(slot, "unloaded")
+        if slot.holds_memory:
+            await self._unload(slot)
+        return slot
+
+    async def sleep_model(self, name: str | None) -> ModelSlot:
+        """/sleep: free the model's KV pages, keep its weights (its prefix cache is lost)."""
+        slot = self.slot_for(name)
+        if slot.loading is not None:
+            await asyncio.shield(slot.loading)
+        self._check_idle(slot, "put to sleep")
+        if slot.state == LOADED and slot.engine is not None:
+            # NOTE: asleep before the core is told: a request arriving meanwhile wakes it, and the core takes the
+            # wake after the sleep and the request after the wake (one socket, frames in order).
+            slot.state, slot.reason = SLEEPING, "asleep: its KV pages are freed, its weights kept"
+            try:
+                await slot.engine.sleep()
+            except Exception:
+                if slot.state == SLEEPING and slot.loading is None:
+                    slot.state, slot.reason = LOADED, "serving"
+                raise
+            logger.info("%s sleeps", slot.name)
+        return slot
+
+    async def _wake(self, slot: ModelSlot) -> None:
+        assert slot.engine is not None
+        await slot.engine.wake_up()  # fresh pages of its share, as sized at its load
+        slot.state, slot.reason = LOADED, "serving"
+        logger.info("%s woke up (%s)", slot.name, self._pages_of(slot))
+
+    def _check_idle(self, slot: ModelSlot, what: str) -> None:
+        if slot.in_flight:
+            raise ModelBusy(f"The model `{slot.name}` is serving {slot.in_flight} request(s): it cannot be {what} "
+                            "now. Retry when they are done.", param="model")
+
+    async def _sleep_idle_models(self) -> None:
+        """--sleep-idle-seconds: a loaded model with no request for that long sleeps."""
+        while True:
+            await asyncio.sleep(min(IDLE_CHECK_S, self.config.sleep_idle_s))
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.state == LOADED and slot.idle and now - slot.last_used >= self.config.sleep_idle_s:
+                    try:
+                        await self.sleep_model(slot.name)
+                    except Exception:
+                        logger.exception("putting %s to sleep failed", slot.name)
+
+    # -- requests in flight ----------------------------------------------------------------------
     def begin_drain(self) -> None:
         """Take no new request (503 + Retry-After, /health 503) while the running generations go on."""
         if self.state == READY:
@@ -129,12 +330,20 @@ class EngineHost:
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """Count one API request as in flight while it is served (the REST middleware and the gRPC door call
-        this for every request, whatever its route)."""
+        this for every request, whatever its route), and on the models it addressed (`acquire`)."""
         self._in_flight += 1
         self._idle.clear()
+        held: list[ModelSlot] = []
+        token = _HELD.set(held)
         try:
             yield
         finally:
+            _HELD.reset(token)
+            for slot in held:
+                slot.in_flight -= 1
+                slot.used()
+            if held:
+                self._changed.set()
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
@@ -157,35 +366,78 @@ class EngineHost:
 
     async def stop(self) -> None:
         self.end_all()
+        if self._sleeper is not None:
+            self._sleeper.cancel()
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
-        if self.engine is not None:
-            await self.engine.shutdown()
-            self.timings.shutdown()
-            stats = self.stats()
-            level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
-            logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
+        loading = [slot.loading for slot in self.slots if slot.loading is not None]
+        await asyncio.gather(*loading, return_exceptions=True)
+        engines = [slot.engine for slot in self.slots if slot.engine is not None]
+        if not engines:
+            return
+        await asyncio.gather(*(engine.shutdown() for engine in engines))
+        self.timings.shutdown()
+        stats = self.stats()
+        level = logging.WARNING if stats is not None and stats.used_blocks else logging.INFO
+        logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
 
     # -- state -----------------------------------------------------------------------------------
-    def model_card(self, name: str) -> dict[str, Any]:
-        """One /v1/models entry (REST and gRPC list the same)."""
-        root = self.engine_config.model or "pagegate/engine/default_model"
-        return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",
-                "root": root, "max_model_len": self.model.max_model_len if self.model else None}
+    def slot_for(self, requested: str | None) -> ModelSlot:
+        """The model a request names (None: the default); a one-model server's whatever the name (its
+        requests' names are checked as they are prepared). A 404 naming the models there are otherwise."""
+        if not self.several or requested is None:
+            return self.slots[0]
+        for slot in self.slots:
+            if requested in slot.names:
+                return slot
+        available = ", ".join(slot.name for slot in self.slots)
+        raise NotFound(f"The model `{requested}` does not exist. Available models: {available}.", param="model",
+                       code="model_not_found")
 
-    def require_engine(self) -> tuple[EngineClient, ModelContext]:
-        """The running engine and its model, or a 503 that says why not."""
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The /v1/models entries (REST and gRPC list the same): a one-model server's names once it serves;
+        with several, every model and its state (loaded, loading, sleeping, unloaded, failed)."""
+        if not self.several:
+            _, model = self.require_engine()
+            return [self.model_card(name) for name in model.names]
+        self.check_serving()
+        return [self.model_card(slot.name) for slot in self.slots]
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        """One /v1/models entry."""
+        slot = self.slot_for(name)
+        root = slot.engine_config.model or "pagegate/engine/default_model"
+        return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",
+                "root": root, "max_model_len": slot.model.max_model_len if slot.model else None,
+                **slot.card_state()}
+
+    def check_serving(self) -> None:
+        """A 503 that says why unless the server takes requests (not while loading, draining or stopping)."""
         if self.state == DRAINING:
             # NOTE: Connection: close, so a client's next request opens a connection the load balancer routes
             # elsewhere instead of reusing this one.
             raise ServiceUnavailable("The server is draining before a restart: retry on another replica.",
                                      code="draining", headers={"Retry-After": str(self.config.retry_after_s),
                                                                "Connection": "close"})
-        if self.state != READY or self.engine is None or self.model is None:
+        if self.state != READY:
             raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
-        if not self.engine.is_running:
+
+    def require_engine(self, name: str | None = None) -> tuple[EngineClient, ModelContext]:
+        """The running engine of the model `name` (None: the default) and its model, or a 503 that says why not."""
+        self.check_serving()
+        slot = self.slot_for(name)
+        if slot.state != LOADED or slot.engine is None or slot.model is None:
+            if not self.several:
+                raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
+            raise ServiceUnavailable(f"The model `{slot.name}` is {slot.state}: {slot.reason}.",
+                                     code="model_unavailable", headers={"Retry-After": str(self.config.retry_after_s)})
+        if not slot.engine.is_running:
             raise ServiceUnavailable("The engine is not running.", code="engine_dead")
-        return self.engine, self.model
+        return slot.engine, slot.model
+
+    def running_engines(self) -> list[EngineClient]:
+        """Every engine whose core runs (unpins go to all: a stored response's pages are where it ran)."""
+        return [slot.engine for slot in self.slots if slot.engine is not None and slot.engine.is_running]
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """`in_flight`: API requests being served (what a drain waits for); `admitted`: those of them whose
@@ -193,6 +445,8 @@ class EngineHost:
         counts = {"in_flight": self.num_in_flight, "admitted": self.engine_requests.num_admitted}
         if self.state == DRAINING:
             return 503, {"status": self.state, "reason": self.reason, **counts}
+        if self.several and self.state == READY:
+            return self._models_health(counts)
         if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
@@ -205,6 +459,17 @@ class EngineHost:
         if stalled is not None:
             return 503, {**report, "status": "stalled", "reason": stalled}
         return 200, report
+
+    def _models_health(self, counts: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        """Several models: 200 while the server takes requests, each model's state; `degraded` while one has
+        failed (its requests get errors, the others serve; it loads again on its next request)."""
+        models: dict[str, dict[str, Any]] = {}
+        for slot in self.slots:
+            models[slot.name] = entry = {**slot.card_state(), "in_flight": slot.in_flight}
+            if slot.engine is not None and (stalled := slot.engine.stalled()) is not None:
+                entry["stalled"] = stalled
+        failed = [name for name, entry in models.items() if entry["state"] == MODEL_FAILED or "stalled" in entry]
+        return 200, {"status": "degraded" if failed else "ok", "models": models, **counts}
 
     @property
     def num_in_flight(self) -> int:
@@ -221,17 +486,45 @@ class EngineHost:
         return self.require_engine()[0]
 
     def pages_summary(self) -> str:
-        stats = self.stats()
-        if stats is None:
+        if self.several:
+            return "; ".join(f"{slot.name}: {self._pages_of(slot)}" for slot in self.slots if slot.engine)
+        return self._pages_of(self.slots[0])
+
+    def _pages_of(self, slot: ModelSlot) -> str:
+        engine = slot.engine
+        stats = engine.stats() if engine is not None else None
+        if engine is None or stats is None:
             return "KV pages unknown"
         block = self.engine_config.cache.block_size
-        kv_pages = self.engine.kv_pages if self.engine is not None else "KV"
         return (f"{stats.num_blocks} pages x {block} tokens = {stats.num_blocks * block} tokens of KV "
-                f"({kv_pages}), {stats.used_blocks} in use")
+                f"({engine.kv_pages}), {stats.used_blocks} in use")
 
     def stats(self) -> EngineStats | None:
-        """The engine's counts, or None while there is no engine (loading, failed)."""
-        return self.engine.stats() if self.engine is not None else None
+        """The engines' counts (summed over the loaded models), or None while there is none (loading, failed)."""
+        engines = [slot.engine for slot in self.slots if slot.engine is not None]
+        if not engines:
+            return None
+        return engines[0].stats() if len(engines) == 1 else sum_stats([engine.stats() for engine in engines])
+
+    def model_stats(self) -> dict[str, EngineStats]:
+        """Each loaded model's counts (its share of the page budget: /metrics labels them `model_name`)."""
+        return {slot.name: slot.engine.stats() for slot in self.slots if slot.engine is not None
+                and slot.state != SLEEPING}  # a sleeping core's pages are freed (its counts are its last ones)
+
+
+def requested_model(body: Any) -> str | None:
+    """The `model` a request body names, to route it before it is parsed (None: none, or not a name)."""
+    name = body.get("model") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def model_slots(engine_config: EngineConfig, config: GatewayConfig) -> list[ModelSlot]:
+    """One slot per served model; a one-model server's single slot is named as --served-model-name says (or,
+    once loaded, by its engine)."""
+    if not config.models:
+        return [ModelSlot(tuple(config.served_model_names), engine_config)]
+    return [ModelSlot((served.name,), replace(engine_config, model=served.path, served_model_name=served.name))
+            for served in config.models]
 
 
 def start_tracer(endpoint: str | None) -> RequestTracer | None:

@@ -24,21 +24,22 @@ logger = logging.getLogger("pagegate.gateway")
 
 MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
 
-RequireEngine = Callable[[], tuple[EngineClient, ModelContext]]  # the running engine and its model, or a 503
+# The running engine of the model a request names (None: the default) and that model, or a 503
+RequireEngine = Callable[[str | None], tuple[EngineClient, ModelContext]]
 
 
 class EngineRequests:
     """Starts generations and embeddings on the host's engine and keeps count of them.
 
-    `require_engine`: the engine while the server serves, else the 503 that says why not (EngineHost's);
-    `current_engine`: the engine whatever the server's state (None before it loads), for aborts and unpins."""
+    `require_engine`: a model's engine while the server serves, else the 503 that says why not (EngineHost's);
+    `running_engines`: every engine whose core runs, whatever the server's state, for unpins."""
 
     def __init__(self, config: GatewayConfig, timings: TimingRecorder, require_engine: RequireEngine,
-                 current_engine: Callable[[], EngineClient | None]) -> None:
+                 running_engines: Callable[[], list[EngineClient]]) -> None:
         self.config = config
         self.timings = timings
         self._require_engine = require_engine
-        self._current_engine = current_engine
+        self._running_engines = running_engines
         self._pending = 0  # admitted engine requests without a first output yet
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self._active: set[OutputMerger] = set()
@@ -87,8 +88,7 @@ class EngineRequests:
 
     def unpin(self, key: str) -> None:
         """Let the engine release what `pin_for(key)` pinned (the response left the store or was continued)."""
-        engine = self._current_engine()
-        if engine is not None and engine.is_running:
+        for engine in self._running_engines():
             engine.unpin(key)
 
     # -- start -----------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ class EngineRequests:
                  trace_context: Mapping[str, str] | None = None) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs. `trace_context`: the
         client's W3C trace headers, parents of the requests' spans (with --otlp-traces-endpoint)."""
-        engine, _ = self._require_engine()
+        engine, _ = self._require_engine(prepared.model)
         started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
@@ -121,7 +121,7 @@ class EngineRequests:
             for index in list(waiting):
                 on_first(index)
             for index in unfinished:
-                self._abort(ids[index])
+                self._abort(engine, ids[index])
 
         def on_finished(index: int, output: RequestOutput, generated: int) -> None:
             try:  # runs in the request's pump: its timing or its spans must never fail the answer
@@ -140,10 +140,11 @@ class EngineRequests:
         asyncio.get_running_loop().call_soon(self._submitted, seqs)
         return merger, ids
 
-    async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0) -> list[bytes]:
-        """Embed every input at once (one engine request each); if one fails, the caller goes or `end_all` ends
-        it, the others are aborted."""
-        engine, _ = self._require_engine()
+    async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0,
+                    model: str | None = None) -> list[bytes]:
+        """Embed every input at once (one engine request each) on the engine of `model`; if one fails, the caller
+        goes or `end_all` ends it, the others are aborted."""
+        engine, _ = self._require_engine(model)
         unique = uuid.uuid4().hex[:8]
         tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority))
                  for i, ids in enumerate(inputs)]
@@ -176,10 +177,7 @@ class EngineRequests:
     def _submitted(self, seqs: int) -> None:
         self._unsubmitted -= seqs
 
-    def _abort(self, request_id: str) -> None:
-        engine = self._current_engine()
-        if engine is None:
-            return
+    def _abort(self, engine: EngineClient, request_id: str) -> None:
         try:
             engine.abort(request_id)
         except Exception as exc:  # the request may already be gone; never fail a cleanup over it

@@ -33,6 +33,24 @@ class GatewayCollector:
                                 "(--shutdown-timeout): new ones get 503.", value=float(self.host.draining))
         yield CounterMetricFamily("pagegate:http_requests_rejected", "Requests refused with 429 (--max-queue).",
                                   value=float(self.host.admission.num_rejected))
+        if self.host.several:
+            yield from self._models()
+
+    def _models(self) -> Iterator[Metric]:
+        """Several models: each one's state and its share of the server's page budget (its core's pool)."""
+        state = GaugeMetricFamily("pagegate:model_state", "1 for each model's state (loaded, loading, sleeping, "
+                                  "unloaded, failed).", labels=["model_name", "state"])
+        total = GaugeMetricFamily("pagegate:model_kv_blocks_total", "KV pages in each loaded model's pool (its share "
+                                  "of the budget; 0 while it sleeps or is unloaded).", labels=["model_name"])
+        used = GaugeMetricFamily("pagegate:model_kv_blocks_used", "KV pages each model's requests hold now.",
+                                 labels=["model_name"])
+        stats = self.host.model_stats()
+        for slot in self.host.slots:
+            state.add_metric([slot.name, slot.state], 1.0)
+            model = stats.get(slot.name)
+            total.add_metric([slot.name], float(model.num_blocks if model is not None else 0))
+            used.add_metric([slot.name], float(model.used_blocks if model is not None else 0))
+        yield from (state, total, used)
 
 
 def _page_gauges(stats: EngineStats) -> Iterator[Metric]:

@@ -23,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pagegate.gateway.auth import bearer_token, key_identity, matching_key
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import APIError, Unauthorized, to_api_error
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat, prepare_completion
 from pagegate.gateway.proto import pagegate_pb2 as pb
@@ -95,8 +95,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ModelList:
         try:
             self._authorize(context)
-            _, model = self.host.require_engine()
-            cards = [self.host.model_card(name) for name in model.names]
+            cards = self.host.model_cards()
         except Exception as exc:
             await _abort(context, exc)
         return pb.ModelList(object="list", data=cards)
@@ -142,8 +141,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                      stream: bool) -> tuple[PreparedRequest, Renderer]:
         """Auth, readiness, the shared validation path, admission (same order as the REST route)."""
         tenant = self._authorize(context)
-        _, model = self.host.require_engine()
+        self.host.check_serving()
         body = request_to_body(request)
+        _, model = await self.host.acquire(requested_model(body))  # a model not loaded loads (or wakes) first
         if stream:
             body["stream"] = True
         prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 from pagegate.engine.outputs import RequestOutput
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, render_in_pieces, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import to_api_error
 from pagegate.gateway.prepare import (
     ModelContext,
@@ -47,9 +47,10 @@ async def _generate(
     id_prefix: str,
 ) -> Response:
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
+    host.check_serving()
     host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))  # a model not loaded loads (or wakes) first
     prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
     host.admission.admit(prepared)
@@ -113,14 +114,16 @@ async def _disconnected(request: Request) -> None:
 
 async def models(request: Request) -> Response:
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
-    return render({"object": "list", "data": [host.model_card(name) for name in model.names]},
-                  msgpack_body=wants_msgpack(request))
+    return render({"object": "list", "data": host.model_cards()}, msgpack_body=wants_msgpack(request))
 
 
 async def model_detail(request: Request) -> Response:
     host: EngineHost = request.app.state.host
+    requested = request.path_params["model"]
+    if host.several:  # any model there is, loaded or not
+        host.check_serving()
+        return render(host.model_card(host.slot_for(requested).name), msgpack_body=wants_msgpack(request))
     _, model = host.require_engine()
-    name = model.resolve(request.path_params["model"])
+    name = model.resolve(requested)
     return render(host.model_card(name), msgpack_body=wants_msgpack(request))
 

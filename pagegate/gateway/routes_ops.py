@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -10,8 +11,9 @@ from starlette.responses import JSONResponse, Response
 
 import pagegate
 from pagegate.engine.limits import check_token_ids
+from pagegate.engine.serving.replicas import merge_metrics
 from pagegate.gateway.codec import read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.openapi import openapi_document
 from pagegate.gateway.prepare import ModelContext, chat_prompt, off_loop
 from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
@@ -25,6 +27,9 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """The engine's registry, then the gateway's live page counts and admission counters."""
     host: EngineHost = request.app.state.host
+    if host.several:
+        return Response(await models_metrics(host) + generate_latest(request.app.state.gateway_registry),
+                        media_type=CONTENT_TYPE_LATEST)
     if host.engine is None:
         return Response(f"# engine {host.state}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
     try:
@@ -33,6 +38,18 @@ async def metrics(request: Request) -> Response:
         return Response(f"# engine unavailable: {exc}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
     text = engine_text + generate_latest(request.app.state.gateway_registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+async def models_metrics(host: EngineHost) -> bytes:
+    """Several models: each loaded one's engine metrics, every sample labelled `model_name` (as vLLM's are); a
+    model whose core does not answer is left out (/health says why)."""
+    loaded = [slot for slot in host.slots if slot.engine is not None]
+    texts = await asyncio.gather(*(slot.engine.metrics_text() for slot in loaded if slot.engine is not None),
+                                 return_exceptions=True)
+    answered = [(slot.name, text) for slot, text in zip(loaded, texts, strict=True) if isinstance(text, bytes)]
+    if not answered:
+        return b""
+    return merge_metrics([text for _, text in answered], "model_name", [name for name, _ in answered])
 
 
 async def version(request: Request) -> Response:
@@ -45,8 +62,10 @@ async def openapi(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
-    token_ids = await off_loop(_tokenize, await read_body(request, host.config.max_request_bytes), model)
+    host.check_serving()
+    body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))
+    token_ids = await off_loop(_tokenize, body, model)
     body = {"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids}
     return render(body, msgpack_body=wants_msgpack(request))
 
@@ -63,8 +82,10 @@ def _tokenize(body: Any, model: ModelContext) -> list[int]:
 
 async def detokenize(request: Request) -> Response:
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
-    text = await off_loop(_detokenize, await read_body(request, host.config.max_request_bytes), model)
+    host.check_serving()
+    body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))
+    text = await off_loop(_detokenize, body, model)
     return render({"prompt": text}, msgpack_body=wants_msgpack(request))
 
 
@@ -79,7 +100,7 @@ async def tokenizer_info(request: Request) -> Response:
     """vLLM's /tokenizer_info: what a client needs to use the served tokenizer remotely (lm-eval's
     `tokenizer_backend=remote` reads the special tokens and the chat template; /tokenize does the rest)."""
     host: EngineHost = request.app.state.host
-    _, model = host.require_engine()
+    _, model = await host.acquire(request.query_params.get("model"))  # ?model=NAME with several models
     tokenizer = model.require_tokenizer("model")
     body = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
             "eos_token_ids": tokenizer.eos_token_ids, "chat_template": tokenizer.chat_template,

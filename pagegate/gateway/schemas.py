@@ -149,6 +149,8 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str | None = None
     max_model_len: int | None = None
+    state: Literal["loaded", "loading", "sleeping", "unloaded", "failed"] | None = None  # several models: each's
+    reason: str | None = None  # why it failed
 
 
 class ModelList(BaseModel):

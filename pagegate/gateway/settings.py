@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of a several-model server (--model repeated, --models-dir): the name clients use, its file."""
+
+    name: str
+    path: str | None  # a GGUF file or a checkpoint folder; None: the embedded model
+
+
 @dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"
@@ -30,6 +38,10 @@ class GatewayConfig:
     max_connections: int = 512
     log_level: str = "info"
     data_parallel_size: int = 1  # engine cores, each its own process and page pool, behind this gateway
+    # Several models behind one server (pagegate.gateway.model_slots): empty, the one model of the EngineConfig.
+    models: list[ServedModel] = field(default_factory=list)
+    models_max: int = 0  # models loaded at once (the least recently used idle one is unloaded); 0: all of them
+    sleep_idle_s: float = 0.0  # a loaded model idle this long sleeps (its KV pages freed, weights kept); 0: never
     # Streamed chunks per second across all streams: with N streams each sends at most every N/rate s,
     # so under load a chunk carries several tokens and the event loop stays cheap; 0: every update.
     stream_chunk_rate: float = 500.0

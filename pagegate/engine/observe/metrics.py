@@ -121,6 +121,10 @@ class EngineMetrics:
         return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
                          registry=self.registry).labels(self._model_name)
 
+    def rebase(self, stats: SchedulerStats) -> None:
+        """A fresh scheduler (a woken engine) counts its totals from zero: the counters go on from there."""
+        self._last = stats
+
     def update(self, stats: SchedulerStats, now: float | None = None) -> tuple[str, str]:
         """Refresh the gauges and counters from engine stats; returns the health grade and reason."""
         now = time.monotonic() if now is None else now

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import (
@@ -37,6 +37,7 @@ from pagegate.engine.serving.frames import (
     Abort,
     Add,
     Call,
+    CallName,
     CoreLoad,
     CoreSpec,
     Failed,
@@ -269,7 +270,7 @@ class CoreClient:
     def _send(self, frame: Frame) -> None:
         self._transport.write(framed(frame))  # buffered by the transport: the event loop never blocks on it
 
-    async def _call(self, name: Literal["snapshot", "metrics"]) -> Any:
+    async def _call(self, name: CallName) -> Any:
         """A question the core answers between two steps."""
         self._giving_work()
         call_id = next(self._call_ids)
@@ -392,3 +393,10 @@ class CoreClient:
     async def metrics_text(self) -> bytes:
         """The core's Prometheus registry, rendered in the core."""
         return bytes(await self._call("metrics"))
+
+    async def sleep(self) -> None:
+        """Free the core's KV pages, keep its weights (an idle core; pagegate.engine.sleep)."""
+        await self._call("sleep")
+
+    async def wake_up(self) -> None:
+        await self._call("wake")

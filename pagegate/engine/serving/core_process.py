@@ -14,6 +14,7 @@ step's milliseconds; the gateway keeps HTTP, validation, tokenizing, chat templa
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
 from pagegate.engine.pool_snapshot import take_snapshot
+from pagegate.engine.runner import ModelRunner
+from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.serving.frames import (
     CPUS_ENV,
     Abort,
@@ -71,6 +74,7 @@ class CoreLoop:
         self.stopping = False
         self.unsent: dict[str, Request] = {}  # requests that moved since the last outputs frame
         self.last_sent = 0.0
+        self.asleep = False  # its KV pages are freed: it takes no request until it wakes
 
     def run(self) -> None:
         while not self.stopping:
@@ -143,6 +147,8 @@ class CoreLoop:
 
     def _add(self, frame: Add) -> None:
         try:
+            if self.asleep:
+                raise RuntimeError("the model is asleep: wake it up first")
             sampling = frame.sampling
             self.seqs_taken += sampling.n
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
@@ -154,7 +160,8 @@ class CoreLoop:
 
     def _answer(self, call_id: int, name: str) -> None:
         try:
-            result: Any = {"snapshot": self._snapshot, "metrics": self._metrics}[name]()
+            result: Any = {"snapshot": self._snapshot, "metrics": self._metrics, "sleep": self._sleep,
+                           "wake": self._wake}[name]()
             self._send(Reply(call_id, True, result))
         except Exception as error:
             log.exception("call %s failed", name)
@@ -162,6 +169,39 @@ class CoreLoop:
 
     def _snapshot(self) -> dict[str, Any]:
         return take_snapshot(self.engine).to_wire()
+
+    def _sleep(self) -> None:
+        """Free the KV pages, keep the weights (vLLM's sleep level 1: on CPU the weights already live in host
+        memory, so nothing is offloaded); a RuntimeError while requests run.
+
+        NOTE: the pages' contents go with them: the prefix cache and any pinned conversation are lost and a woken
+        core starts cold. The simplest honest sleep; keeping them would mean moving them down a tier first."""
+        if self.asleep:
+            return
+        engine, events = self.engine, self.engine.config.kv_events
+        if engine.has_unfinished():
+            raise RuntimeError("the engine has requests running: it cannot sleep")
+        if not isinstance(engine.runner, ModelRunner) or (events is not None and events.enable_kv_cache_events):
+            raise ValueError("this engine cannot sleep (an encoder, or KV-cache events are published)")
+        engine.runner.free_kv_cache()
+        gc.collect()
+        self.asleep = True
+
+    def _wake(self) -> None:
+        """Fresh KV pages (as many as before) and a fresh scheduler over them."""
+        if not self.asleep:
+            return
+        engine, config = self.engine, self.engine.config
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        runner.allocate_kv_cache()
+        engine.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
+                                     runner.max_model_len, config.speculative, runner.draft, runner.tiers)
+        runner.bind(engine.scheduler.tables)
+        engine.monitor.pool = engine.scheduler.pool
+        engine.metrics.rebase(engine.scheduler.stats())
+        engine.refresh_stats()
+        self.asleep = False
 
     def _metrics(self) -> bytes:
         from prometheus_client import generate_latest

@@ -76,6 +76,14 @@ class EngineClient(Protocol):
         """The engine's Prometheus metrics, counted where the engine runs."""
         ...
 
+    async def sleep(self) -> None:
+        """Free the KV pages (their prefix cache too), keep the weights; only while no request runs."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Allocate the KV pages again after `sleep`."""
+        ...
+
     async def shutdown(self) -> None:
         """Every request aborted, every page freed, every engine process gone."""
         ...

@@ -74,9 +74,15 @@ class Unpin(Frame, tag="unpin"):
     key: str
 
 
+CallName = Literal["snapshot", "metrics", "sleep", "wake"]
+
+
 class Call(Frame, tag="call"):
+    """A question answered between two steps; `sleep` frees an idle core's KV pages, `wake` allocates them again
+    (pagegate.engine.sleep)."""
+
     call_id: int
-    name: Literal["snapshot", "metrics"]
+    name: CallName
 
 
 class Shutdown(Frame, tag="shutdown"):

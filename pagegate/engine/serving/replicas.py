@@ -199,6 +199,12 @@ class Replicas:
         texts = await asyncio.gather(*(core.metrics_text() for core in self.cores))
         return merge_metrics(texts)
 
+    async def sleep(self) -> None:
+        await asyncio.gather(*(core.sleep() for core in self.cores))
+
+    async def wake_up(self) -> None:
+        await asyncio.gather(*(core.wake_up() for core in self.cores))
+
     async def shutdown(self) -> None:
         await asyncio.gather(*(core.shutdown() for core in self.cores))
 
@@ -241,14 +247,17 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
     return EngineStats(**totals)
 
 
-def merge_metrics(texts: Sequence[bytes]) -> bytes:
-    """The cores' expositions as one, each sample labelled `engine="<index>"` (vLLM's label for the same)."""
+def merge_metrics(texts: Sequence[bytes], label: str = "engine", values: Sequence[str] | None = None) -> bytes:
+    """The cores' expositions as one, each sample labelled `engine="<index>"` (vLLM's label for the same), or
+    `label` with the text's value in `values` (several models: `model_name`, kept where a sample has it)."""
     merged: dict[str, Metric] = {}
     for index, text in enumerate(texts):
+        value = values[index] if values is not None else str(index)
         for family in text_string_to_metric_families(text.decode()):
             into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                          family.unit))
-            into.samples.extend(s._replace(labels={**s.labels, "engine": str(index)}) for s in family.samples)
+            into.samples.extend(s if label in s.labels else s._replace(labels={**s.labels, label: value})
+                                for s in family.samples)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(list(merged.values())))
     return generate_latest(registry)

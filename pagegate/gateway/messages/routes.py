@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, read_body, render
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
 from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest, parse_messages
 from pagegate.gateway.messages.render import MessagesRenderer
@@ -22,9 +22,10 @@ from pagegate.gateway.streaming import collect, stream_body
 
 async def _prepare(request: Request, host: EngineHost,
                    request_cls: type[MessagesRequest] = MessagesRequest) -> tuple[MessagesRequest, PreparedRequest]:
-    _, model = host.require_engine()
+    host.check_serving()
     host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))
     parsed = await off_loop(parse_messages, request_cls, body)
     prepared = await off_loop(_prepare_chat, parsed, model)
     prepared.tenant = request_key_identity(request.scope)
@@ -42,7 +43,7 @@ async def create_message(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     parsed, prepared = await _prepare(request, host)
     host.admission.admit(prepared)
-    renderer = MessagesRenderer(prepared, host.require_engine()[1].tokenizer, "msg_" + secrets.token_hex(12),
+    renderer = MessagesRenderer(prepared, host.require_engine(prepared.model)[1].tokenizer, "msg_" + secrets.token_hex(12),
                                 stop_sequences=parsed.stop_sequences or [])
     merger, _ = host.engine_requests.generate(prepared, renderer.request_id)
     if prepared.stream:

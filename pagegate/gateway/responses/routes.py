@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error, without_tags
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
@@ -62,9 +62,10 @@ def prepare_turn(parsed: ResponsesRequest, previous: StoredResponse | None, mode
 async def create_response(request: Request) -> Response:
     host: EngineHost = request.app.state.host
     store: ResponseStore = request.app.state.responses
-    _, model = host.require_engine()
+    host.check_serving()
     host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
     body = await read_body(request, host.config.max_request_bytes)
+    _, model = await host.acquire(requested_model(body))
     tenant = request_key_identity(request.scope)
     check_input_count(body, host.config.responses_max_input_items)
     parsed = await off_loop(parse_responses, body)

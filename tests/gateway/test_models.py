@@ -1,0 +1,180 @@
+"""Several models behind one server (--model repeated, --models-dir): the embedded model, a tiny GGUF and a tiny
+Hugging Face folder, driven through the OpenAI SDK: routing by `model`, the 404 for an unknown one, load on demand,
+--models-max eviction of the least recently used idle model, sleep and wake with greedy outputs unchanged, a
+killed core isolated (and loaded again on its next request)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import pagegate
+from pagegate.gateway.cli import build_parser, configs_from_args
+from pagegate.gateway.settings import ServedModel
+from pagegate.testing.launcher import ServerProcess, core_pids
+
+from ..engine.conftest import TINY, hf, save_hf_model
+from ..engine.loading.gguf_files import write_gguf
+from .server_args import server_args
+
+DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
+PROMPT_IDS = [5, 17, 42, 9, 33, 71]  # the folder model has no tokenizer: token ids work for all three
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> path: the embedded model's folder, a tiny GGUF (with a byte tokenizer), a tiny HF folder."""
+    folder = save_hf_model(tmp_path_factory.mktemp("tinyhf"), hf().LlamaConfig(**TINY, bos_token_id=1,
+                                                                                eos_token_id=2), seed=11)
+    gguf_model = save_hf_model(tmp_path_factory.mktemp("tinygguf-src"),
+                               hf().LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2), seed=12)
+    gguf = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gguf_model.hf_model)
+    return {"default_model": DEFAULT_MODEL, "tiny": str(gguf), "tinyhf": str(folder.path)}
+
+
+@pytest.fixture(scope="module")
+def server(model_files: dict[str, str]) -> Iterator[ServerProcess]:
+    args = [arg for path in model_files.values() for arg in ("--model", path)]
+    args += ["--served-model-name", *model_files, "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8"]
+    with ServerProcess(server_args(*args)) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as session:
+        yield session
+
+
+def states(http: httpx.Client) -> dict[str, str]:
+    return {card["id"]: card["state"] for card in http.get("/v1/models").json()["data"]}
+
+
+def greedy(client: openai.OpenAI, model: str) -> list[str]:
+    """The greedy answer's tokens (as logprobs name them: the folder model has no tokenizer)."""
+    reply = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    assert reply.model == model
+    assert reply.usage.completion_tokens == 8
+    assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens is not None
+    return list(reply.choices[0].logprobs.tokens)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_flags_make_one_entry_per_model(tmp_path: Path) -> None:
+    (tmp_path / "b.gguf").write_bytes(b"")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+    args = build_parser().parse_args(["--model", "/m/a.gguf", "--models-dir", str(tmp_path),
+                                      "--served-model-name", "first", "--models-max", "2"])
+    engine, gateway = configs_from_args(args)
+    assert gateway.models == [ServedModel("first", "/m/a.gguf"), ServedModel("b", str(tmp_path / "b.gguf")),
+                              ServedModel("c", str(tmp_path / "c"))]
+    assert engine.model == "/m/a.gguf" and gateway.models_max == 2 and gateway.served_model_names == []
+    one = configs_from_args(build_parser().parse_args(["--model", "/m", "--served-model-name", "a", "b"]))[1]
+    assert one.models == [] and one.served_model_names == ["a", "b"]  # one model: the names are aliases
+
+
+def test_models_lists_every_model_with_its_state(http: httpx.Client) -> None:
+    listed = states(http)
+    assert set(listed) == {"default_model", "tiny", "tinyhf"}
+    assert listed["default_model"] in ("loaded", "sleeping")  # the default loads at start; the others on demand
+
+
+def test_unknown_model_is_a_404_naming_the_models(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
+    error = raised.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "default_model" in error["message"] and "tinyhf" in error["message"]
+
+
+def test_requests_route_by_model_and_load_on_demand(client: openai.OpenAI, http: httpx.Client) -> None:
+    text = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+    assert text.model == "tiny" and text.usage.completion_tokens >= 1
+    assert states(http)["tiny"] == "loaded"
+    tokens = http.post("/tokenize", json={"model": "tiny", "prompt": "Hello"}).json()["tokens"]
+    assert tokens == http.post("/tokenize", json={"model": "tiny", "prompt": "Hello"}).json()["tokens"]
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert greedy(client, "default_model") == greedy(client, "default_model")
+
+
+def test_models_max_unloads_the_least_recently_used_idle_model(client: openai.OpenAI, http: httpx.Client) -> None:
+    greedy(client, "default_model")
+    greedy(client, "tiny")  # the two loaded now, tiny the most recently used
+    greedy(client, "tinyhf")  # a third: default_model goes
+    listed = states(http)
+    assert listed["tinyhf"] == "loaded" and listed["tiny"] == "loaded" and listed["default_model"] == "unloaded"
+    assert sum(state == "loaded" for state in listed.values()) == 2
+    greedy(client, "default_model")  # back on its next request, tiny (now least recently used) going
+    assert states(http)["tiny"] == "unloaded"
+
+
+def test_sleep_and_wake_keep_greedy_outputs(client: openai.OpenAI, http: httpx.Client) -> None:
+    before = greedy(client, "tinyhf")
+    slept = http.post("/sleep", params={"model": "tinyhf"})
+    assert slept.status_code == 200, slept.text
+    assert http.get("/is_sleeping", params={"model": "tinyhf"}).json()["is_sleeping"] is True
+    assert states(http)["tinyhf"] == "sleeping"
+    metrics = http.get("/metrics").text
+    assert 'pagegate:model_kv_blocks_total{model_name="tinyhf"} 0.0' in metrics
+    assert greedy(client, "tinyhf") == before  # woken by the request, fresh pages, same answer
+    assert http.get("/is_sleeping", params={"model": "tinyhf"}).json()["is_sleeping"] is False
+
+
+def test_load_and_unload_by_hand(http: httpx.Client) -> None:
+    assert http.post("/models/unload", json={"model": "tinyhf"}).json()["state"] == "unloaded"
+    assert states(http)["tinyhf"] == "unloaded"
+    assert http.post("/models/load", json={"model": "tinyhf"}).json()["state"] == "loaded"
+    assert http.post("/models/load", json={"model": "nope"}).status_code == 404
+
+
+def test_a_killed_core_fails_its_model_alone(client: openai.OpenAI, http: httpx.Client,
+                                             server: ServerProcess) -> None:
+    assert server.process is not None
+    http.post("/models/unload", json={"model": "tiny"})
+    before = set(core_pids(server.process.pid))
+    assert http.post("/models/load", json={"model": "tiny"}).status_code == 200
+    (tiny_core,) = set(core_pids(server.process.pid)) - before
+    other = next(name for name, state in states(http).items() if state == "loaded" and name != "tiny")
+    expected = greedy(client, "tiny")
+    os.kill(tiny_core, signal.SIGKILL)
+    wait_for(lambda: http.get("/health").json()["models"]["tiny"]["state"] in ("failed", "unloaded"),
+             "the killed model to be marked failed")
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] in ("degraded", "ok")
+    greedy(client, other)  # the other model serves on
+    assert greedy(client, "tiny") == expected  # loaded again on its next request
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_an_idle_model_falls_asleep_and_wakes_on_its_next_request(model_files: dict[str, str]) -> None:
+    args = ["--model", model_files["default_model"], "--model", model_files["tiny"], "--sleep-idle-seconds", "1",
+            "--served-model-name", "default_model", "tiny",
+            "--max-model-len", "128", "--kv-cache-memory", "32MiB"]
+    with ServerProcess(server_args(*args)) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        before = greedy(client, "tiny")
+        wait_for(lambda: http.get("/is_sleeping", params={"model": "tiny"}).json()["is_sleeping"],
+                 "tiny to fall asleep", timeout_s=30)
+        assert greedy(client, "tiny") == before
