@@ -59,8 +59,9 @@ class ModelSlot:
     def used(self) -> None:
         self.last_used = time.monotonic()
 
-    def card_state(self) -> dict[str, str]:
-        return {"state": self.state} if self.state != FAILED else {"state": self.state, "reason": self.reason}
+    def card_state(self) -> dict[str, str | None]:
+        """Its /v1/models fields: the state, and why it failed (None unless it did)."""
+        return {"state": self.state, "reason": self.reason if self.state == FAILED else None}
 
 
 def discover_models(folder: str) -> list[ServedModel]:
