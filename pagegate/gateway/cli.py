@@ -112,13 +112,13 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
                             '"prompt_lookup_max": 4}\'')
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU memory for swapped pages")
-    group.add_argument("--kv-offload-memory", default=None,
+    group.add_argument("--kv-offload-memory", type=_size, default=None,
                        help="a host-memory tier under the prefix cache, like '4GiB': evicted prefix pages go there "
                             "(on CPU: a second, larger pool outside the step's working set) and come back on a hit")
     group.add_argument("--kv-cache-dir", default=None,
                        help="a disk tier under it (one file per page): prefixes outlive the process (warm restarts)")
-    group.add_argument("--kv-cache-disk", default=defaults.kv_cache_disk, help="the disk tier's budget, like '16GiB'")
-    group.add_argument("--kv-offload-min-reuse", type=int, default=defaults.kv_offload_min_reuse,
+    group.add_argument("--kv-cache-disk", type=_size, default=defaults.kv_cache_disk, help="the disk tier's budget, like '16GiB'")
+    group.add_argument("--kv-offload-min-reuse", type=_positive(int), default=defaults.kv_offload_min_reuse,
                        help="a page goes down a tier only once its prefix was seen this often (1: always)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
@@ -227,6 +227,15 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
     return parse
+
+
+def _size(text: str) -> str:
+    """A size like '4GiB' (kept as given; checked here so a typo is a usage error, not a failed engine start)."""
+    try:
+        parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _non_negative_int(text: str) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import pytest
 
 from pagegate.testing.launcher import ServerProcess, descendants, wait_gone
 from tests.gateway.conftest import metric_value
@@ -69,3 +70,13 @@ def test_two_servers_on_one_directory_take_their_own_slots(tmp_path: Path) -> No
         assert complete(first, PROMPT)[0] == complete(second, PROMPT)[0]
         slots = sorted(p.name for p in tmp_path.glob("*/*") if p.is_dir())
         assert slots == ["0", "1"]
+
+
+def test_bad_tier_flags_are_usage_errors() -> None:
+    from pagegate.gateway.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--kv-offload-memory", "4GiB"]).kv_offload_memory == "4GiB"
+    for flags in (["--kv-offload-memory", "4QB"], ["--kv-cache-disk", "lots"], ["--kv-offload-min-reuse", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *flags])
