@@ -82,6 +82,19 @@ def torchrun_rank() -> int | None:
 
 
 @dataclass
+class LoRAConfig:
+    """`--enable-lora`: adapters over the base model, their weights in pages of the KV budget (engine/lora/)."""
+
+    max_loras: int = 4  # adapters resident at once (their pages held); more registered ones wait or are evicted
+    max_lora_rank: int = 16  # an adapter of a larger rank is refused when it is registered
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
 
@@ -97,6 +110,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config: guess tokens, verify them in one forward
     task: str = "generate"  # --task: "generate" (a decoder; embeddings too with `pooling`) | "embed" (an encoder)
     pooling: str | None = None  # --pooling last | mean: /v1/embeddings from a generative model's hidden states
+    lora: LoRAConfig | None = None  # --enable-lora: None serves the base model alone
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)

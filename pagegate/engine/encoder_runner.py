@@ -28,6 +28,7 @@ from pagegate.engine.sequence import Sequence
 if TYPE_CHECKING:
     from pagegate.engine.draft import DraftModel
     from pagegate.engine.kv_tiers import TierStack
+    from pagegate.engine.lora.model import LoRAModel
     from pagegate.engine.tp_workers import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class EncoderRunner:
         self.workers: WorkerGroup | None = None
         self.draft: DraftModel | None = None
         self.tiers: TierStack | None = None  # an encoder keeps no KV pages
+        self.lora: LoRAModel | None = None  # nor adapters
         path = model_path(config)
         log.info("loading the encoder from %s", path)
         loaded = load_encoder(path, _DTYPES[config.dtype], self.device)

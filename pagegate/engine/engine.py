@@ -31,15 +31,15 @@ class Engine:
         self.runner = runner = make_runner(config)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                       runner.max_model_len, config.speculative, runner.draft, runner.tiers)
+                                       runner.max_model_len, config.speculative, runner.draft, runner.tiers,
+                                       runner.lora)
             runner.bind(self.scheduler.tables)
             self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers)
         except BaseException:
             runner.close(graceful=False)
             raise
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
-        self.model_config, self.eos_token_ids = runner.model_config, runner.eos_token_ids
-        self.kv_pages = runner.kv_pages
+        self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
         self.monitor.metrics.kv_page_format(runner.kv_format, runner.kv_bytes_per_token)
         self.intake = RequestIntake(runner.tokenizer, runner.model_config.vocab_size, runner.eos_token_ids,
                                     runner.max_model_len, config.scheduler, runner.device, runner.serves)

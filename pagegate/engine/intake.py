@@ -19,6 +19,7 @@ from pagegate.engine.limits import (
     check_token_ids,
 )
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from pagegate.engine.lora.model import Registered
 from pagegate.engine.pins import Pin
 from pagegate.engine.pooling import Serves
 from pagegate.engine.sampling.params import SamplingParams
@@ -41,9 +42,10 @@ class RequestIntake:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
-                     embed: bool = False) -> Request:
+                     embed: bool = False, lora: Registered | None = None) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
-        prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled."""
+        prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled. `lora`: the
+        adapter it runs with (lora.model.resolve_adapter)."""
         check_task(self.serves.generate, self.serves.pooling is not None, embed)
         if embed and params.n != 1:
             raise InvalidParamError("an embedding request has one choice", "n")
@@ -54,11 +56,14 @@ class RequestIntake:
             check_context(len(token_ids), params.max_tokens, self.max_model_len)
         check_priority(priority, self.scheduler.scheduling_policy)
         check_choices(params.n, self.scheduler.max_num_seqs)
-        root = hash_salt(cache_salt) if cache_salt else 0
+        # NOTE: the adapter's identity (name and weights digest) salts the chain root: a page computed under one
+        # adapter (or the base model) is never a prefix hit for another.
+        salt = (cache_salt or "") + (f"\0lora:{lora.identity}" if lora else "")
+        root = hash_salt(salt) if salt else 0
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
-                       logit_bias=bias, pin=pin, embed=embed)
+                       logit_bias=bias, pin=pin, embed=embed, lora_name=lora.request.lora_name if lora else None)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached)."""

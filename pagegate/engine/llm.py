@@ -9,10 +9,12 @@ from typing import Any, NotRequired, TypedDict, cast
 
 from tqdm import tqdm
 
-from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pagegate.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.lora.model import resolve_adapter
+from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagegate.engine.sampling.params import SamplingParams
@@ -52,7 +54,8 @@ class LLM:
                  served_model_name: str | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
                  scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None,
-                 task: str = "generate", pooling: str | None = None, kv_cache_dtype: str = "auto") -> None:
+                 task: str = "generate", pooling: str | None = None, kv_cache_dtype: str = "auto",
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16) -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark, kv_cache_dtype=kv_cache_dtype)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
@@ -61,7 +64,8 @@ class LLM:
                        else speculative_config)
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
                                           tensor_parallel_size, distributed_timeout_s, speculative=speculative,
-                                          cache=cache, scheduler=scheduler, task=task, pooling=pooling))
+                                          cache=cache, scheduler=scheduler, task=task, pooling=pooling,
+                                          lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None))
         self._ids = itertools.count()
 
     @classmethod
@@ -74,16 +78,19 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of the prompts.
 
         A prompt is text, a list of token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`;
-        pass one prompt or a list of them (a flat list of ints is one prompt).
+        pass one prompt or a list of them (a flat list of ints is one prompt). `lora_request`: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model), as in vLLM.
         """
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
+        loras = _loras_per_prompt(lora_request, len(prompts))
         # every prompt is validated before any is queued: a bad one leaves nothing behind
-        requests = [self._make_request(prompt, p, priority[i] if priority else 0)
+        requests = [self._make_request(prompt, p, priority[i] if priority else 0, lora=loras[i])
                     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
         for request in requests:
             self.engine.add(request)
@@ -126,10 +133,12 @@ class LLM:
             prompts.append(TokensPrompt(prompt_token_ids=tokenizer.encode_chat(text), prompt=text))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False,
+                      lora: LoRARequest | None = None) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
+        adapter = resolve_adapter(self.engine.runner.lora, lora)
         request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
-                                                  embed=embed)
+                                                  embed=embed, lora=adapter)
         if text is not None:
             request.prompt = text
         return request
@@ -169,6 +178,16 @@ def _params_per_prompt(sampling_params: Params, count: int) -> list[SamplingPara
     if len(params) != count:
         raise ValueError(f"{count} prompts but {len(params)} sampling params")
     return params
+
+
+def _loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"{count} prompts but {len(loras)} LoRA requests")
+    return loras
 
 
 def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int], str | None]:

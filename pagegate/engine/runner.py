@@ -15,6 +15,7 @@ from pagegate.engine.forward import forward
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
+from pagegate.engine.lora.model import LoRAModel
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
@@ -79,6 +80,7 @@ class ModelRunner:
                                  self.model_config.vocab_size) if spec is not None and spec.model else None)
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
         self.tiers = self._tiers()
+        self.lora = LoRAModel(self.model, config.lora, self.kv_cache.page_bytes) if config.lora else None
 
     def allocate_kv_cache(self) -> None:
         """The KV pages and the native decoder over them: at load, and again when a sleeping engine wakes."""
@@ -158,7 +160,10 @@ class ModelRunner:
         # cached prefix changed greedy answers). Decode steps keep the native decoder.
         if self.tiers is not None:  # before anything writes the step's new pages
             move_tier_pages(self.kv_cache, self.tiers, batch.evicted, batch.tier_loads)
-        native = None if holds_prompt_tokens(seqs, counts) else self.native
+        # NOTE: a step with a LoRA adapter's rows runs the torch forward: its hooks add the adapters' low-rank
+        # updates (lora/model.py), which the native decoder's C step does not compute.
+        adapted = self.lora is not None and self.lora.set_step([s.request.lora_name for s in seqs], starts)
+        native = None if holds_prompt_tokens(seqs, counts) or adapted else self.native
         hidden = forward(self.model, self.kv_cache, step, native)
         compute_logits = (self.native or self.model).compute_logits
         if any(s.request.scoring_prompt for s in seqs):

@@ -20,6 +20,7 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.kv_tiers import TierStack
+from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
 from pagegate.engine.pins import Pin, PrefixPins
@@ -72,7 +73,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None, tiers: TierStack | None = None) -> None:
+                 proposer: Proposer | None = None, tiers: TierStack | None = None,
+                 lora: AdapterStore | None = None) -> None:
         self.config = config
         self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
@@ -81,6 +83,7 @@ class Scheduler:
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
         self.tables = BlockTables(self.pool, *config.table_shape(max_model_len, cache.block_size), self.cpu_pool)
         self.tiers = PrefixTiers(tiers, self.pool) if tiers is not None and self.prefix_caching else None
+        self.adapters = AdapterPages(self.pool, lora) if lora is not None else None  # LoRA weights' pages
         self.watermark_blocks = int(cache.watermark * num_blocks)
         mode = config.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         if mode not in ("swap", "recompute"):
@@ -117,6 +120,7 @@ class Scheduler:
         if seq.handle != NO_PAGES:
             seq.request.timeline.held(self.tables.num_blocks(seq.handle))
             self.tables.free_sequence(seq.handle)
+            self._release_adapter(seq)
             seq.handle = NO_PAGES
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -137,15 +141,34 @@ class Scheduler:
         return self.pins.release(key)
 
     def _free_up(self, needed: int) -> bool:
-        """Release pins, oldest first, until `needed` pages are free; whether they are."""
+        """Release pins, oldest first, then idle LoRA adapters' pages, least recently used first, until `needed`
+        pages are free; whether they are."""
         while self.pool.num_free_blocks < needed:
-            if not self.pins.release_oldest():
+            if not self.pins.release_oldest() and (self.adapters is None or not self.adapters.evict_idle()):
                 return False
         return True
+
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """The pages of the adapter `seq` runs with (a sequence holding KV pages holds its adapter's too)."""
+        name = seq.request.lora_name
+        return name is None or self.adapters is not None and self.adapters.acquire(name, self._free_up)
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.request.lora_name is not None and self.adapters is not None:
+            self.adapters.release(seq.request.lora_name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Give back a LoRA adapter's pages before it is forgotten; refused while requests use it (running or not)."""
+        if any(seq.request.lora_name == name for seq in self.waiting):
+            raise ValueError(f"LoRA adapter {name!r} has requests waiting to run with it")
+        if self.adapters is not None:
+            self.adapters.unload(name)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of the running `parent` (n > 1 after the prompt)."""
         child.handle = self.tables.fork(parent.handle)
+        if child.request.lora_name is not None and self.adapters is not None:
+            self.adapters.hold(child.request.lora_name)
         child.num_computed = parent.num_computed
         child.status = SeqStatus.RUNNING
         self.running.append(child)
@@ -333,6 +356,7 @@ class Scheduler:
             return
         victim.request.timeline.preempted(RECOMPUTE, now, pages, victim.index)
         self.tables.free_sequence(victim.handle)
+        self._release_adapter(victim)
         victim.handle, victim.num_computed, victim.status = NO_PAGES, 0, SeqStatus.WAITING
         self.waiting.append(victim)  # NOTE: it keeps its arrival time, so it is first in line again
 
@@ -408,12 +432,15 @@ class Scheduler:
             limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
         tokens = seq.token_ids[:limit] if not seq.pools else []
+        if not self._acquire_adapter(seq):
+            return 0
         hits, num_hit = self.pool.match_prefix(tokens, request.root_hash)
         found = None
         if self.tiers is not None and tokens:
             found = self.tiers.find(seq, tokens, request.root_hash, len(hits))
             if found is WAIT:
                 self.pool.free(hits)
+                self._release_adapter(seq)
                 return WAIT
             num_hit += len(found.keys) * self.block_size
         n = self._chunk(seq, num_hit, budget)
@@ -421,6 +448,7 @@ class Scheduler:
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
         if not self._free_up(need + reserve):
             self.pool.free(hits)
+            self._release_adapter(seq)
             return 0
         if found is not None and found.keys:
             hits, num_hit = self._stage(seq, found, hits, num_hit, batch)
