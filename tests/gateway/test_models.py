@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -149,13 +150,43 @@ def test_load_and_unload_by_hand(http: httpx.Client) -> None:
     assert http.post("/models/load", json={"model": "nope"}).status_code == 404
 
 
+def core_of(http: httpx.Client, server: ServerProcess, model: str) -> int:
+    """The pid of `model`'s engine core: the one that appears when it is loaded afresh."""
+    assert server.process is not None
+    http.post("/models/unload", json={"model": model})
+    before = set(core_pids(server.process.pid))
+    assert http.post("/models/load", json={"model": model}).status_code == 200
+    (core,) = set(core_pids(server.process.pid)) - before
+    return core
+
+
+def test_a_model_serving_a_request_is_never_unloaded(client: openai.OpenAI, http: httpx.Client,
+                                                     server: ServerProcess) -> None:
+    """--models-max 2: tiny is the least recently used but serves a request (its core stopped mid-way), so loading
+    a third model unloads the other one; unloading tiny by hand is a 409 until its request is done."""
+    http.post("/models/unload", json={"model": "tinyhf"})
+    tiny_core = core_of(http, server, "tiny")
+    greedy(client, "default_model")  # tiny is now the least recently used
+    os.kill(tiny_core, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(greedy, client, "tiny")
+            wait_for(lambda: http.get("/health").json()["models"]["tiny"]["in_flight"] == 1, "tiny's request")
+            greedy(client, "tinyhf")
+            listed = states(http)
+            assert listed["tiny"] == "loaded" and listed["tinyhf"] == "loaded"
+            assert listed["default_model"] == "unloaded"
+            busy = http.post("/models/unload", json={"model": "tiny"})
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
+            os.kill(tiny_core, signal.SIGCONT)
+            assert len(waiting.result(timeout=60)) == 8
+    finally:
+        os.kill(tiny_core, signal.SIGCONT)
+
+
 def test_a_killed_core_fails_its_model_alone(client: openai.OpenAI, http: httpx.Client,
                                              server: ServerProcess) -> None:
-    assert server.process is not None
-    http.post("/models/unload", json={"model": "tiny"})
-    before = set(core_pids(server.process.pid))
-    assert http.post("/models/load", json={"model": "tiny"}).status_code == 200
-    (tiny_core,) = set(core_pids(server.process.pid)) - before
+    tiny_core = core_of(http, server, "tiny")
     other = next(name for name, state in states(http).items() if state == "loaded" and name != "tiny")
     expected = greedy(client, "tiny")
     os.kill(tiny_core, signal.SIGKILL)
