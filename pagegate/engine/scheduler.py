@@ -495,7 +495,9 @@ class Scheduler:
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
             max_num_seqs=self.cap.value, pinned_blocks=self.pins.num_blocks, spec_drafts=spec.num_drafts,
             spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position), **self._tier_stats())
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            lora_blocks=self.adapters.num_pages if self.adapters else 0,
+            lora_loads=self.adapters.loads if self.adapters else 0, **self._tier_stats())
 
     def _tier_stats(self) -> dict[str, int]:
         if self.tiers is None:

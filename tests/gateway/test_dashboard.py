@@ -25,7 +25,8 @@ STATS = EngineStats(running=2, waiting=1, swapped=0, num_blocks=6, free_blocks=3
                     swap_outs=0, swap_out_blocks=0, swap_in_blocks=0, prefix_cache_queries=10,
                     prefix_cache_hits=4, max_num_seqs=8, pinned_blocks=0, spec_drafts=3, spec_draft_tokens=8,
                     spec_accepted_tokens=6, spec_accepted_per_position=(3, 2, 1), host_tier_pages=5,
-                    host_tier_capacity=40, disk_tier_pages=0, disk_tier_capacity=0, tier_hit_pages=3, requests=2,
+                    host_tier_capacity=40, disk_tier_pages=0, disk_tier_capacity=0, tier_hit_pages=3, lora_blocks=0,
+                    lora_loads=0, requests=2,
                     prompt_tokens=10, generation_tokens=0)
 
 

@@ -51,6 +51,8 @@ class EngineMetrics:
                                    "Fraction of device pages with refcount > 1 (0-1).")
         self.health = gauge("pagegate:health", "Health grade: 0 OK, 1 GOOD, 2 WARNING, 3 CRITICAL.")
         self.max_num_seqs = gauge("pagegate:max_num_seqs", "The running cap after auto-tuning.")
+        self.lora_blocks = gauge("pagegate:lora_adapter_blocks", "KV pages held by loaded LoRA adapters' weights "
+                                 "(unified paging; counted in the pages in use too).")
 
         self.preemptions = counter("vllm:num_preemptions", "Preempted sequences.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -59,6 +61,8 @@ class EngineMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.swap_out_blocks = counter("pagegate:swap_out_blocks", "Pages swapped out to CPU memory.")
         self.swap_in_blocks = counter("pagegate:swap_in_blocks", "Pages swapped back in.")
+        self.lora_loads = counter("pagegate:lora_adapter_loads", "LoRA adapters read into pages (evicted ones "
+                                  "are read again on demand).")
         self.kv_events_dropped = counter("pagegate:kv_events_dropped",
                                          "KV-cache event batches dropped because the publisher queue was full.")
         self._cache_config_info = Gauge("vllm:cache_config_info", "The KV cache's configuration (value 1).",
@@ -150,6 +154,8 @@ class EngineMetrics:
         self.cpu_kv_cache_usage.set(stats.cpu_used_blocks / max(stats.cpu_blocks, 1))
         self.shared_blocks.set(stats.shared_blocks / stats.num_blocks)
         self.max_num_seqs.set(stats.max_num_seqs)
+        self.lora_blocks.set(stats.lora_blocks)
+        _advance(self.lora_loads, stats.lora_loads - last.lora_loads)
         grade, reason = health_grade(stats.kv_cache_usage, stats.waiting, len(self.swap_times), self.thresholds)
         self.health.set(HEALTH_GRADES.index(grade))
         return grade, reason

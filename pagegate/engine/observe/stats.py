@@ -35,6 +35,8 @@ class SchedulerStats:
     disk_tier_pages: int
     disk_tier_capacity: int
     tier_hit_pages: int  # pages brought back from either tier since start
+    lora_blocks: int  # device pages held by loaded LoRA adapters' weights (counted in used_blocks too)
+    lora_loads: int  # adapters read into pages since start (an evicted one is read again on demand)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,6 +133,21 @@ def test_idle_adapters_give_their_pages_back_and_reload(llama_model, adapters, r
     assert pages.num_pages == 0 and pages.loads == 1
     assert tokens(tight, [PROMPTS[0]], [adapters["all"].request]) == [references["all"][0]]
     assert pages.loads == 2
+    metrics, labels = tight.engine.metrics.registry, {"model_name": tight.engine.model_name}
+    assert tight.stats().lora_blocks == pages.num_pages > 0
+    assert metrics.get_sample_value("pagegate:lora_adapter_blocks", labels) == pages.num_pages
+    assert metrics.get_sample_value("pagegate:lora_adapter_loads_total", labels) == 2
+
+
+def test_choices_and_guessed_tokens_keep_the_adapter(llama_model, adapters, references):
+    request = adapters["mlp"].request
+    llm = lora_llm(llama_model.path)
+    [two] = llm.generate(PROMPTS[1], SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                         use_tqdm=False, lora_request=request)
+    assert [c.token_ids for c in two.outputs] == [references["mlp"][1]] * 2
+    guessing = lora_llm(llama_model.path, speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    assert tokens(guessing, PROMPTS, [request] * len(PROMPTS)) == references["mlp"]
+    assert guessing.stats().spec_draft_tokens > 0
 
 
 def test_adapters_that_do_not_fit_are_refused_by_name_and_take_no_pages(llama_model, adapters, tmp_path):
