@@ -120,6 +120,18 @@ def test_requests_route_by_model_and_load_on_demand(client: openai.OpenAI, http:
     assert greedy(client, "default_model") == greedy(client, "default_model")
 
 
+def test_embeddings_and_chat_route_by_model(client: openai.OpenAI, http: httpx.Client) -> None:
+    """Each model embeds with its own hidden size; chat goes to the model named (the embedded one has a template)."""
+    sizes = {name: len(client.embeddings.create(model=name, input=[PROMPT_IDS]).data[0].embedding)
+             for name in ("default_model", "tiny")}
+    assert sizes["tiny"] == TINY["hidden_size"] and sizes["default_model"] != sizes["tiny"]
+    chat = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.model == "default_model" and chat.usage.completion_tokens >= 1
+    info = http.get("/tokenizer_info", params={"model": "tiny"}).json()
+    assert info["vocab_size"] == TINY["vocab_size"]
+
+
 def test_models_max_unloads_the_least_recently_used_idle_model(client: openai.OpenAI, http: httpx.Client) -> None:
     greedy(client, "default_model")
     greedy(client, "tiny")  # the two loaded now, tiny the most recently used
