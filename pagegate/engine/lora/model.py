@@ -56,6 +56,8 @@ class LoRAModel:
         for target in {(t.layer, t.path): t for t in self.targets.values()}.values():
             module: nn.Module = model.model.layers[target.layer].get_submodule(target.path)
             module.register_forward_hook(partial(self._add_updates, (target.layer, target.path)))
+        for lora_int_id, (name, path) in enumerate(config.modules, start=1):
+            self.register(LoRARequest(name, lora_int_id, path))
 
     # ---- the adapters known -------------------------------------------------------------------------
 
@@ -76,9 +78,16 @@ class LoRAModel:
         return registered
 
     def unregister(self, name: str) -> None:
-        """Forget an adapter (its pages were released first: pages.py)."""
+        """Forget an adapter (its pages were released first: Scheduler.unload_adapter)."""
+        if name not in self.registered:
+            raise InvalidParamError(f"the LoRA adapter {name!r} does not exist", "lora_name", "model_not_found")
         self.loaded.pop(name, None)
         del self.registered[name]
+
+    @property
+    def next_id(self) -> int:
+        """An integer id no registered adapter has (for adapters loaded at run time by name and path)."""
+        return max((r.request.lora_int_id for r in self.registered.values()), default=0) + 1
 
     def nbytes(self, name: str) -> int:
         return self.registered[name].nbytes

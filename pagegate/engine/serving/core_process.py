@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
+from pagegate.engine.kv_cache import bytes_per_block, check_fits
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.scheduler import Scheduler
@@ -140,8 +141,8 @@ class CoreLoop:
                 self.seqs_aborted += num_seqs
             case Unpin(key):
                 self.engine.unpin(key)
-            case Call(call_id, name):
-                self._answer(call_id, name)
+            case Call(call_id, name, arg):
+                self._answer(call_id, name, arg)
             case Shutdown():
                 self.stopping = True
 
@@ -158,10 +159,12 @@ class CoreLoop:
         except Exception as error:  # that request fails, not the core
             self._send(Outputs([RequestDelta(frame.request_id, True, WireError.of(error))], self.load()))
 
-    def _answer(self, call_id: int, name: str) -> None:
+    def _answer(self, call_id: int, name: str, arg: Any = None) -> None:
         try:
-            result: Any = {"snapshot": self._snapshot, "metrics": self._metrics, "sleep": self._sleep,
-                           "wake": self._wake}[name]()
+            if name in ("wake", "resize"):
+                result: Any = (self._wake if name == "wake" else self._resize)(arg)
+            else:
+                result = {"snapshot": self._snapshot, "metrics": self._metrics, "sleep": self._sleep}[name]()
             self._send(Reply(call_id, True, result))
         except Exception as error:
             log.exception("call %s failed", name)
@@ -187,13 +190,17 @@ class CoreLoop:
         gc.collect()
         self.asleep = True
 
-    def _wake(self) -> None:
-        """Fresh KV pages (as many as before) and a fresh scheduler over them."""
-        if not self.asleep:
-            return
+    def _wake(self, kv_bytes: int | None = None) -> int:
+        """Fresh KV pages (as many as before, or `kv_bytes` of them) and a fresh scheduler over them; the number of
+        pages."""
         engine, config = self.engine, self.engine.config
         runner = engine.runner
         assert isinstance(runner, ModelRunner)
+        if not self.asleep:
+            return runner.num_blocks
+        if kv_bytes is not None:
+            runner.num_blocks = self._pages_for(kv_bytes)
+            engine.metrics.cache_config(config.cache.block_size, runner.num_blocks)
         runner.allocate_kv_cache()
         engine.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
                                      runner.max_model_len, config.speculative, runner.draft, runner.tiers)
@@ -202,6 +209,23 @@ class CoreLoop:
         engine.metrics.rebase(engine.scheduler.stats())
         engine.refresh_stats()
         self.asleep = False
+        return runner.num_blocks
+
+    def _resize(self, kv_bytes: int) -> int:
+        """An idle core's pool to `kv_bytes` of pages, in one call (no request can come between its sleep and its
+        wake); the number of pages. Its prefix cache is lost, as in a sleep."""
+        self._pages_for(kv_bytes)  # a size that cannot hold one sequence is refused before anything is freed
+        self._sleep()
+        return self._wake(kv_bytes)
+
+    def _pages_for(self, kv_bytes: int) -> int:
+        runner, cache = self.engine.runner, self.engine.config.cache
+        assert isinstance(runner, ModelRunner)
+        model = runner.model
+        page = bytes_per_block(model.num_layers, cache.block_size, model.num_kv_heads, model.head_dim,
+                               runner.kv_format)
+        check_fits(kv_bytes // page, cache.block_size, runner.max_model_len, page)
+        return kv_bytes // page
 
     def _metrics(self) -> bytes:
         from prometheus_client import generate_latest

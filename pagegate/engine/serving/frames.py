@@ -74,15 +74,16 @@ class Unpin(Frame, tag="unpin"):
     key: str
 
 
-CallName = Literal["snapshot", "metrics", "sleep", "wake"]
+CallName = Literal["snapshot", "metrics", "sleep", "wake", "resize"]
 
 
 class Call(Frame, tag="call"):
     """A question answered between two steps; `sleep` frees an idle core's KV pages, `wake` allocates them again
-    (pagegate.engine.sleep)."""
+    and `resize` does both at once (`arg`: the pages' new budget in bytes; None: as before)."""
 
     call_id: int
     name: CallName
+    arg: Any = None
 
 
 class Shutdown(Frame, tag="shutdown"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagegate import LLM, SamplingParams
+from pagegate.config import CacheConfig, EngineConfig, LoRAConfig
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.lora import LoRARequest
 from pagegate.engine.lora.model import resolve_adapter
@@ -170,3 +171,27 @@ def test_adapters_that_do_not_fit_are_refused_by_name_and_take_no_pages(llama_mo
     assert unknown.value.code == "model_not_found"
     del big, head
 
+
+
+def test_adapters_named_at_start_serve_by_name_and_unload_only_when_unused(llama_model, adapters, references):
+    modules = tuple((name, a.request.lora_path) for name, a in adapters.items())
+    llm = LLM.from_config(EngineConfig(str(llama_model.path), device="cpu", cache=CacheConfig(num_kv_blocks=64),
+                                       lora=LoRAConfig(max_lora_rank=8, modules=modules)))
+    engine, lora = llm.engine, llm.engine.runner.lora
+    assert [r.request.lora_int_id for r in lora.registered.values()] == [1, 2, 3] and lora.next_id == 4
+    request = engine.intake.make_request("by-name", PROMPTS[1], GREEDY, lora=resolve_adapter(lora, "mlp"))
+    engine.add(request)
+    with pytest.raises(ValueError, match="waiting"):
+        engine.scheduler.unload_adapter("mlp")
+    engine.step()
+    with pytest.raises(ValueError, match="running"):
+        engine.scheduler.unload_adapter("mlp")
+    while engine.has_unfinished():
+        engine.step()
+    assert request.seqs[0].output_token_ids == references["mlp"][1]
+    engine.scheduler.unload_adapter("mlp")
+    lora.unregister("mlp")
+    engine.refresh_stats()
+    assert llm.stats().used_blocks == 0
+    with pytest.raises(InvalidParamError, match="does not exist"):
+        resolve_adapter(lora, "mlp")
