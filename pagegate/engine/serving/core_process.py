@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
 from pagegate.engine.kv_cache import bytes_per_block, check_fits
+from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.scheduler import Scheduler
@@ -152,8 +153,9 @@ class CoreLoop:
                 raise RuntimeError("the model is asleep: wake it up first")
             sampling = frame.sampling
             self.seqs_taken += sampling.n
+            adapter = resolve_adapter(self.engine.runner.lora, frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
-                                                      frame.cache_salt, frame.pin, frame.embed)
+                                                      frame.cache_salt, frame.pin, frame.embed, adapter)
             request.prompt = frame.prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core
@@ -203,7 +205,8 @@ class CoreLoop:
             engine.metrics.cache_config(config.cache.block_size, runner.num_blocks)
         runner.allocate_kv_cache()
         engine.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                     runner.max_model_len, config.speculative, runner.draft, runner.tiers)
+                                     runner.max_model_len, config.speculative, runner.draft, runner.tiers,
+                                     runner.lora)  # adapters are read into the fresh pool's pages on demand
         runner.bind(engine.scheduler.tables)
         engine.monitor.pool = engine.scheduler.pool
         engine.metrics.rebase(engine.scheduler.stats())
