@@ -109,11 +109,11 @@ class LoRAModel:
     def set_step(self, adapter_names: Sequence[str | None], starts: np.ndarray) -> bool:
         """Group the step's rows by adapter: sequence i's rows are starts[i]:starts[i + 1]. Whether any row
         takes an adapter."""
-        rows: dict[str, list[int]] = {}
+        runs: dict[str, list[tuple[int, int]]] = {}
         for i, name in enumerate(adapter_names):
             if name is not None:
-                rows.setdefault(name, []).extend(range(int(starts[i]), int(starts[i + 1])))
-        self.groups = [(self.loaded[name], _as_rows(indices, self.device)) for name, indices in rows.items()]
+                runs.setdefault(name, []).append((int(starts[i]), int(starts[i + 1])))
+        self.groups = [(self.loaded[name], _as_rows(spans, self.device)) for name, spans in runs.items()]
         return bool(self.groups)
 
     def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -149,8 +149,8 @@ def resolve_adapter(lora_model: LoRAModel | None, lora: LoRARequest | str | None
     return known
 
 
-def _as_rows(indices: list[int], device: torch.device) -> Rows:
-    """One contiguous run as a slice (a view, no copy), else an index tensor."""
-    if indices[-1] - indices[0] + 1 == len(indices):
-        return slice(indices[0], indices[-1] + 1)
-    return torch.tensor(indices, dtype=torch.long, device=device)
+def _as_rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
+    """Row spans [start, stop) in batch order: one contiguous run as a slice (a view, no copy), else the indices."""
+    if all(stop == next_start for (_, stop), (next_start, _) in zip(spans, spans[1:], strict=False)):
+        return slice(spans[0][0], spans[-1][1])
+    return torch.cat([torch.arange(start, stop, device=device) for start, stop in spans])
