@@ -27,7 +27,17 @@ from pagegate.gateway.admission import Admission, serves_embeddings, serves_gene
 from pagegate.gateway.engine_requests import EngineRequests
 from pagegate.gateway.errors import APIError, NotFound, ServiceUnavailable
 from pagegate.gateway.model_slots import FAILED as MODEL_FAILED
-from pagegate.gateway.model_slots import LOADED, LOADING, SLEEPING, UNLOADED, ModelSlot, share_config
+from pagegate.gateway.model_slots import (
+    GROW_MIN_FRACTION,
+    LOADED,
+    LOADING,
+    REBALANCE_IDLE_S,
+    SLEEPING,
+    UNLOADED,
+    ModelSlot,
+    page_budget,
+    with_kv_bytes,
+)
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.request_timing import TimingRecorder
 from pagegate.gateway.settings import GatewayConfig
@@ -72,6 +82,7 @@ class EngineHost:
         self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
         self.several = bool(config.models)
         self.slots = model_slots(engine_config, config)
+        self.budget = page_budget(engine_config, config.models_max or len(self.slots)) if self.several else None
         self.loop: asyncio.AbstractEventLoop | None = None
         # NOTE: the parts reach the engines through two callables (a model's engine only while serving, or every
         # running one), never through the host: what each may touch is named, and neither imports this module.
@@ -114,10 +125,11 @@ class EngineHost:
     async def _load(self, slot: ModelSlot) -> None:
         """Start the model's core(s) and warm them up; on failure the model is FAILED, with the reason."""
         slot.state, slot.reason = LOADING, "loading"
-        config = share_config(slot.engine_config, self.config.models_max or len(self.slots)) if self.several \
-            else slot.engine_config
         started = time.perf_counter()
         try:
+            kv_bytes = await self._grant(slot)
+            config = with_kv_bytes(slot.engine_config,
+                                   kv_bytes // self.config.data_parallel_size if kv_bytes is not None else None)
             slot.engine = engine = await start_cores(config, self.config.data_parallel_size,
                                                      self.config.engine_step_timeout_s)
             slot.loads += 1
@@ -188,6 +200,7 @@ class EngineHost:
     async def _drop_engine(self, slot: ModelSlot) -> None:
         """Forget the model's engine and end its processes (its pages and weights go with them)."""
         engine, slot.engine, slot.model = slot.engine, None, None
+        slot.kv_bytes = 0  # its share goes back to the budget
         if engine is not None:
             await engine.shutdown()
         self._changed.set()
@@ -201,11 +214,14 @@ class EngineHost:
             return self.require_engine()
         self.check_serving()
         slot = self.slot_for(requested)
+        grow = self._may_grow(slot)  # before this request counts: was it idle a while?
         held = _HELD.get()
         if held is not None and slot not in held:
             held.append(slot)
             slot.in_flight += 1
         slot.used()
+        if grow and slot.loading is None:
+            slot.loading = asyncio.get_running_loop().create_task(self._grow(slot))
         await self.ensure_loaded(slot)
         return self.require_engine(slot.name)
 
@@ -224,10 +240,15 @@ class EngineHost:
             if slot.state == SLEEPING and slot.engine is not None:
                 await self._wake(slot)
             else:
+                if slot.engine is not None:  # a failed model's core, if it still runs
+                    await self._drop_engine(slot)
                 await self._make_room(slot)
                 await self._load(slot)
         except Exception as exc:
-            slot.state, slot.reason = MODEL_FAILED, f"{type(exc).__name__}: {exc}"
+            if slot.state == SLEEPING:  # it could not wake now (no room in the budget): it sleeps on
+                slot.reason = f"it could not wake: {exc}"
+            else:
+                slot.state, slot.reason = MODEL_FAILED, f"{type(exc).__name__}: {exc}"
         finally:
             slot.loading = None
             self._changed.set()
@@ -248,13 +269,75 @@ class EngineHost:
             if idle:
                 await self._unload(min(idle, key=lambda s: s.last_used))
                 continue
-            self._changed.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(f"--models-max {limit}: every loaded model has been serving requests for "
-                                   f"{ROOM_TIMEOUT_S:g} s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, IDLE_CHECK_S))
+            await self._wait_for_change(deadline, f"--models-max {limit}: every loaded model")
+
+    async def _wait_for_change(self, deadline: float, who: str) -> None:
+        """Until a model becomes idle or finishes loading (or a second passes); a RuntimeError past `deadline`."""
+        self._changed.clear()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"{who} has been serving requests for {ROOM_TIMEOUT_S:g} s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), min(remaining, IDLE_CHECK_S))
+
+    # -- the page budget (model_slots' NOTE) -----------------------------------------------------
+    async def _grant(self, slot: ModelSlot) -> int | None:
+        """The bytes of pages a model loading or waking takes: all the budget that is free, idle models shrunk to
+        their floors first while less than its floor is (waiting while they serve). None: no shared budget."""
+        budget = self.budget
+        if budget is None:
+            return None
+        slot.kv_bytes = 0
+        deadline, tried = time.monotonic() + ROOM_TIMEOUT_S, set()
+        while (free := budget.free(self.slots)) < budget.floor:
+            donors = [s for s in self._donors(slot, 0.0) if s.name not in tried]
+            if donors:
+                donor = max(donors, key=lambda s: s.kv_bytes)
+                tried.add(donor.name)
+                await self._resize(donor, budget.floor)
+                continue
+            await self._wait_for_change(deadline, "the page budget: every model holding pages")
+        slot.kv_bytes = free
+        return free
+
+    def _donors(self, slot: ModelSlot, idle_for_s: float) -> list[ModelSlot]:
+        """The other loaded models idle at least `idle_for_s` that hold pages beyond their floors."""
+        assert self.budget is not None
+        now = time.monotonic()
+        return [s for s in self.slots if s is not slot and s.state == LOADED and s.idle and s.engine is not None
+                and now - s.last_used >= idle_for_s and self.budget.spare(s)]
+
+    def _may_grow(self, slot: ModelSlot) -> bool:
+        """A loaded model idle a while may take the free budget and what idle others hold beyond their floors,
+        when that grows it by GROW_MIN_FRACTION at least (a resize costs an allocation and its prefix cache)."""
+        budget = self.budget
+        if budget is None or slot.state != LOADED or not slot.idle or \
+                time.monotonic() - slot.last_used < REBALANCE_IDLE_S:
+            return False
+        gain = budget.free(self.slots) + sum(budget.spare(s) for s in self._donors(slot, REBALANCE_IDLE_S))
+        return gain > 0 and gain >= GROW_MIN_FRACTION * slot.kv_bytes
+
+    async def _grow(self, slot: ModelSlot) -> None:
+        try:
+            assert self.budget is not None
+            for donor in self._donors(slot, REBALANCE_IDLE_S):
+                await self._resize(donor, self.budget.floor)
+            await self._resize(slot, slot.kv_bytes + self.budget.free(self.slots))
+        finally:
+            slot.loading = None
+            self._changed.set()
+
+    async def _resize(self, slot: ModelSlot, kv_bytes: int) -> None:
+        """An idle model's pool to `kv_bytes` (its core frees and allocates it; its prefix cache is lost)."""
+        if slot.engine is None or kv_bytes == slot.kv_bytes:
+            return
+        try:
+            pages = await slot.engine.resize(kv_bytes)
+        except Exception as exc:
+            logger.warning("resizing the pages of %s failed (it keeps its pool): %s", slot.name, exc)
+            return
+        logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, kv_bytes / 2**20)
+        slot.kv_bytes = kv_bytes
 
     async def _unload(self, slot: ModelSlot) -> None:
         logger.info("unloading %s (%s)", slot.name, "least recently used" if self.config.models_max else "asked")
@@ -295,12 +378,13 @@ class EngineHost:
                 if slot.state == SLEEPING and slot.loading is None:
                     slot.state, slot.reason = LOADED, "serving"
                 raise
+            slot.kv_bytes = 0  # its share goes back to the budget
             logger.info("%s sleeps", slot.name)
         return slot
 
     async def _wake(self, slot: ModelSlot) -> None:
         assert slot.engine is not None
-        await slot.engine.wake_up()  # fresh pages of its share, as sized at its load
+        await slot.engine.wake_up(await self._grant(slot))  # fresh pages: its new share (None: as before)
         slot.state, slot.reason = LOADED, "serving"
         logger.info("%s woke up (%s)", slot.name, self._pages_of(slot))
 
@@ -465,7 +549,7 @@ class EngineHost:
         failed (its requests get errors, the others serve; it loads again on its next request)."""
         models: dict[str, dict[str, Any]] = {}
         for slot in self.slots:
-            models[slot.name] = entry = {**slot.card_state(), "in_flight": slot.in_flight}
+            models[slot.name] = entry = {**slot.card_state(), "in_flight": slot.in_flight, "kv_bytes": slot.kv_bytes}
             if slot.engine is not None and (stalled := slot.engine.stalled()) is not None:
                 entry["stalled"] = stalled
         failed = [name for name, entry in models.items() if entry["state"] == MODEL_FAILED or "stalled" in entry]

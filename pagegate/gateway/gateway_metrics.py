@@ -44,13 +44,16 @@ class GatewayCollector:
                                   "of the budget; 0 while it sleeps or is unloaded).", labels=["model_name"])
         used = GaugeMetricFamily("pagegate:model_kv_blocks_used", "KV pages each model's requests hold now.",
                                  labels=["model_name"])
+        share = GaugeMetricFamily("pagegate:model_kv_budget_bytes", "Each model's share of the server's KV budget "
+                                  "(--kv-cache-memory; 0 while it holds no pages).", labels=["model_name"])
         stats = self.host.model_stats()
         for slot in self.host.slots:
             state.add_metric([slot.name, slot.state], 1.0)
             model = stats.get(slot.name)
             total.add_metric([slot.name], float(model.num_blocks if model is not None else 0))
             used.add_metric([slot.name], float(model.used_blocks if model is not None else 0))
-        yield from (state, total, used)
+            share.add_metric([slot.name], float(slot.kv_bytes))
+        yield from (state, total, used, share)
 
 
 def _page_gauges(stats: EngineStats) -> Iterator[Metric]:

@@ -3,11 +3,15 @@ loaded on demand, unloaded least recently used first under --models-max, put to 
 alone when its core dies. This module holds what a slot is and how the models and their page budgets are found;
 EngineHost (engine_host.py) drives them.
 
-NOTE: one page budget, split by a fixed rule. --kv-cache-memory (on CPU its default) is the whole server's: each
-loaded model gets `budget / capacity` of it when its core starts, where capacity is --models-max (or the number of
-models), so the models loaded at once never hold more than the budget together. An unloaded or sleeping model's
-share goes back and is what the next model to load or wake takes. A core's pool is sized when it starts, so a
-share does not grow while its model runs: the split moves at loads and wakes, not per request.
+NOTE: one page budget, moved at idle moments. --kv-cache-memory (on CPU its default) is the whole server's, and
+the models holding pages never hold more than it together. A model that loads or wakes takes all the budget that
+is free; when less than its floor is free, idle models are shrunk to their floors first (a busy one never is: the
+load waits). The floor is half an equal share, `budget / (2 * capacity)` (capacity: --models-max, else the number of
+models), so an idle model keeps enough pages to answer at once while the busy one gets most of the budget. A
+sleeping or unloaded model holds nothing. A model that has been idle a while (REBALANCE_IDLE_S) and is asked again
+takes what the other idle models hold beyond their floors, when that grows it by a quarter or more.
+A core's pool is fixed while it runs (the page core has no resize), so shares move only between requests: a pool
+is resized by freeing it and allocating the new one (its prefix cache lost, as in a sleep), never under a request.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ModelSlot:
         self.last_used = 0.0  # time.monotonic() of its last request: the least recently used is unloaded first
         self.loading: asyncio.Task[None] | None = None  # its load or wake, while one runs
         self.loads = 0  # how many times its core was started
+        self.kv_bytes = 0  # its share of the server's page budget now (0 while it holds no pages)
 
     @property
     def name(self) -> str:
@@ -79,11 +84,36 @@ def discover_models(folder: str) -> list[ServedModel]:
     return sorted(found, key=lambda model: model.name)
 
 
-def share_config(engine_config: EngineConfig, capacity: int) -> EngineConfig:
-    """A model's EngineConfig with its share of the server's KV budget (an explicit --num-kv-blocks stays as it
-    is: each model then gets that many pages)."""
+REBALANCE_IDLE_S = 2.0  # a model idle this long, asked again, may take what idle others hold beyond their floors
+GROW_MIN_FRACTION = 0.25  # ... when that grows its pool by this much at least (a resize loses its prefix cache)
+
+
+class PageBudget:
+    """The server's KV bytes and each model's floor; None-free arithmetic over the slots' `kv_bytes`."""
+
+    def __init__(self, total: int, capacity: int) -> None:
+        self.total = total
+        self.floor = total // (2 * max(capacity, 1))
+
+    def free(self, slots: list[ModelSlot]) -> int:
+        return self.total - sum(slot.kv_bytes for slot in slots)
+
+    def spare(self, slot: ModelSlot) -> int:
+        """What a model holds beyond its floor."""
+        return max(slot.kv_bytes - self.floor, 0)
+
+
+def page_budget(engine_config: EngineConfig, capacity: int) -> PageBudget | None:
+    """The server's page budget, shared by the models; None where each model's pages are given as a count
+    (--num-kv-blocks: each model gets that many)."""
     cache = engine_config.cache
-    if cache.num_kv_blocks is not None or capacity <= 1:
+    if cache.num_kv_blocks is not None:
+        return None
+    return PageBudget(parse_bytes(cache.kv_cache_memory or cache.default_cpu_kv_cache_memory), capacity)
+
+
+def with_kv_bytes(engine_config: EngineConfig, kv_bytes: int | None) -> EngineConfig:
+    """The model's EngineConfig with its share of the budget as its --kv-cache-memory (None: as it is)."""
+    if kv_bytes is None:
         return engine_config
-    budget = parse_bytes(cache.kv_cache_memory or cache.default_cpu_kv_cache_memory)
-    return replace(engine_config, cache=replace(cache, kv_cache_memory=str(budget // capacity)))
+    return replace(engine_config, cache=replace(engine_config.cache, kv_cache_memory=str(kv_bytes)))

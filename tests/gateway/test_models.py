@@ -155,6 +155,29 @@ def test_sleep_and_wake_keep_greedy_outputs(client: openai.OpenAI, http: httpx.C
     assert http.get("/is_sleeping", params={"model": "tinyhf"}).json()["is_sleeping"] is False
 
 
+def budgets(http: httpx.Client) -> dict[str, float]:
+    """Each model's share of the page budget, from /metrics."""
+    prefix = 'pagegate:model_kv_budget_bytes{model_name="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)}
+
+
+def test_the_page_budget_moves_to_the_model_asked_after_idling(client: openai.OpenAI, http: httpx.Client) -> None:
+    """64 MiB for the server, --models-max 2: a floor of 16 MiB each; the model asked after both idled takes the
+    rest (48 MiB), the other keeps its floor; its answers are unchanged."""
+    mib = 2**20
+    for name in ("default_model", "tiny"):
+        assert http.post("/models/load", json={"model": name}).status_code == 200
+    before = greedy(client, "default_model")
+    for asked, other in (("tiny", "default_model"), ("default_model", "tiny")):
+        time.sleep(2.5)  # REBALANCE_IDLE_S: both idle a while
+        answer = greedy(client, asked)
+        shares = budgets(http)
+        assert shares[asked] == 48 * mib and shares[other] == 16 * mib, shares
+        assert sum(shares.values()) <= 64 * mib
+    assert answer == before  # default_model, on its resized pool
+
+
 def test_load_and_unload_by_hand(http: httpx.Client) -> None:
     assert http.post("/models/unload", json={"model": "tinyhf"}).json()["state"] == "unloaded"
     assert states(http)["tinyhf"] == "unloaded"

@@ -112,7 +112,9 @@ class EngineMetrics:
                                                                              kv_format.name).set(bytes_per_token)
 
     def cache_config(self, block_size: int, num_blocks: int) -> None:
-        """vllm:cache_config_info, which llm-d's scorers read for the page size and count."""
+        """vllm:cache_config_info, which llm-d's scorers read for the page size and count (one series: a resized
+        pool replaces it)."""
+        self._cache_config_info.clear()
         self._cache_config_info.labels(self._model_name, str(block_size), str(num_blocks)).set(1)
 
     def _gauge(self, name: str, documentation: str) -> Gauge:

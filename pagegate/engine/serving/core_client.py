@@ -270,13 +270,13 @@ class CoreClient:
     def _send(self, frame: Frame) -> None:
         self._transport.write(framed(frame))  # buffered by the transport: the event loop never blocks on it
 
-    async def _call(self, name: CallName) -> Any:
+    async def _call(self, name: CallName, arg: Any = None) -> Any:
         """A question the core answers between two steps."""
         self._giving_work()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(Call(call_id, name))
+        self._send(Call(call_id, name, arg))
         try:
             return await future
         finally:
@@ -398,5 +398,10 @@ class CoreClient:
         """Free the core's KV pages, keep its weights (an idle core; pagegate.engine.sleep)."""
         await self._call("sleep")
 
-    async def wake_up(self) -> None:
-        await self._call("wake")
+    async def wake_up(self, kv_bytes: int | None = None) -> int:
+        """KV pages again after `sleep` (`kv_bytes` of them; None: as before); how many."""
+        return int(await self._call("wake", kv_bytes))
+
+    async def resize(self, kv_bytes: int) -> int:
+        """An idle core's pool to `kv_bytes` of pages (its prefix cache is lost); how many pages it has now."""
+        return int(await self._call("resize", kv_bytes))

@@ -80,8 +80,13 @@ class EngineClient(Protocol):
         """Free the KV pages (their prefix cache too), keep the weights; only while no request runs."""
         ...
 
-    async def wake_up(self) -> None:
-        """Allocate the KV pages again after `sleep`."""
+    async def wake_up(self, kv_bytes: int | None = None) -> int:
+        """Allocate the KV pages again after `sleep` (`kv_bytes` of them; None: as many as before); how many."""
+        ...
+
+    async def resize(self, kv_bytes: int) -> int:
+        """An idle engine's pool to `kv_bytes` of pages (sleep and wake in one; its prefix cache is lost); a
+        RuntimeError while it has requests. How many pages it has now."""
         ...
 
     async def shutdown(self) -> None:

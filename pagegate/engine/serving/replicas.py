@@ -202,8 +202,14 @@ class Replicas:
     async def sleep(self) -> None:
         await asyncio.gather(*(core.sleep() for core in self.cores))
 
-    async def wake_up(self) -> None:
-        await asyncio.gather(*(core.wake_up() for core in self.cores))
+    async def wake_up(self, kv_bytes: int | None = None) -> int:
+        """`kv_bytes` is the replicas' together: each core gets its part."""
+        each = kv_bytes // len(self.cores) if kv_bytes is not None else None
+        return sum(await asyncio.gather(*(core.wake_up(each) for core in self.cores)))
+
+    async def resize(self, kv_bytes: int) -> int:
+        """`kv_bytes` is the replicas' together: each core gets its part."""
+        return sum(await asyncio.gather(*(core.resize(kv_bytes // len(self.cores)) for core in self.cores)))
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(core.shutdown() for core in self.cores))
