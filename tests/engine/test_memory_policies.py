@@ -47,10 +47,11 @@ def test_cached_pages_survive_until_evicted_least_recently_used_first(llama_mode
     llm.generate([a], GREEDY, use_tqdm=False)
     llm.generate([b], GREEDY, use_tqdm=False)
     assert llm.stats().cached_blocks == 8
-    filler = [13] * 200  # 13 pages: the 12 never-cached ones, then the least recently freed cached page (a's)
+    filler = [13] * 200  # 13 pages: the 12 never-cached ones, then the least recently freed cached page
     llm.generate([filler], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert llm.generate([b], GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
-    assert llm.generate([a], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    # a's pages were freed last page first: its tail went, its first three pages are still a hit
+    assert llm.generate([a], GREEDY, use_tqdm=False)[0].num_cached_tokens == 48
     assert_all_pages_free(llm)
 
 
