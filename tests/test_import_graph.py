@@ -27,7 +27,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "pagegate.__main__": ("pagegate.gateway", "pagegate.core"),  # the command line: serve, simulate
 }
 # The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
-ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models")
+ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models",
+         "pagegate.engine.kv_tiers", "pagegate.engine.lora")
 LOOP = ("pagegate.engine.engine", "pagegate.engine.llm", "pagegate.engine.runner", "pagegate.engine.intake",
         "pagegate.engine.postprocess", "pagegate.engine.scheduler", "pagegate.engine.tp_workers",
         "pagegate.engine.forward", "pagegate.engine.serving.core_process")
