@@ -1,31 +1,43 @@
-"""Several models behind one `pagegate serve`: what switching costs, measured as a client sees it (time to the
-first streamed token of a short greedy completion) for a model that is loaded, asleep (--sleep / its KV pages
-freed, weights kept), and unloaded (--models-max 1: the other model is unloaded and this one's core starts).
+"""Several models behind one `pagegate serve`.
 
     python -m bench.models [--model A.gguf --model B.gguf] [--rounds 3] [--max-tokens 8]
+    python -m bench.models --shared-budget [--budget 64MiB] [--phases 4] [--concurrency 16] [--prompt 128] [--gen 64]
 
-Default: SmolLM2-135M-Instruct Q4_1 (.cache/models) served twice under two names, so both sides load the same
-file. Figures are medians over rounds; each round is a fresh server. The shared-budget comparison of issue 46
-(two models with shifting traffic against two servers with half the memory each) is not here: the page budget is
-split in fixed shares at load (pagegate/gateway/model_slots.py), so that comparison would show no difference
-until shares move with demand.
+Switching (the default): what a switch costs as a client sees it, the time to the first streamed token of a short
+greedy completion, for a model that is loaded, asleep (/sleep: its KV pages freed, weights kept), and unloaded
+(--models-max 1: the other model is unloaded and this one's core starts). Each round is a fresh server.
+
+--shared-budget: two models whose traffic shifts (phases of `concurrency` requests at once to one model, then to
+the other, with an idle gap between), served by one server whose --kv-cache-memory is `budget` for both, against
+two servers given half of it each. Reported: output tokens per second within the phases (median over phases, the
+first phase of each model left out as warm-up). The pool of the model in its phase holds up to 3/4 of the budget on
+the shared server (pagegate/gateway/model_slots.py), 1/2 on the split ones: the shared server wins where a phase
+needs more pages than half the budget, and loses where it does not (each phase's first request waits for two pool
+resizes, ~0.1-0.3 s on this machine, and the prefix caches are lost). Defaults: SmolLM2's float16 pages take
+23,040 bytes a token, so 64 MiB holds 2,912 tokens; 16 requests of 192 tokens need 3,072.
+
+Default models: SmolLM2-135M-Instruct Q4_1 (.cache/models) served twice under two names.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
+from pagegate.config import parse_bytes
 from pagegate.testing.launcher import ServerProcess
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 NAMES = ("first", "second")
 PROMPT = "Write one sentence about paged attention."
+IDLE_GAP_S = 2.5  # between two phases: past the 2 s after which a model asked again may take idle pages
 
 
 def first_token_s(http: httpx.Client, model: str, max_tokens: int) -> float:
@@ -54,16 +66,76 @@ def one_round(models: list[str], max_tokens: int, extra: list[str]) -> dict[str,
     return {"loaded": loaded, "asleep": asleep, "unloaded": unloaded}
 
 
+def phase(base_url: str, model: str, requests: list[list[int]], gen: int) -> tuple[int, float]:
+    """`requests` at once to `model` (greedy, exactly `gen` tokens each): output tokens and seconds."""
+    def one(prompt: list[int]) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+        return int(response.json()["usage"]["completion_tokens"])
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        tokens = sum(pool.map(one, requests))
+    return tokens, time.perf_counter() - started
+
+
+def shifting_traffic(urls: dict[str, str], args: argparse.Namespace) -> list[float]:
+    """Phases alternating between the two models (each preceded by an idle gap); tokens/s of each phase."""
+    rng = random.Random(0)
+    rates = []
+    for index in range(args.phases + 2):
+        time.sleep(IDLE_GAP_S)
+        model = NAMES[index % 2]
+        prompts = [[rng.randrange(10, 250) for _ in range(args.prompt)] for _ in range(args.concurrency)]
+        tokens, seconds = phase(urls[model], model, prompts, args.gen)
+        if index >= 2:  # each model's first phase warms it
+            rates.append(tokens / seconds)
+    return rates
+
+
+def shared_budget(models: list[str], args: argparse.Namespace) -> dict[str, float]:
+    common = ["--disable-uvicorn-access-log", "--grpc-port", "0", *args.extra]
+    half = str(parse_bytes(args.budget) // 2)
+    shared_args = [a for path in models for a in ("--model", path)]
+    shared_args += ["--served-model-name", *NAMES, "--models-max", "2", "--kv-cache-memory", args.budget, *common]
+    with ServerProcess(shared_args) as server:
+        for name in NAMES:
+            httpx.post(server.base_url + "/models/load", json={"model": name}, timeout=600).raise_for_status()
+        shared = shifting_traffic(dict.fromkeys(NAMES, server.base_url), args)
+    split_args = [[path, "--served-model-name", name, "--kv-cache-memory", half, *common]
+                  for path, name in zip(models, NAMES, strict=True)]
+    with ServerProcess(split_args[0]) as first, ServerProcess(split_args[1]) as second:
+        split = shifting_traffic({NAMES[0]: first.base_url, NAMES[1]: second.base_url}, args)
+    return {"one server, shared budget": statistics.median(shared),
+            "two servers, half each": statistics.median(split)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", default=None, help="two model files (default: SmolLM2 twice)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--shared-budget", action="store_true", help="the shifting-traffic comparison instead")
+    parser.add_argument("--budget", default="64MiB", help="--kv-cache-memory of the shared server")
+    parser.add_argument("--phases", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of each request")
+    parser.add_argument("--gen", type=int, default=64, help="output tokens of each request")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `pagegate serve` flags")
     args = parser.parse_args()
     models = args.model or [str(SMOLLM2), str(SMOLLM2)]
     if len(models) != 2:
         raise SystemExit("give two --model (or none)")
+    if args.shared_budget:
+        rates = shared_budget(models, args)
+        print(f"budget {args.budget}; {args.phases} phases of {args.concurrency} requests x {args.prompt} prompt + "
+              f"{args.gen} output tokens")
+        print("| setup | output tok/s in a phase (median) |")
+        print("|---|---|")
+        for setup, rate in rates.items():
+            print(f"| {setup} | {rate:.1f} |")
+        return
     rounds = [one_round(models, args.max_tokens, args.extra) for _ in range(args.rounds)]
     medians = {case: statistics.median(r[case] for r in rounds) for case in rounds[0]}
     print(f"models: {models[0]} as `{NAMES[0]}`, {models[1]} as `{NAMES[1]}`; {args.rounds} round(s), "
