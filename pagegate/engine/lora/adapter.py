@@ -2,7 +2,9 @@
 
 The model packs projections (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`); an adapter's A and B are per
 checkpoint projection. Each packed module gets its shards' A matrices stacked into one shrink [R, in] and one
-expand per shard, B (scaled) [shard rows, r], written at the shard's output columns."""
+expand per shard, B (scaled) [shard rows, r], written at the shard's output columns.
+
+A GGUF LoRA file (llama.cpp's) is read into the same PEFT form first (gguf_adapter.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from pagegate.engine.loading.gguf_loader import is_gguf
+from pagegate.engine.lora.gguf_adapter import read_gguf_adapter
 from pagegate.engine.models.base import CausalLM
 
 # the modules of a decoder layer that take adapters, as paths inside the layer
@@ -90,25 +94,36 @@ def _shards(module: nn.Module, path: str) -> tuple[Shard, ...]:
                                                                                       strict=True))
 
 
+def model_heads(model: CausalLM) -> dict[str, int]:
+    """The head count of each rotary projection: what un-permutes a GGUF adapter's Q and K rows."""
+    return {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+
+
 def adapter_digest(path: str | Path) -> str:
-    """A short digest of an adapter's config and weights: its identity in prefix-cache hashes."""
+    """A short digest of an adapter's config and weights (a GGUF file's bytes): its identity in prefix-cache
+    hashes."""
     folder, digest = Path(path), hashlib.sha256()
-    for name in ("adapter_config.json", _weight_file(Path(path)).name):
-        digest.update((folder / name).read_bytes())
+    files = [folder] if folder.is_file() else [folder / "adapter_config.json", _weight_file(folder)]
+    for file in files:
+        digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def read_adapter(name: str, path: str | Path, targets: dict[str, TargetModule], max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> AdapterWeights:
-    """Read and check a PEFT LoRA folder; ValueError naming what does not fit this model or these limits."""
+                 dtype: torch.dtype, device: torch.device, heads: dict[str, int]) -> AdapterWeights:
+    """Read and check a PEFT LoRA folder or a GGUF LoRA file; ValueError naming what does not fit this model or
+    these limits."""
     folder = Path(path)
-    config = _read_config(folder)
+    if folder.is_file() and is_gguf(folder):
+        config, tensors = read_gguf_adapter(folder, heads)
+    else:
+        config, tensors = _read_config(folder), _read_tensors(folder)
     rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     if rank > max_rank:
         raise ValueError(f"adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
     # NOTE: rsLoRA scales by alpha / sqrt(r) (PEFT's use_rslora), plain LoRA by alpha / r.
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs = _pairs(name, _read_tensors(folder))
+    pairs = _pairs(name, tensors)
     modules: dict[tuple[int, str], list[tuple[Shard, torch.Tensor, torch.Tensor]]] = {}
     for key, (a, b) in sorted(pairs.items()):
         target = targets.get(key)

@@ -22,6 +22,7 @@ from pagegate.engine.lora.adapter import (
     AdapterWeights,
     TargetModule,
     adapter_digest,
+    model_heads,
     model_targets,
     read_adapter,
 )
@@ -50,6 +51,7 @@ class LoRAModel:
         self.config, self.page_bytes, self.max_loras = config, page_bytes, config.max_loras
         self.dtype, self.device = model.dtype, model.device
         self.targets: dict[str, TargetModule] = model_targets(model)
+        self.heads = model_heads(model)
         self.registered: dict[str, Registered] = {}
         self.loaded: dict[str, AdapterWeights] = {}
         self.groups: list[tuple[AdapterWeights, Rows]] = []  # this step's rows of each adapter
@@ -102,7 +104,7 @@ class LoRAModel:
 
     def _read(self, lora: LoRARequest) -> AdapterWeights:
         return read_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank, self.dtype,
-                            self.device)
+                            self.device, self.heads)
 
     # ---- one step -----------------------------------------------------------------------------------
 
