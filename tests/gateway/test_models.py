@@ -17,9 +17,11 @@ import openai
 import pytest
 
 import pagegate
+from pagegate.clients.grpc_client import GrpcClient
+from pagegate.clients.msgpack_client import MsgpackClient
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.settings import ServedModel
-from pagegate.testing.launcher import ServerProcess, core_pids
+from pagegate.testing.launcher import ServerProcess, core_pids, free_port
 
 from ..engine.conftest import TINY, hf, save_hf_model
 from ..engine.loading.gguf_files import write_gguf
@@ -40,11 +42,15 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"default_model": DEFAULT_MODEL, "tiny": str(gguf), "tinyhf": str(folder.path)}
 
 
+GRPC_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(model_files: dict[str, str]) -> Iterator[ServerProcess]:
     args = [arg for path in model_files.values() for arg in ("--model", path)]
-    args += ["--served-model-name", *model_files, "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8"]
-    with ServerProcess(server_args(*args)) as process:
+    args += ["--served-model-name", *model_files, "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory",
+             "64MiB", "--max-num-seqs", "8"]
+    with ServerProcess(server_args(*args, "--grpc-port", str(GRPC_PORT))) as process:  # last: wins over 0
         yield process
 
 
@@ -130,6 +136,18 @@ def test_embeddings_and_chat_route_by_model(client: openai.OpenAI, http: httpx.C
     assert chat.model == "default_model" and chat.usage.completion_tokens >= 1
     info = http.get("/tokenizer_info", params={"model": "tiny"}).json()
     assert info["vocab_size"] == TINY["vocab_size"]
+
+
+def test_grpc_and_msgpack_route_by_model(server: ServerProcess) -> None:
+    grpc_client = GrpcClient(f"127.0.0.1:{GRPC_PORT}", timeout=120)
+    try:
+        assert {card["id"]: card["state"] for card in grpc_client.models()}.keys() == {"default_model", "tiny",
+                                                                                      "tinyhf"}
+        assert grpc_client.completions(PROMPT_IDS, model="tiny", max_tokens=2)["model"] == "tiny"
+    finally:
+        grpc_client.close()
+    with MsgpackClient(server.base_url, timeout=120) as msgpack_client:
+        assert msgpack_client.completions(PROMPT_IDS, model="default_model", max_tokens=2)["model"] == "default_model"
 
 
 def test_models_max_unloads_the_least_recently_used_idle_model(client: openai.OpenAI, http: httpx.Client) -> None:
