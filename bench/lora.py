@@ -84,7 +84,7 @@ def make_adapters(model: Path, count: int = ADAPTERS, rank: int = RANK) -> list[
 def gguf_adapters(model: Path, folders: list[Path]) -> list[Path]:
     """Each PEFT folder as llama.cpp's GGUF LoRA (F16, as its users convert them), converted the first time."""
     converter = llamacpp.source_dir() / "convert_lora_to_gguf.py"
-    files = [folder.with_suffix(".gguf") for folder in folders]
+    files = [folder.parent / f"{folder.name}.gguf" for folder in folders]
     for folder, file in zip(folders, files, strict=True):
         if not file.is_file():
             subprocess.run([sys.executable, str(converter), "--base", str(base_config_dir(model)), "--outfile",
