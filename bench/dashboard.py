@@ -94,6 +94,9 @@ class _Host:
     def engine_for_viewers(self) -> MainThreadEngine:
         return self.engine
 
+    def models_line(self) -> None:
+        return None  # one model
+
     def stats(self) -> object:
         return self.engine.stats()
 

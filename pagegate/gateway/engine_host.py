@@ -590,6 +590,13 @@ class EngineHost:
             return None
         return engines[0].stats() if len(engines) == 1 else sum_stats([engine.stats() for engine in engines])
 
+    def models_line(self) -> str | None:
+        """Several models: each one's state and share of the page budget, for the dashboard (None: one model)."""
+        if not self.several:
+            return None
+        return " · ".join(f"{slot.name} {slot.state}" + (f" {slot.kv_bytes / 2**20:.0f} MiB" if slot.kv_bytes else "")
+                          for slot in self.slots)
+
     def model_stats(self) -> dict[str, EngineStats]:
         """Each loaded model's counts (its share of the page budget: /metrics labels them `model_name`)."""
         return {slot.name: slot.engine.stats() for slot in self.slots if slot.engine is not None

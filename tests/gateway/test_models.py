@@ -5,6 +5,7 @@ killed core isolated (and loaded again on its next request)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -106,6 +107,14 @@ def test_models_lists_every_model_with_its_state(http: httpx.Client) -> None:
     listed = states(http)
     assert set(listed) == {"default_model", "tiny", "tinyhf"}
     assert listed["default_model"] in ("loaded", "sleeping")  # the default loads at start; the others on demand
+
+
+def test_the_dashboard_shows_each_models_state_and_share(http: httpx.Client) -> None:
+    assert http.post("/models/load", json={"model": "default_model"}).status_code == 200  # the pool it shows
+    with http.stream("GET", "/dashboard/api/feed") as response:
+        frame = next(json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: "))
+    assert frame["models"].startswith("default_model loaded ") and "MiB" in frame["models"]
+    assert "tinyhf" in frame["models"]
 
 
 def test_unknown_model_is_a_404_naming_the_models(client: openai.OpenAI) -> None:

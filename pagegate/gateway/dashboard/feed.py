@@ -142,7 +142,7 @@ class DashboardFeed:
         model = self.host.model.name if self.host.model is not None else ""
         wanted = {(v.audience, not v.following) for v in self.viewers}
         tenants = self.host.engine_requests.request_tenants
-        frames = self.encoder.encode(snapshot, self.history, model, wanted, tenants)
+        frames = self.encoder.encode(snapshot, self.history, model, wanted, tenants, self.host.models_line())
         self.ticks += 1
         for viewer in list(self.viewers):
             if viewer.offer(frames[viewer.audience, not viewer.following]):

@@ -49,10 +49,12 @@ class FrameEncoder:
         self.frames_encoded = 0  # SSE frames built, whatever the number of viewers they went to
 
     def encode(self, snapshot: PoolSnapshot, history: History, model: str, wanted: Set[FrameKind],
-               tenants: Tenants) -> dict[FrameKind, bytes]:
-        """The SSE frame of this snapshot for each wanted (audience, key frame?) pair."""
+               tenants: Tenants, models: str | None = None) -> dict[FrameKind, bytes]:
+        """The SSE frame of this snapshot for each wanted (audience, key frame?) pair; `models`: with several,
+        each one's state and share of the page budget (the pool shown is the first model's)."""
         whole = not self._delta_applies(snapshot)
-        shared = {key: self._shared_part(snapshot, history, model, key) for key in {k or whole for _, k in wanted}}
+        shared = {key: self._shared_part(snapshot, history, model, key, models)
+                  for key in {k or whole for _, k in wanted}}
         queued = {name: snapshot.queue(name) for name in QUEUES}
         sent, self._queues_sent = self._queues_sent, {}
         frames: dict[FrameKind, bytes] = {}
@@ -72,7 +74,8 @@ class FrameEncoder:
         return previous is not None and previous[0].shape == snapshot.device_states.shape \
             and previous[1].shape == snapshot.cpu_states.shape
 
-    def _shared_part(self, snapshot: PoolSnapshot, history: History, model: str, key: bool) -> bytes:
+    def _shared_part(self, snapshot: PoolSnapshot, history: History, model: str, key: bool,
+                     models: str | None = None) -> bytes:
         """The frame's JSON object without its closing brace, the same for every audience."""
         base = None if key else self._previous
         members: dict[str, Any] = {
@@ -81,6 +84,8 @@ class FrameEncoder:
             "cpu_pages": self._encode(snapshot.cpu_states, base[1] if base else None),
             **figures(snapshot),
         }
+        if models is not None:
+            members["models"] = models
         new_points = history.since(self._history_count)
         if new_points or key:
             members["history"] = [p.as_list() for p in (history.points if key else new_points)]

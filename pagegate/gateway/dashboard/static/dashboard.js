@@ -228,6 +228,7 @@
     $("f-hits").textContent = percent(f.prefix_hit_rate);
     $("f-spec").textContent = percent(f.spec_acceptance_rate);
     $("f-preemptions").textContent = `${number(f.preemptions)} · ${number(f.swap_outs)}`;
+    $("f-models").textContent = f.models ?? "one";
   }
 
   function showHistory(f) {
