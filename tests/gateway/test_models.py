@@ -1,7 +1,8 @@
 """Several models behind one server (--model repeated, --models-dir): the embedded model, a tiny GGUF and a tiny
 Hugging Face folder, driven through the OpenAI SDK: routing by `model`, the 404 for an unknown one, load on demand,
---models-max eviction of the least recently used idle model, sleep and wake with greedy outputs unchanged, a
-killed core isolated (and loaded again on its next request)."""
+--models-max eviction of the least recently used idle model (never one serving), sleep and wake with greedy outputs
+unchanged, the page budget moving between models, a killed core isolated (and loaded again on its next request);
+then --models-dir with SmolLM2's GGUF, and --sleep-idle-seconds."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from pagegate.testing.launcher import ServerProcess, core_pids, free_port
 
 from ..engine.conftest import TINY, hf, save_hf_model
 from ..engine.loading.gguf_files import write_gguf
-from .server_args import server_args
 
+BASE_ARGS = ("--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0")
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
 PROMPT_IDS = [5, 17, 42, 9, 33, 71]  # the folder model has no tokenizer: token ids work for all three
 
@@ -51,7 +52,7 @@ def server(model_files: dict[str, str]) -> Iterator[ServerProcess]:
     args = [arg for path in model_files.values() for arg in ("--model", path)]
     args += ["--served-model-name", *model_files, "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory",
              "64MiB", "--max-num-seqs", "8"]
-    with ServerProcess(server_args(*args, "--grpc-port", str(GRPC_PORT))) as process:  # last: wins over 0
+    with ServerProcess([*BASE_ARGS, *args, "--grpc-port", str(GRPC_PORT)]) as process:  # last: wins over 0
         yield process
 
 
@@ -265,9 +266,26 @@ def test_an_idle_model_falls_asleep_and_wakes_on_its_next_request(model_files: d
     args = ["--model", model_files["default_model"], "--model", model_files["tiny"], "--sleep-idle-seconds", "1",
             "--served-model-name", "default_model", "tiny",
             "--max-model-len", "128", "--kv-cache-memory", "32MiB"]
-    with ServerProcess(server_args(*args)) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with ServerProcess([*BASE_ARGS, *args]) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         before = greedy(client, "tiny")
         wait_for(lambda: http.get("/is_sleeping", params={"model": "tiny"}).json()["is_sleeping"],
                  "tiny to fall asleep", timeout_s=30)
         assert greedy(client, "tiny") == before
+
+
+def test_models_dir_serves_each_file_and_folder(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """--models-dir with SmolLM2's GGUF and the embedded model's folder: both listed by file or folder name, the
+    first in name order loaded at start, the other on its first request; a chat to each."""
+    (tmp_path / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    (tmp_path / "default_model").symlink_to(DEFAULT_MODEL, target_is_directory=True)
+    smollm2 = smollm2_gguf.stem
+    args = ["--models-dir", str(tmp_path), "--max-model-len", "256", "--kv-cache-memory", "64MiB"]
+    with ServerProcess([*BASE_ARGS, *args]) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert states(http) == {smollm2: "loaded", "default_model": "unloaded"}
+        for name in (smollm2, "default_model"):
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, temperature=0)
+            assert reply.model == name and reply.usage.completion_tokens >= 1
+        assert states(http) == {smollm2: "loaded", "default_model": "loaded"}
