@@ -305,13 +305,13 @@ class EngineHost:
         assert self.budget is not None
         now = time.monotonic()
         return [s for s in self.slots if s is not slot and s.state == LOADED and s.idle and s.engine is not None
-                and now - s.last_used >= idle_for_s and self.budget.spare(s)]
+                and not s.resizing and now - s.last_used >= idle_for_s and self.budget.spare(s)]
 
     def _may_grow(self, slot: ModelSlot) -> bool:
         """A loaded model idle a while may take the free budget and what idle others hold beyond their floors,
         when that grows it by GROW_MIN_FRACTION at least (a resize costs an allocation and its prefix cache)."""
         budget = self.budget
-        if budget is None or slot.state != LOADED or not slot.idle or \
+        if budget is None or slot.state != LOADED or not slot.idle or slot.resizing or \
                 time.monotonic() - slot.last_used < REBALANCE_IDLE_S:
             return False
         gain = budget.free(self.slots) + sum(budget.spare(s) for s in self._donors(slot, REBALANCE_IDLE_S))
@@ -328,16 +328,25 @@ class EngineHost:
             self._changed.set()
 
     async def _resize(self, slot: ModelSlot, kv_bytes: int) -> None:
-        """An idle model's pool to `kv_bytes` (its core frees and allocates it; its prefix cache is lost)."""
-        if slot.engine is None or kv_bytes == slot.kv_bytes:
+        """An idle model's pool to `kv_bytes` (its core frees and allocates it; its prefix cache is lost).
+
+        NOTE: a pool that grows counts its new size at once (reserved before the await, so no load takes the same
+        bytes meanwhile); one that shrinks counts its old size until its core has freed it. While it resizes, a
+        model is neither grown nor taken from again."""
+        old = slot.kv_bytes
+        if slot.engine is None or kv_bytes == old or slot.resizing:
             return
+        slot.resizing, slot.kv_bytes = True, max(old, kv_bytes)
         try:
             pages = await slot.engine.resize(kv_bytes)
         except Exception as exc:
+            slot.kv_bytes = old
             logger.warning("resizing the pages of %s failed (it keeps its pool): %s", slot.name, exc)
             return
-        logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, kv_bytes / 2**20)
+        finally:
+            slot.resizing = False
         slot.kv_bytes = kv_bytes
+        logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, kv_bytes / 2**20)
 
     async def _unload(self, slot: ModelSlot) -> None:
         logger.info("unloading %s (%s)", slot.name, "least recently used" if self.config.models_max else "asked")

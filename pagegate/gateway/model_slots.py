@@ -45,6 +45,7 @@ class ModelSlot:
         self.loading: asyncio.Task[None] | None = None  # its load or wake, while one runs
         self.loads = 0  # how many times its core was started
         self.kv_bytes = 0  # its share of the server's page budget now (0 while it holds no pages)
+        self.resizing = False  # its core is resizing its pool (EngineHost._resize)
 
     @property
     def name(self) -> str:
