@@ -102,6 +102,11 @@ def test_flags_make_one_entry_per_model(tmp_path: Path) -> None:
     assert engine.model == "/m/a.gguf" and gateway.models_max == 2 and gateway.served_model_names == []
     one = configs_from_args(build_parser().parse_args(["--model", "/m", "--served-model-name", "a", "b"]))[1]
     assert one.models == [] and one.served_model_names == ["a", "b"]  # one model: the names are aliases
+    for wrong, message in ((["--model", "/a/x.gguf", "--model", "/b/x.gguf"], "same name"),
+                           (["--model", "/a", "--model", "/b", "--served-model-name", "1", "2", "3"], "3 names"),
+                           (["--models-dir", str(tmp_path / "notes.txt")], "not a folder")):
+        with pytest.raises(SystemExit, match=message):
+            configs_from_args(build_parser().parse_args(wrong))
 
 
 def test_models_lists_every_model_with_its_state(http: httpx.Client) -> None:
