@@ -52,8 +52,10 @@ def server(model_files: dict[str, str]) -> Iterator[ServerProcess]:
     args = [arg for path in model_files.values() for arg in ("--model", path)]
     args += ["--served-model-name", *model_files, "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory",
              "64MiB", "--max-num-seqs", "8"]
-    with ServerProcess([*BASE_ARGS, *args, "--grpc-port", str(GRPC_PORT)]) as process:  # last: wins over 0
-        yield process
+    process = ServerProcess([*BASE_ARGS, *args, "--grpc-port", str(GRPC_PORT)]).start()  # last: wins over 0
+    yield process
+    code = process.stop()
+    assert code == 0, f"the server did not stop cleanly ({code}):\n{process.log()[-4000:]}"
 
 
 @pytest.fixture(scope="module")
