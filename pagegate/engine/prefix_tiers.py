@@ -137,6 +137,13 @@ def write_down(kv_cache: PagedKVCache, tiers: TierStack, pool: BlockPool) -> Non
     tiers.persist()
 
 
+def keep_asleep(kv_cache: PagedKVCache, tiers: TierStack, pool: BlockPool) -> None:
+    """Before a sleep frees the pool: every cached page goes down the tiers, however often it was seen."""
+    pages = pool.cached_blocks()
+    tiers.gate.vouch(pages[1].tolist())
+    spill(kv_cache, tiers, pages)
+
+
 def spill(kv_cache: PagedKVCache, tiers: TierStack, pages: EvictedPages) -> None:
     ids, hashes, parents, firsts, tokens = pages
     admitted = [i for i, h in enumerate(hashes.tolist()) if tiers.gate.admits(h)]

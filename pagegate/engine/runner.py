@@ -19,7 +19,7 @@ from pagegate.engine.lora.model import LoRAModel
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
-from pagegate.engine.prefix_tiers import move_tier_pages, write_down
+from pagegate.engine.prefix_tiers import keep_asleep, move_tier_pages, write_down
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.sequence import Sequence
@@ -89,11 +89,14 @@ class ModelRunner:
                                      self.kv_format, self.device, self.num_cpu_blocks)
         self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
 
-    def free_kv_cache(self) -> None:
-        """Sleep: the KV pages' memory (device and swap) goes back, the weights stay. Refused where something
-        else holds pages of this pool (tensor-parallel ranks, a draft model, the KV tiers)."""
-        if self.workers is not None or self.draft is not None or self.tiers is not None:
-            raise ValueError("sleep does not combine with tensor parallelism, a draft model or the KV tiers yet")
+    def free_kv_cache(self, pool: BlockPool) -> None:
+        """Sleep: the KV pages' memory (device and swap) goes back, the weights stay; with KV tiers, the pool's cached
+        pages go down them first, so a woken engine finds its prefixes there. Refused where something else holds
+        pages of this pool (tensor-parallel ranks, a draft model)."""
+        if self.workers is not None or self.draft is not None:
+            raise ValueError("sleep does not combine with tensor parallelism or a draft model yet")
+        if self.tiers is not None:
+            keep_asleep(self.kv_cache, self.tiers, pool)
         self.native = None
         del self.kv_cache
 

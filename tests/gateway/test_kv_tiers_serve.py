@@ -80,3 +80,23 @@ def test_bad_tier_flags_are_usage_errors() -> None:
     for flags in (["--kv-offload-memory", "4QB"], ["--kv-cache-disk", "lots"], ["--kv-offload-min-reuse", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *flags])
+
+
+def test_a_sleeping_model_keeps_its_prefixes_in_host_memory(tmp_path: Path) -> None:
+    """Sleep frees the pool; with a host tier its cached pages go there first, so the woken model hits them."""
+    from pagegate.engine.loading.loader import DEFAULT_MODEL
+
+    args = server_args("--model", str(DEFAULT_MODEL), "--model", str(DEFAULT_MODEL), "--served-model-name", "a", "b",
+                       "--num-kv-blocks", "24", "--max-model-len", "256", "--kv-offload-memory", "4MiB")
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+        def complete_a() -> tuple[str, int]:
+            answer = client.completions.create(model="a", prompt=PROMPT, max_tokens=6, temperature=0)
+            details = answer.usage.prompt_tokens_details if answer.usage else None
+            return answer.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+        cold, _ = complete_a()
+        slept = httpx.post(server.base_url + "/sleep", params={"model": "a"})
+        assert slept.status_code == 200, slept.text
+        assert complete_a() == (cold, 96)  # woken by the request: its prefix from host memory

@@ -179,8 +179,8 @@ class CoreLoop:
         """Free the KV pages, keep the weights (vLLM's sleep level 1: on CPU the weights already live in host
         memory, so nothing is offloaded); a RuntimeError while requests run.
 
-        NOTE: the pages' contents go with them: the prefix cache and any pinned conversation are lost and a woken
-        core starts cold. The simplest honest sleep; keeping them would mean moving them down a tier first."""
+        NOTE: the pages' contents go with them, unless the KV tiers are on: then every cached page goes down them
+        first and a woken core finds its prefixes (and pinned conversations) there; without tiers it starts cold."""
         if self.asleep:
             return
         engine, events = self.engine, self.engine.config.kv_events
@@ -188,7 +188,7 @@ class CoreLoop:
             raise RuntimeError("the engine has requests running: it cannot sleep")
         if not isinstance(engine.runner, ModelRunner) or (events is not None and events.enable_kv_cache_events):
             raise ValueError("this engine cannot sleep (an encoder, or KV-cache events are published)")
-        engine.runner.free_kv_cache()
+        engine.runner.free_kv_cache(engine.scheduler.pool)
         gc.collect()
         self.asleep = True
 
