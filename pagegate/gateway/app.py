@@ -56,6 +56,8 @@ ROUTES = [
     Route("/sleep", routes_models.sleep, methods=["POST"]),
     Route("/wake_up", routes_models.wake_up, methods=["POST"]),
     Route("/is_sleeping", routes_models.is_sleeping, methods=["GET"]),
+    Route("/v1/load_lora_adapter", routes_models.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", routes_models.unload_lora_adapter, methods=["POST"]),
 ]
 
 

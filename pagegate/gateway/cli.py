@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from pagegate.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_bytes,
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _scheduler_flags(parser.add_argument_group("scheduler"))
     _server_flags(parser.add_argument_group("server"))
     _chat_flags(parser.add_argument_group("chat, tools and reasoning"))
+    _lora_flags(parser.add_argument_group("LoRA adapters"))
     return parser
 
 
@@ -218,6 +221,45 @@ def _chat_flags(group: argparse._ArgumentGroup) -> None:
                        help="items one /v1/responses request's input may hold (OpenAI's bound); more is a 400")
 
 
+def _lora_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = LoRAConfig()
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters over the model (their weights in pages of the KV budget)")
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                       help="adapters served by name from the start: name=path (a PEFT folder or a GGUF LoRA file) "
+                            'or JSON \'{"name": ..., "path": ...}\'')
+    group.add_argument("--max-loras", type=_positive(int), default=defaults.max_loras,
+                       help="adapters resident at once; idle ones beyond are evicted LRU and read again on demand")
+    group.add_argument("--max-lora-rank", type=_positive(int), default=defaults.max_lora_rank,
+                       help="the largest adapter rank accepted")
+    group.add_argument("--allow-runtime-lora", action="store_true",
+                       help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+            return str(item["name"]), str(item["path"])
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise argparse.ArgumentTypeError(f'not {{"name": ..., "path": ...}}: {error}') from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"not name=path: {text!r}")
+    return name, path
+
+
+def _lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    if not args.enable_lora:
+        if args.lora_modules or args.allow_runtime_lora:
+            raise SystemExit("--lora-modules and --allow-runtime-lora need --enable-lora")
+        return None
+    if args.model and len(args.model) > 1 or args.models_dir:
+        raise SystemExit("--enable-lora serves adapters over one model: it does not combine with several models yet")
+    return LoRAConfig(args.max_loras, args.max_lora_rank, tuple(args.lora_modules))
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         value = kind(text)
@@ -286,7 +328,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
                           speculative=args.speculative_config, cache=cache, scheduler=scheduler, task=args.task,
-                          pooling=_pooling(args.task, args.pooling))
+                          pooling=_pooling(args.task, args.pooling), lora=_lora_config(args))
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
@@ -312,6 +354,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
                             enable_dashboard=not args.disable_dashboard,
                             dashboard_max_viewers=args.dashboard_max_viewers,
+                            allow_runtime_lora=args.allow_runtime_lora,
                             chat_template=_read_template(args.chat_template), reasoning_parser=args.reasoning_parser,
                             tool_call_parser=args.tool_call_parser,
                             responses_store_max_items=args.responses_store_max_items,

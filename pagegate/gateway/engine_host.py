@@ -81,6 +81,8 @@ class EngineHost:
         self._sleeper: asyncio.Task | None = None
         self.timings = TimingRecorder(start_tracer(config.otlp_traces_endpoint))
         self.several = bool(config.models)
+        # LoRA adapters served by name -> path (--lora-modules, then run-time loads); ModelContext shares this dict
+        self.adapters: dict[str, str] = dict(engine_config.lora.modules) if engine_config.lora else {}
         self.slots = model_slots(engine_config, config)
         self.budget = page_budget(engine_config, config.models_max or len(self.slots)) if self.several else None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +181,7 @@ class EngineHost:
                             reasoning_parser=self.config.reasoning_parser,
                             tool_call_parser=served_tool_format(
                                 self.config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
-                            max_scoring_tokens=self.config.max_scoring_tokens)
+                            max_scoring_tokens=self.config.max_scoring_tokens, adapters=self.adapters)
 
     def _engine_died(self, slot: ModelSlot, engine: EngineClient) -> None:
         """An engine core (or one of its tensor-parallel workers) died. A one-model server exits non-zero (a
@@ -492,12 +494,17 @@ class EngineHost:
         with several, every model and its state (loaded, loading, sleeping, unloaded, failed)."""
         if not self.several:
             _, model = self.require_engine()
-            return [self.model_card(name) for name in model.names]
+            return [self.model_card(name) for name in (*model.names, *self.adapters)]
         self.check_serving()
         return [self.model_card(slot.name) for slot in self.slots]
 
     def model_card(self, name: str) -> dict[str, Any]:
-        """One /v1/models entry."""
+        """One /v1/models entry; a LoRA adapter's names its base model as `parent` and its path as `root`."""
+        if name in self.adapters and not self.several:
+            slot = self.slots[0]
+            return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",
+                    "root": self.adapters[name], "parent": slot.model.name if slot.model else None,
+                    "max_model_len": slot.model.max_model_len if slot.model else None}
         slot = self.slot_for(name)
         root = slot.engine_config.model or "pagegate/engine/default_model"
         return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",

@@ -96,13 +96,14 @@ class EngineRequests:
                  trace_context: Mapping[str, str] | None = None) -> tuple[OutputMerger, list[str]]:
         """Start one engine request per prompt; the merger yields their newest outputs. `trace_context`: the
         client's W3C trace headers, parents of the requests' spans (with --otlp-traces-endpoint)."""
-        engine, _ = self._require_engine(prepared.model)
+        engine, model = self._require_engine(prepared.model)
+        lora_name = prepared.model if prepared.model in model.adapters else None  # a request naming an adapter
         started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         salt = self.cache_salt(prepared)
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt,
-                                   pin=prepared.pin)  # a pin comes with one prompt only (a stored response)
+                                   pin=prepared.pin, lora_name=lora_name)  # a pin: one prompt only (a stored response)
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

@@ -83,6 +83,7 @@ class ModelContext:
     reasoning_parser: str | None = None  # splits <think> blocks off chat answers (--reasoning-parser)
     tool_call_parser: str = "hermes"  # the format the model writes tool calls in (--tool-call-parser)
     max_scoring_tokens: int | None = None  # --max-scoring-tokens: the bound of check_scoring (None: none)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served by name -> path (the host's)
 
     @property
     def call_format(self) -> ToolFormat:
@@ -93,8 +94,8 @@ class ModelContext:
         return self.names[0]
 
     def resolve(self, requested: str | None) -> str:
-        """The served name a request addresses; unknown names are a 404 like OpenAI's."""
-        if requested is None or requested in self.names:
+        """The served name a request addresses (a LoRA adapter's too); unknown names are a 404 like OpenAI's."""
+        if requested is None or requested in self.names or requested in self.adapters:
             return requested or self.name
         raise NotFound(f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 

@@ -1,17 +1,21 @@
 """Several models by hand: POST /models/load and /models/unload (llama.cpp's router names, body {"model": NAME}),
 POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's, the model as `?model=NAME` or in the body). Behind the API
-keys, as /v1 is. A one-model server answers them with a 400 that says how to serve several."""
+keys, as /v1 is. A one-model server answers them with a 400 that says how to serve several.
+
+LoRA adapters at run time (vLLM's routes, behind --allow-runtime-lora as vLLM gates them): POST
+/v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
+from pagegate.engine.errors import InvalidParamError
 from pagegate.gateway.codec import read_body, render
-from pagegate.gateway.engine_host import EngineHost, requested_model
-from pagegate.gateway.errors import BadRequest
+from pagegate.gateway.engine_host import EngineHost, ModelBusy, requested_model
+from pagegate.gateway.errors import APIError, BadRequest, NotFound
 from pagegate.gateway.model_slots import SLEEPING, ModelSlot
 
 
@@ -43,6 +47,58 @@ async def is_sleeping(request: Request) -> Response:
     host = _several(request)
     slot = host.slot_for(request.query_params.get("model"))
     return render({"model": slot.name, "is_sleeping": slot.state == SLEEPING}, msgpack_body=False)
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    host, body = await _lora_request(request)
+    name, path = _text(body, "lora_name"), _text(body, "lora_path")
+    engine, model = host.require_engine()
+    if name in host.adapters or name in model.names:
+        raise BadRequest(f"The name `{name}` is taken: a LoRA adapter or the model has it.", param="lora_name")
+    try:
+        await engine.load_lora_adapter(name, path)
+    except InvalidParamError as error:
+        raise BadRequest(f"The LoRA adapter `{name}` cannot be loaded: {error}", param="lora_path") from None
+    host.adapters[name] = path
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    host, body = await _lora_request(request)
+    name = _text(body, "lora_name")
+    if name not in host.adapters:
+        raise NotFound(f"The LoRA adapter `{name}` does not exist.", param="lora_name", code="model_not_found")
+    engine, _ = host.require_engine()
+    try:
+        await engine.unload_lora_adapter(name)
+    except InvalidParamError as error:
+        raise _lora_error(error) from None
+    del host.adapters[name]
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _lora_request(request: Request) -> tuple[EngineHost, dict[str, Any]]:
+    host: EngineHost = request.app.state.host
+    if not host.config.allow_runtime_lora:
+        raise BadRequest("Loading and unloading LoRA adapters at run time needs --enable-lora --allow-runtime-lora.")
+    body: Any = await read_body(request, host.config.max_request_bytes)
+    if not isinstance(body, dict):
+        raise BadRequest("The body must be a JSON object.")
+    return host, body
+
+
+def _text(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"`{key}` must be a non-empty string.", param=key)
+    return value
+
+
+def _lora_error(error: InvalidParamError) -> APIError:
+    """The core's refusal to unload: 404 for an adapter it does not have, 409 while requests use it."""
+    if error.code == "model_not_found":
+        return NotFound(str(error), param="lora_name", code="model_not_found")
+    return ModelBusy(f"{error}: retry once its requests are done.", param="lora_name", code="adapter_busy")
 
 
 def _several(request: Request) -> EngineHost:

@@ -55,6 +55,7 @@ class GatewayConfig:
     engine_step_timeout_s: float = 60.0
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans; None: no tracing
     enable_dashboard: bool = True  # GET /dashboard and its feed under /dashboard/api/
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM gates them too)
     dashboard_max_viewers: int = 16  # open dashboard feeds; one more gets a 503 with Retry-After
     # Chat: the template (None: the model's own), how <think> blocks and tool calls are read from answers.
     chat_template: str | None = None  # the template's text (--chat-template FILE)

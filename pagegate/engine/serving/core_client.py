@@ -286,20 +286,22 @@ class CoreClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None, token_ids: list[int] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       pin: Pin | None = None, token_ids: list[int] | None = None,
+                       lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
         request. The core checks the request (InvalidParamError from its first delta when it breaks a rule).
         `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
-        async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin),
-                                        params.n):
+        async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin,
+                                                  lora_name=lora_name), params.n):
             yield delta.output(text, token_ids)
 
-    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
+                    lora_name: str | None = None) -> bytes:
         """The prompt's embedding (little-endian float32), pooled in the core; leaving early aborts it."""
         async for delta in self._stream(add_frame(request_id, None, token_ids, SamplingParams(), priority,
-                                                  embed=True), 1):
+                                                  embed=True, lora_name=lora_name), 1):
             if delta.finished:
                 if delta.embedding is None:
                     raise RequestFailedError("the engine finished an embedding request without its embedding")
@@ -401,6 +403,27 @@ class CoreClient:
     async def wake_up(self, kv_bytes: int | None = None) -> int:
         """KV pages again after `sleep` (`kv_bytes` of them; None: as before); how many."""
         return int(await self._call("wake", kv_bytes))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter in the core; InvalidParamError (param lora_path) naming why it does not fit."""
+        await self._lora_call("load_lora", [name, path])
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter; InvalidParamError: code model_not_found (unknown) or adapter_busy (in use)."""
+        await self._lora_call("unload_lora", name)
+
+    async def _lora_call(self, name: CallName, arg: Any) -> None:
+        try:
+            await self._call(name, arg)
+        except RuntimeError as error:  # the core's "Type: message"
+            kind, _, message = str(error).partition(": ")
+            if kind == "InvalidParamError":
+                raise InvalidParamError(message, "lora_name", "model_not_found") from None
+            if kind == "ValueError":
+                busy = name == "unload_lora"
+                raise InvalidParamError(message, "lora_name" if busy else "lora_path",
+                                        "adapter_busy" if busy else "invalid_value") from None
+            raise
 
     async def resize(self, kv_bytes: int) -> int:
         """An idle core's pool to `kv_bytes` of pages (its prefix cache is lost); how many pages it has now."""

@@ -23,10 +23,12 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
 from pagegate.engine.kv_cache import bytes_per_block, check_fits
+from pagegate.engine.lora import LoRARequest
 from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.runner import ModelRunner
@@ -163,8 +165,10 @@ class CoreLoop:
 
     def _answer(self, call_id: int, name: str, arg: Any = None) -> None:
         try:
-            if name in ("wake", "resize"):
-                result: Any = (self._wake if name == "wake" else self._resize)(arg)
+            with_arg: dict[str, Callable[[Any], Any]] = {"wake": self._wake, "resize": self._resize,
+                                                         "load_lora": self._load_lora, "unload_lora": self._unload_lora}
+            if name in with_arg:
+                result: Any = with_arg[name](arg)
             else:
                 result = {"snapshot": self._snapshot, "metrics": self._metrics, "sleep": self._sleep}[name]()
             self._send(Reply(call_id, True, result))
@@ -220,6 +224,25 @@ class CoreLoop:
         self._pages_for(kv_bytes)  # a size that cannot hold one sequence is refused before anything is freed
         self._sleep()
         return self._wake(kv_bytes)
+
+    def _load_lora(self, name_and_path: list[str]) -> int:
+        """Register an adapter at run time (its weights are read and checked now, paged in on first use); its id.
+        ValueError naming what does not fit."""
+        lora = self.engine.runner.lora
+        if lora is None:
+            raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
+        name, path = name_and_path
+        return lora.register(LoRARequest(name, lora.next_id, path)).request.lora_int_id
+
+    def _unload_lora(self, name: str) -> None:
+        """Forget an adapter: InvalidParamError (model_not_found) for an unknown one, ValueError while requests use
+        it (they are never broken: the client retries once they are done)."""
+        lora = self.engine.runner.lora
+        resolve_adapter(lora, name)
+        self.engine.scheduler.unload_adapter(name)
+        assert lora is not None
+        lora.unregister(name)
+        self.engine.refresh_stats()
 
     def _pages_for(self, kv_bytes: int) -> int:
         runner, cache = self.engine.runner, self.engine.config.cache

@@ -40,13 +40,15 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
-                 pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 pin: Pin | None = None, lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
         joins them where a whole answer is needed); leaving the loop early aborts the request. With a pin, the
-        finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL)."""
+        finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL).
+        `lora_name`: a registered LoRA adapter it runs with (None: the base model)."""
         ...
 
-    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
+                    lora_name: str | None = None) -> bytes:
         """The prompt's embedding (little-endian float32 bytes), pooled by the engine; cancelling aborts it."""
         ...
 
@@ -82,6 +84,14 @@ class EngineClient(Protocol):
 
     async def wake_up(self, kv_bytes: int | None = None) -> int:
         """Allocate the KV pages again after `sleep` (`kv_bytes` of them; None: as many as before); how many."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (a PEFT folder or a GGUF file) by name; InvalidParamError naming why not."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter; InvalidParamError: code model_not_found (unknown), adapter_busy (requests use it)."""
         ...
 
     async def resize(self, kv_bytes: int) -> int:

@@ -76,12 +76,13 @@ class Unpin(Frame, tag="unpin"):
     key: str
 
 
-CallName = Literal["snapshot", "metrics", "sleep", "wake", "resize"]
+CallName = Literal["snapshot", "metrics", "sleep", "wake", "resize", "load_lora", "unload_lora"]
 
 
 class Call(Frame, tag="call"):
     """A question answered between two steps; `sleep` frees an idle core's KV pages, `wake` allocates them again
-    and `resize` does both at once (`arg`: the pages' new budget in bytes; None: as before)."""
+    and `resize` does both at once (`arg`: the pages' new budget in bytes; None: as before); `load_lora` registers
+    an adapter (`arg`: [name, path]) and `unload_lora` forgets one (`arg`: its name)."""
 
     call_id: int
     name: CallName

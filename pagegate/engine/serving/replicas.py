@@ -121,7 +121,7 @@ class Replicas:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       pin: Pin | None = None, lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
         index = self.route(token_ids, cache_salt)
         core = self.cores[index]
@@ -130,7 +130,7 @@ class Replicas:
         self._owner[request_id] = core
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                              pin=pin, token_ids=token_ids)) as outputs:  # leaving early aborts at once, not at GC
+                                              pin=pin, token_ids=token_ids, lora_name=lora_name)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:
                         self._unstarted_pages[index] -= pages
@@ -140,12 +140,13 @@ class Replicas:
             self._unstarted_pages[index] -= pages
             self._owner.pop(request_id, None)
 
-    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0) -> bytes:
+    async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
+                    lora_name: str | None = None) -> bytes:
         """On the core with the fewest pages in use (embedding requests take no prefix hits)."""
         index = min(self._accepting_cores(), key=lambda i: (self._pages_in_use(i), i))
         self._owner[request_id] = core = self.cores[index]
         try:
-            return await core.embed(token_ids, request_id, priority=priority)
+            return await core.embed(token_ids, request_id, priority=priority, lora_name=lora_name)
         finally:
             self._owner.pop(request_id, None)
 
@@ -206,6 +207,19 @@ class Replicas:
         """`kv_bytes` is the replicas' together: each core gets its part."""
         each = kv_bytes // len(self.cores) if kv_bytes is not None else None
         return sum(await asyncio.gather(*(core.wake_up(each) for core in self.cores)))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Every core registers it (a request for it may go to any); a failure undoes it where it succeeded."""
+        results = await asyncio.gather(*(core.load_lora_adapter(name, path) for core in self.cores),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            loaded = [core for core, r in zip(self.cores, results, strict=True) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(core.unload_lora_adapter(name) for core in loaded), return_exceptions=True)
+            raise failures[0]
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await asyncio.gather(*(core.unload_lora_adapter(name) for core in self.cores))
 
     async def resize(self, kv_bytes: int) -> int:
         """`kv_bytes` is the replicas' together: each core gets its part."""
