@@ -1,4 +1,5 @@
-"""Many LoRA adapters on one base: pagegate (offline LLM) and llama-server with the same adapters in GGUF form.
+"""Many LoRA adapters on one base: `pagegate serve` and llama-server with the same adapters (GGUF form there), both
+through the OpenAI SDK.
 
     python -m bench.lora [--model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rounds 3]
     python -m bench.lora --streams 4 --prompt 16 --gen 8 --rounds 1     # a tiny run: it works, nothing more
@@ -7,8 +8,8 @@ The adapters: 8 random PEFT LoRAs of rank 8 on q, k, v, o, gate, up and down, bu
 LlamaConfig made from the GGUF's shapes and `peft`, saved under .cache/lora/ (and converted to GGUF there by
 llama.cpp's convert_lora_to_gguf.py for llama-server). Each side serves: `streams` prompts of random token ids
 spread over the 8 adapters ("mixed") against the same prompts on the base model alone, and 1 prompt with an
-adapter against without; output tok/s (ignore_eos), median over alternating rounds, and the ratios.
-llama-server takes its adapters with --lora ... --lora-init-without-apply and a per-request `lora` list (its
+adapter against without; output tok/s (ignore_eos), median over rounds, and the ratios. pagegate serves them
+with --enable-lora --lora-modules (a request's `model` names its adapter); llama-server takes its adapters with --lora ... --lora-init-without-apply and a per-request `lora` list (its
 README: requests with different adapters are not batched together). Writes docs/lora.md.
 """
 
@@ -25,11 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 
 from bench.peers import llamacpp
 from bench.peers.served import SMOLLM2, start_llama_server
+from pagegate.testing.launcher import ServerProcess
 
 LORA_DIR = Path(".cache/lora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -94,29 +97,21 @@ def gguf_adapters(model: Path, folders: list[Path]) -> list[Path]:
 
 # ---- measuring ------------------------------------------------------------------------------------------------
 
-def pagegate_round(llm: Any, prompts: list[list[int]], requests: list[Any], gen: int) -> float:
-    """Output tok/s of one offline generate over `prompts`, prompt i with LoRARequest requests[i] (None: the
-    base)."""
-    from pagegate import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
-    return len(prompts) * gen / (time.perf_counter() - started)
+Choice = tuple[str, dict[str, Any]]  # a request's `model` and the rest of its body (llama-server's `lora` list)
 
 
-async def llama_server_round(base_url: str, prompts: list[list[int]], adapters: list[int | None], gen: int) -> float:
-    """Output tok/s of `prompts` streamed at once to llama-server, prompt i with adapter id adapters[i]."""
+async def served_round(base_url: str, prompts: list[list[int]], choices: list[Choice], gen: int) -> float:
+    """Output tok/s of `prompts` streamed at once, prompt i as choices[i] says."""
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600) as client:
-        async def one(prompt: list[int], adapter: int | None) -> None:
-            lora = [{"id": adapter, "scale": 1.0}] if adapter is not None else []
-            stream = await client.completions.create(model="base", prompt=prompt, max_tokens=gen, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True, "lora": lora})
+        async def one(prompt: list[int], choice: Choice) -> None:
+            model, extra = choice
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True, **extra})
             async for _ in stream:
                 pass
 
         started = time.perf_counter()
-        await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters, strict=True)))
+        await asyncio.gather(*(one(p, c) for p, c in zip(prompts, choices, strict=True)))
         return len(prompts) * gen / (time.perf_counter() - started)
 
 
@@ -143,22 +138,32 @@ def run_side(measure: Callable[[list[list[int]], list[int | None]], float], voca
 
 
 def pagegate_figures(model: Path, folders: list[Path], args: argparse.Namespace, vocab: int) -> Figures:
-    from pagegate import LLM
-    from pagegate.engine.lora import LoRARequest
+    server = ServerProcess(["--model", str(model), "--max-num-seqs", str(args.streams), "--max-queue", "-1",
+                            "--grpc-port", "0", "--disable-uvicorn-access-log", "--disable-dashboard", "--enable-lora",
+                            "--max-loras", str(len(folders)), "--max-lora-rank", str(RANK), "--lora-modules",
+                            *(f"{folder.name}={folder}" for folder in folders)]).start()
+    try:
+        base = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]  # the model first, then adapters
 
-    llm = LLM(str(model), enable_lora=True, max_loras=len(folders), max_lora_rank=RANK, max_num_seqs=args.streams)
-    requests = [LoRARequest(folder.name, i + 1, str(folder)) for i, folder in enumerate(folders)]
-    return run_side(lambda p, a: pagegate_round(llm, p, [requests[i] if i is not None else None for i in a],
-                                                args.gen),
-                    vocab, args.streams, args.prompt, args.rounds, len(folders), "pagegate")
+        def choose(index: int | None) -> Choice:
+            return (folders[index].name if index is not None else base), {}
+
+        return run_side(lambda p, a: asyncio.run(served_round(server.base_url + "/v1", p, [choose(i) for i in a],
+                                                              args.gen)),
+                        vocab, args.streams, args.prompt, args.rounds, len(folders), "pagegate")
+    finally:
+        server.stop()
 
 
 def llama_server_figures(model: Path, files: list[Path], args: argparse.Namespace, vocab: int) -> Figures:
     lora_flags = tuple(flag for file in files for flag in ("--lora", str(file)))
     process, served = start_llama_server(model, args.threads, args.streams, llamacpp.repack_crashes(),
                                          args.prompt + args.gen + 64, (*lora_flags, "--lora-init-without-apply"))
+    def choose(index: int | None) -> Choice:
+        return "base", {"lora": [{"id": index, "scale": 1.0}] if index is not None else []}
+
     try:
-        return run_side(lambda p, a: asyncio.run(llama_server_round(served.base_url, p, a, args.gen)),
+        return run_side(lambda p, a: asyncio.run(served_round(served.base_url, p, [choose(i) for i in a], args.gen)),
                         vocab, args.streams, args.prompt, args.rounds, len(files), "llama-server")
     finally:
         process.terminate()
@@ -175,7 +180,8 @@ def table(results: dict[str, Figures], args: argparse.Namespace, model: Path) ->
     for side, f in results.items():
         lines.append(f"| {side} | {f['mixed']:.1f} | {f['base']:.1f} | {f['mixed'] / f['base']:.2f}× "
                      f"| {f['one_adapter']:.1f} | {f['one_base']:.1f} | {f['one_adapter'] / f['one_base']:.2f}× |")
-    lines += ["", "pagegate: offline `LLM(enable_lora=True, max_loras=8, max_lora_rank=8)`, one LoRARequest per prompt. "
+    lines += ["", "pagegate: `pagegate serve --enable-lora --max-loras 8 --max-lora-rank 8 --lora-modules ...`, a "
+              "request's `model` naming its adapter. "
               "llama-server: the same adapters converted by llama.cpp's convert_lora_to_gguf.py (F16), "
               "`--lora` each, `--lora-init-without-apply`, a per-request `lora` list."]
     return "\n".join(lines) + "\n"
