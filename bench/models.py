@@ -95,7 +95,8 @@ def shifting_traffic(urls: dict[str, str], args: argparse.Namespace) -> list[flo
 
 
 def shared_budget(models: list[str], args: argparse.Namespace) -> dict[str, float]:
-    common = ["--disable-uvicorn-access-log", "--grpc-port", "0", *args.extra]
+    common = ["--disable-uvicorn-access-log", "--grpc-port", "0", "--kv-cache-dtype", "float16",
+              "--max-model-len", str(args.prompt + args.gen + 16), *args.extra]
     half = str(parse_bytes(args.budget) // 2)
     shared_args = [a for path in models for a in ("--model", path)]
     shared_args += ["--served-model-name", *NAMES, "--models-max", "2", "--kv-cache-memory", args.budget, *common]
