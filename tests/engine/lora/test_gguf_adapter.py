@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.peers import llamacpp
 from pagegate import LLM
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.lora import LoRARequest
@@ -18,14 +19,13 @@ from ..loading.gguf_files import write_gguf
 from .test_lora import ALL, PROMPTS, hf_greedy, lora_llm, make_adapter, tokens
 
 pytest.importorskip("peft")
-CONVERTER = sorted(Path(".cache/peers").glob("llama_cpp_python-*/vendor/llama.cpp/convert_lora_to_gguf.py"))
 
 
 def convert(adapter: Path, base: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's converter run as llama.cpp's users run it: the PEFT folder and the base's HF folder."""
-    if not CONVERTER:
-        pytest.skip("the vendored llama.cpp tree is not unpacked (python -m bench.peers.llamacpp)")
-    subprocess.run([sys.executable, str(CONVERTER[-1]), "--base", str(base), "--outfile", str(out), "--outtype",
+    """llama.cpp's converter run as llama.cpp's users run it: the PEFT folder and the base's HF folder (the vendored
+    tree is unpacked on first use, as the family tests' model converter is)."""
+    converter = llamacpp.source_dir() / "convert_lora_to_gguf.py"
+    subprocess.run([sys.executable, str(converter), "--base", str(base), "--outfile", str(out), "--outtype",
                     outtype, str(adapter)], check=True, capture_output=True)
     return out
 
