@@ -363,22 +363,24 @@ class EngineHost:
         await self.ensure_loaded(slot)
         return slot
 
-    async def unload_model(self, name: str | None) -> ModelSlot:
-        """POST /models/unload: free a model's core now (a 409 while it serves requests)."""
+    async def _idle_slot(self, name: str | None, what: str) -> ModelSlot:
+        """The named model once any load of it has settled; a 409 (ModelBusy) while it serves requests."""
         slot = self.slot_for(name)
         if slot.loading is not None:
             await asyncio.shield(slot.loading)
-        self._check_idle(slot, "unloaded")
+        self._check_idle(slot, what)
+        return slot
+
+    async def unload_model(self, name: str | None) -> ModelSlot:
+        """POST /models/unload: free a model's core now (a 409 while it serves requests)."""
+        slot = await self._idle_slot(name, "unloaded")
         if slot.holds_memory:
             await self._unload(slot)
         return slot
 
     async def sleep_model(self, name: str | None) -> ModelSlot:
-        """/sleep: free the model's KV pages, keep its weights (its prefix cache is lost)."""
-        slot = self.slot_for(name)
-        if slot.loading is not None:
-            await asyncio.shield(slot.loading)
-        self._check_idle(slot, "put to sleep")
+        """/sleep: free the model's KV pages, keep its weights (its prefix cache is lost unless KV tiers keep it)."""
+        slot = await self._idle_slot(name, "put to sleep")
         if slot.state == LOADED and slot.engine is not None:
             # NOTE: asleep before the core is told: a request arriving meanwhile wakes it, and the core takes the
             # wake after the sleep and the request after the wake (one socket, frames in order).
