@@ -11,6 +11,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include "cpu_lora.h"
 #include "cpu_paged.h"
 #include "cpu_qdot.h"
 
@@ -62,6 +63,8 @@ typedef struct {
     const int32_t *block_tables;
     int64_t table_width;
     const int32_t *seq_lens, *query_start;
+    const pgl_table *lora;  /* the adapters' slots; NULL, or lora_groups.count 0: every token runs on the base */
+    pgl_groups lora_groups;
 } pgd_step;
 
 /* Per-step buffers, sized by the caller for PGD_MAX_TOKENS tokens. `normed` holds the input of the
@@ -325,10 +328,18 @@ static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, floa
     #pragma omp barrier
 }
 
-/* One decoder layer over the step's tokens, x [T, hidden] the residual stream; act is this
+/* The adapted tokens' LoRA updates of projection `proj` (PGL_QKV ...) of layer `index`, added to its output out
+   after its base matmul; x [T, k] its input. */
+static void pgd_lora(const pgd_step *s, int index, int proj, const float *x, int64_t k, float *out,
+                     int64_t out_stride) {
+    if (s->lora && s->lora_groups.count) pgl_add(s->lora, &s->lora_groups, index, proj, x, k, k, out, out_stride);
+}
+
+/* One decoder layer (number `index`) over the step's tokens, x [T, hidden] the residual stream; act is this
    thread's copy of b->act. */
-static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *x,
-                              pgd_buffers *b, pgq_act *act) {
+static void pgd_layer_forward(const pgd_model *m, int index, const pgd_step *s, float *x, pgd_buffers *b,
+                              pgq_act *act) {
+    const pgd_layer *layer = &m->layers[index];
     const int tokens = s->tokens;
     const int64_t q_width = (int64_t)m->num_heads * m->head_dim;
     const int64_t qkv_width = q_width + 2 * (int64_t)m->num_kv_heads * m->head_dim;
@@ -336,27 +347,35 @@ static void pgd_layer_forward(const pgd_model *m, const pgd_layer *layer, const 
     pgd_norm_rows(m, x, layer->attn_norm, tokens, b->normed);
     pgd_quantize(m, &layer->qkv, b->normed, act, tokens);
     pgd_matmul(m, &layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
+    pgd_lora(s, index, PGL_QKV, b->normed, m->hidden, b->qkv, qkv_width);
     pgd_rope_and_write(m, layer, s, b->qkv);
     pgd_attention(m, layer, s, b, b->qkv, qkv_width, b->normed, q_width);
     act->k = q_width;
     pgd_quantize(m, &layer->o, b->normed, act, tokens);
     if (layer->post_attn_norm) {
         pgd_matmul(m, &layer->o, b->normed, act, tokens, b->branch, m->hidden, 0);
+        pgd_lora(s, index, PGL_O, b->normed, q_width, b->branch, m->hidden);
         pgd_add_normed(m, b->branch, layer->post_attn_norm, tokens, x);
-    } else
+    } else {
         pgd_matmul(m, &layer->o, b->normed, act, tokens, x, m->hidden, 1);
+        pgd_lora(s, index, PGL_O, b->normed, q_width, x, m->hidden);
+    }
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->ffn_norm, tokens, b->normed);
     pgd_quantize(m, &layer->gate_up, b->normed, act, tokens);
     pgd_matmul(m, &layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
+    pgd_lora(s, index, PGL_GATE_UP, b->normed, m->hidden, b->gate_up, 2 * (int64_t)m->intermediate);
     act->k = m->intermediate;
     pgd_gated(m, tokens, b->gate_up, b->normed);
     pgd_quantize(m, &layer->down, b->normed, act, tokens);
     if (layer->post_ffn_norm) {
         pgd_matmul(m, &layer->down, b->normed, act, tokens, b->branch, m->hidden, 0);
+        pgd_lora(s, index, PGL_DOWN, b->normed, m->intermediate, b->branch, m->hidden);
         pgd_add_normed(m, b->branch, layer->post_ffn_norm, tokens, x);
-    } else
+    } else {
         pgd_matmul(m, &layer->down, b->normed, act, tokens, x, m->hidden, 1);
+        pgd_lora(s, index, PGL_DOWN, b->normed, m->intermediate, x, m->hidden);
+    }
 }
 
 /* The decoder over the step's tokens on `threads` threads: x [T, hidden] ends as the final norm's
@@ -378,7 +397,7 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
             else pgq_dequantize_row(m->embed.qtype, row, m->hidden, xt);
             if (m->embed_scale != 0.0f) pg_scale(xt, m->embed_scale, m->hidden);
         }
-        for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, &m->layers[l], s, x, b, &act);
+        for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, l, s, x, b, &act);
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
             float *row = x + (int64_t)t * m->hidden;

@@ -8,10 +8,15 @@ attention scores and logits, a local RoPE table on the sliding layers) are optio
 norms, the rotary table) and the KV pages; it copies nothing, and the tensors must outlive it.
 Linear layers in integer blocks take their input in Q8 (llama.cpp's arithmetic, cpu_qdot.h);
 float32 and float16 weights take it in float32, as pagegate.kernels.cpu_quant.matmul does.
+
+`LoRATable` holds LoRA adapters in slots (cpu_lora.h): a step's tokens grouped by slot get each adapter's
+low-rank update after every projection's base matmul, on the native step (`DecodeModel.forward(lora=...)`) or one
+projection at a time for the torch forward (`LoRATable.add`).
 """
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 from pagegate.kernels.cpu_qdot cimport pgq_act, pgq_init, pgq_isa, pgq_set_isa
 
@@ -23,6 +28,30 @@ from pagegate.kernels.kv_format import format_of
 
 cdef extern from "cpu_paged.h":
     int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
+
+cdef extern from "cpu_lora.h":
+    ctypedef struct pgl_shard:
+        int first_col, cols, first_rank, ranks
+        const float *expand
+    ctypedef struct pgl_update:
+        const float *shrink
+        int rank, shards
+        pgl_shard shard[3]
+    ctypedef struct pgl_table:
+        int slots, layers, max_rank
+        pgl_update *updates
+    ctypedef struct pgl_groups:
+        int count
+        const int32_t *slot
+        const int32_t *start
+        const int32_t *token
+        float *shrunk
+    enum:
+        PGL_PROJS
+        PGL_MAX_SHARDS
+    int pgl_set_isa(int portable) noexcept nogil
+    void pgl_add_parallel(const pgl_table *table, const pgl_groups *g, int layer, int proj, const float *x, int64_t k,
+                          float *out, int64_t out_stride, int threads) noexcept nogil
 
 cdef extern from "cpu_decode.h":
     ctypedef struct pgd_linear:
@@ -63,6 +92,8 @@ cdef extern from "cpu_decode.h":
         int64_t table_width
         const int32_t *seq_lens
         const int32_t *query_start
+        const pgl_table *lora
+        pgl_groups lora_groups
     ctypedef struct pgd_buffers:
         float *normed
         float *qkv
@@ -106,6 +137,13 @@ def set_isa(name: str) -> bool:
     return bool(pgq_set_isa(name.encode()))
 
 
+def set_lora_isa(name: str) -> bool:
+    """Run the LoRA updates on "avx2" (the default where the CPU has it) or "portable" C; False if unavailable."""
+    if name not in ("avx2", "portable"):
+        raise ValueError(f"the LoRA updates run on avx2 or portable, not {name!r}")
+    return bool(pgl_set_isa(name == "portable"))
+
+
 cdef size_t _address(t, dtype, shape, what) except? 0:
     if t.dtype != dtype or tuple(t.shape) != tuple(shape) or not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"{what} must be a contiguous CPU {dtype} tensor of shape {tuple(shape)}, "
@@ -132,6 +170,131 @@ cdef const float *_optional(t, int64_t n, what) except? NULL:
     return NULL if t is None else <const float *>_address(t, torch.float32, (n,), what)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's projections that take adapters, in the table's order
+
+
+cdef class LoRATable:
+    """LoRA adapters in `slots` slots over a model's layers: a slot's update of one projection is a float32 shrink
+    A [rank, in] (the packed shards' A stacked) and, per shard, its expand: B with the scale folded in, transposed
+    [ranks, cols], with the shard's first output column and first rank. `shapes` gives each layer's (in, out) of its
+    PROJECTIONS; `max_rank` the widest shrink a slot may hold. The table keeps the tensors it points into until
+    their slot is cleared.
+
+    A step's adapted tokens come as groups (slot, start, token), three int32 arrays: group i is the tokens
+    token[start[i]:start[i + 1]] of adapter slot[i]; each token at most once, base tokens in none."""
+
+    cdef pgl_table table
+    cdef list shapes
+    cdef list keep  # per slot: {(layer, projection): the tensors its update points into}
+
+    def __cinit__(self):
+        self.table.updates = NULL
+
+    def __init__(self, int slots, shapes, int max_rank):
+        if slots < 1 or max_rank < 1 or not shapes or any(len(layer) != PGL_PROJS for layer in shapes):
+            raise ValueError(f"a LoRA table needs slots, a rank and ({', '.join(PROJECTIONS)}) shapes per layer")
+        self.shapes = [tuple((int(k), int(n)) for k, n in layer) for layer in shapes]
+        self.table.slots, self.table.layers, self.table.max_rank = slots, len(shapes), max_rank
+        self.table.updates = <pgl_update *>calloc(slots * len(shapes) * PGL_PROJS, sizeof(pgl_update))
+        if self.table.updates == NULL:
+            raise MemoryError()
+        self.keep = [{} for _ in range(slots)]
+
+    def __dealloc__(self):
+        free(self.table.updates)
+
+    @property
+    def slots(self) -> int:
+        return self.table.slots
+
+    @property
+    def max_rank(self) -> int:
+        return self.table.max_rank
+
+    def layer_shapes(self) -> list:
+        """Each layer's (in, out) of its PROJECTIONS."""
+        return list(self.shapes)
+
+    cdef pgl_update *_update(self, int slot, int layer, int proj) except NULL:
+        if not (0 <= slot < self.table.slots and 0 <= layer < self.table.layers and 0 <= proj < PGL_PROJS):
+            raise IndexError(f"no LoRA slot {slot}, layer {layer}, projection {proj}")
+        return &self.table.updates[(<int64_t>slot * self.table.layers + layer) * PGL_PROJS + proj]
+
+    def set(self, int slot, int layer, int proj, shrink, shards):
+        """Slot `slot`'s update of projection PROJECTIONS[proj] of `layer`: shrink [rank, in] and shards, each
+        (first column, first rank, expand [ranks, cols]) inside the projection's output and the shrink's ranks."""
+        cdef pgl_update *update = self._update(slot, layer, proj)
+        k, n = self.shapes[layer][proj]
+        rank = shrink.shape[0] if shrink.dim() == 2 else 0
+        if not 1 <= rank <= self.table.max_rank or not 1 <= len(shards) <= PGL_MAX_SHARDS:
+            raise ValueError(f"a LoRA update takes a shrink of rank 1 to {self.table.max_rank} and 1 to "
+                             f"{PGL_MAX_SHARDS} shards, not {tuple(shrink.shape)} and {len(shards)}")
+        cdef pgl_update made
+        memset(&made, 0, sizeof(pgl_update))
+        made.shrink = <const float *>_address(shrink, torch.float32, (rank, k), "LoRA shrink")
+        made.rank, made.shards = rank, len(shards)
+        for i, (first_col, first_rank, expand) in enumerate(shards):
+            ranks, cols = expand.shape if expand.dim() == 2 else (0, 0)
+            if not (0 <= first_col and 1 <= cols and first_col + cols <= n and 0 <= first_rank and 1 <= ranks
+                    and first_rank + ranks <= rank):
+                raise ValueError(f"a LoRA expand {tuple(expand.shape)} at column {first_col}, rank {first_rank} "
+                                 f"does not fit a projection of {n} outputs and a shrink of rank {rank}")
+            made.shard[i].expand = <const float *>_address(expand, torch.float32, (ranks, cols), "LoRA expand")
+            made.shard[i].first_col, made.shard[i].cols = first_col, cols
+            made.shard[i].first_rank, made.shard[i].ranks = first_rank, ranks
+        update[0] = made
+        self.keep[slot][layer, proj] = (shrink, shards)
+
+    def clear(self, int slot):
+        """Empty slot `slot`: its tokens would run on the base."""
+        for layer in range(self.table.layers):
+            for proj in range(PGL_PROJS):
+                memset(self._update(slot, layer, proj), 0, sizeof(pgl_update))
+        self.keep[slot] = {}
+
+    cdef _groups(self, groups, int tokens, pgl_groups *g):
+        """Fill g from (slot, start, token) after checking them against the table and a step of `tokens`."""
+        cdef const int32_t[::1] slot = groups[0]
+        cdef const int32_t[::1] start = groups[1]
+        cdef const int32_t[::1] token = groups[2]
+        cdef int count = slot.shape[0], i, j
+        if start.shape[0] != count + 1 or (count and (start[0] != 0 or start[count] != token.shape[0])):
+            raise ValueError("LoRA groups: start must run from 0 to the number of tokens, one more than the slots")
+        seen = bytearray(tokens)
+        for i in range(count):
+            if not 0 <= slot[i] < self.table.slots or start[i + 1] < start[i]:
+                raise ValueError(f"LoRA group {i}: slot {slot[i]} or its tokens are out of range")
+            for j in range(start[i], start[i + 1]):
+                if not 0 <= token[j] < tokens or seen[token[j]]:
+                    raise ValueError(f"LoRA group {i}: token {token[j]} is out of range or in another group")
+                seen[token[j]] = 1
+        g.count = count
+        g.slot = &slot[0] if count else NULL
+        g.start = &start[0]
+        g.token = &token[0] if token.shape[0] else NULL
+        g.shrunk = NULL
+
+    def add(self, int layer, int proj, x, out, groups):
+        """out [T, out] += each grouped token's update of projection PROJECTIONS[proj] of `layer`, in place; x [T, in]
+        the projection's input (float32, contiguous)."""
+        self._update(0, layer, proj)
+        cdef int64_t k = self.shapes[layer][proj][0], n = self.shapes[layer][proj][1]
+        cdef int64_t tokens = x.shape[0]
+        cdef const float *xs = <const float *>_address(x, torch.float32, (tokens, k), "LoRA input")
+        cdef float *o = <float *>_address(out, torch.float32, (tokens, n), "LoRA output")
+        cdef pgl_groups g
+        self._groups(groups, tokens, &g)
+        if not g.count:
+            return
+        cdef int threads = torch.get_num_threads()
+        g.shrunk = <float *>malloc(tokens * self.table.max_rank * sizeof(float))
+        if g.shrunk == NULL:
+            raise MemoryError()
+        with nogil:
+            pgl_add_parallel(&self.table, &g, layer, proj, xs, k, o, n, threads)
+        free(g.shrunk)
+
+
 cdef class DecodeModel:
     """The decoder of one model over its KV pages; `forward` runs a step, `logits` the LM head.
 
@@ -150,6 +313,7 @@ cdef class DecodeModel:
     cdef pgd_buffers buffers
     cdef int64_t num_pages, max_positions
     cdef object keep  # every tensor the pointers point into
+    cdef object lora_checked  # the last LoRA table found to fit this model's projections
 
     def __cinit__(self):
         self.layers = NULL
@@ -234,9 +398,14 @@ cdef class DecodeModel:
         free(self.layers)
 
     def forward(self, const int64_t[::1] ids, const int64_t[::1] positions, const int64_t[::1] slots,
-                const int32_t[:, ::1] block_tables, const int32_t[::1] seq_lens, const int32_t[::1] query_start):
-        """Final hidden states [T, hidden] (float32) of the step's tokens; their K and V go to their slots."""
+                const int32_t[:, ::1] block_tables, const int32_t[::1] seq_lens, const int32_t[::1] query_start,
+                LoRATable lora=None, lora_groups=None):
+        """Final hidden states [T, hidden] (float32) of the step's tokens; their K and V go to their slots. With
+        `lora` and `lora_groups` (LoRATable's groups), the grouped tokens run with their slots' adapters."""
         cdef pgd_step s
+        s.lora = NULL
+        s.lora_groups.count = 0
+        s.lora_groups.shrunk = NULL
         s.tokens, s.seqs = ids.shape[0], seq_lens.shape[0]
         if s.tokens < 1 or s.seqs < 1:
             raise ValueError(_STEP_ERRORS[1])
@@ -248,12 +417,34 @@ cdef class DecodeModel:
         cdef int error = pgd_check(&self.model, &s, &ids[0], self.num_pages, self.max_positions)
         if error:
             raise ValueError(_STEP_ERRORS[error])
+        if lora is not None and lora_groups is not None:
+            self._check_lora(lora)
+            lora._groups(lora_groups, s.tokens, &s.lora_groups)
+            s.lora = &lora.table
         out = torch.empty((s.tokens, self.model.hidden))
         cdef float *x = <float *><size_t>out.data_ptr()
         cdef int threads = torch.get_num_threads()
+        if s.lora_groups.count:
+            s.lora_groups.shrunk = <float *>malloc(s.tokens * lora.table.max_rank * sizeof(float))
+            if s.lora_groups.shrunk == NULL:
+                raise MemoryError()
         with nogil:
             pgd_forward(&self.model, &s, &ids[0], x, &self.buffers, threads)
+        free(s.lora_groups.shrunk)
         return out
+
+    cdef _check_lora(self, LoRATable lora):
+        """ValueError unless `lora`'s layers and shapes are this model's."""
+        if lora is self.lora_checked:
+            return
+        cdef const pgd_layer *l
+        shapes = []
+        for i in range(self.model.num_layers):
+            l = &self.model.layers[i]
+            shapes.append(((l.qkv.k, l.qkv.n), (l.o.k, l.o.n), (l.gate_up.k, l.gate_up.n), (l.down.k, l.down.n)))
+        if lora.layer_shapes() != shapes:
+            raise ValueError("the LoRA table's layers and projections are not this model's")
+        self.lora_checked = lora
 
     def logits(self, hidden):
         """Float32 logits [N, vocab] of final hidden states [N, hidden]."""
