@@ -4,13 +4,19 @@ each step's rows grouped by adapter so every adapted projection adds its rows' l
 NOTE: the base matmul runs once for the whole batch (base rows and adapter rows alike); a forward hook on each
 adapted module then adds, per adapter in the step, (x[rows] @ A.T) @ B.T into those rows (S-LoRA/Punica's
 shrink and expand, grouped by adapter: a step holds few adapters, and a sequence's rows are one contiguous run).
-Hooks keep the modules' types, so the GGUF blocks, the native decoder and the loaders see the model unchanged."""
+Hooks keep the modules' types, so the GGUF blocks, the native decoder and the loaders see the model unchanged.
+
+NOTE: on a CPU float32 model with the native extension (the "auto" backend), a loaded adapter takes a slot of a
+`cpu_decode.LoRATable` (max_loras slots, float32 weights whatever the base's blocks): the native decode step adds
+the updates inside its C layers, so a step with adapter rows stays on it, and the torch forward (prefill, big steps)
+adds them with one C call per projection from the hook, every adapter of the step at once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +25,7 @@ from torch import nn
 from pagegate.config import LoRAConfig
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.lora.adapter import (
+    TARGET_PATHS,
     AdapterWeights,
     TargetModule,
     adapter_digest,
@@ -28,8 +35,14 @@ from pagegate.engine.lora.adapter import (
 )
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.models.base import CausalLM
+from pagegate.kernels.dispatch import decode_kernel, requested_backend
+
+if TYPE_CHECKING:
+    from pagegate.engine.lora.slots import AdapterSlots
 
 Rows = slice | torch.Tensor  # a step's rows of one adapter: one contiguous run, or their indices
+# a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -53,8 +66,16 @@ class LoRAModel:
         self.targets: dict[str, TargetModule] = model_targets(model)
         self.heads = model_heads(model)
         self.registered: dict[str, Registered] = {}
-        self.loaded: dict[str, AdapterWeights] = {}
+        self.loaded: dict[str, AdapterWeights] = {}  # the torch ops' weights (where there is no kernel table)
         self.groups: list[tuple[AdapterWeights, Rows]] = []  # this step's rows of each adapter
+        self.table = kernel_table(model, self.targets, config)  # the native extension's slots, or None
+        self.table_slot: dict[str, int] = {}  # each loaded adapter's slot of max_loras
+        self.step_groups: Groups | None = None  # this step's adapted rows by slot
+        self.slots: AdapterSlots | None = None  # CUDA: the adapters stacked for the grouped Triton kernels
+        if self.device.type == "cuda":
+            from pagegate.engine.lora.slots import AdapterSlots  # imports triton: only where it runs
+
+            self.slots = AdapterSlots(self.targets, config, self.dtype, self.device)
         for target in {(t.layer, t.path): t for t in self.targets.values()}.values():
             module: nn.Module = model.model.layers[target.layer].get_submodule(target.path)
             module.register_forward_hook(partial(self._add_updates, (target.layer, target.path)))
@@ -83,7 +104,7 @@ class LoRAModel:
         """Forget an adapter (its pages were released first: Scheduler.unload_adapter)."""
         if name not in self.registered:
             raise InvalidParamError(f"the LoRA adapter {name!r} does not exist", "lora_name", "model_not_found")
-        self.loaded.pop(name, None)
+        self.drop(name)
         del self.registered[name]
 
     @property
@@ -95,12 +116,28 @@ class LoRAModel:
         return self.registered[name].nbytes
 
     def load(self, name: str) -> None:
-        """Read a registered adapter's weights onto the model's device (its pages were just taken)."""
-        self.loaded[name] = self._read(self.registered[name].request)
+        """Read a registered adapter's weights onto the model's device, and into a free slot (its pages were just
+        taken; pages.py keeps at most max_loras adapters loaded)."""
+        weights = self._read(self.registered[name].request)
+        slot = next((s for s in range(self.max_loras) if s not in self.table_slot.values()), None)
+        if slot is None:
+            raise RuntimeError(f"all {self.max_loras} LoRA slots are taken; {name!r} cannot load")
+        if self.table is None:
+            self.loaded[name] = weights
+        else:
+            try:
+                fill_slot(self.table, slot, weights)
+            except BaseException:
+                self.table.clear(slot)
+                raise
+        self.table_slot[name] = slot
 
     def drop(self, name: str) -> None:
-        """Its pages went back: the weights go too (read again from its folder on demand)."""
+        """Its pages went back: the weights and its slot go too (read again from its folder on demand)."""
         self.loaded.pop(name, None)
+        slot = self.table_slot.pop(name, None)
+        if slot is not None and self.table is not None:
+            self.table.clear(slot)
 
     def _read(self, lora: LoRARequest) -> AdapterWeights:
         return read_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank, self.dtype,
@@ -108,20 +145,37 @@ class LoRAModel:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def set_step(self, adapter_names: Sequence[str | None], starts: np.ndarray) -> bool:
-        """Group the step's rows by adapter: sequence i's rows are starts[i]:starts[i + 1]. Whether any row
-        takes an adapter."""
+    def set_step(self, adapter_names: Sequence[str | None], starts: np.ndarray) -> Groups | None:
+        """Group the step's rows by adapter (sequence i's rows are starts[i]:starts[i + 1]) for the hooks; the
+        groups by slot (what the kernel takes), or None when no row takes an adapter."""
+        self.step_groups, self.groups = None, []
+        if all(name is None for name in adapter_names):
+            return None
+        row_slots = np.repeat(np.array([-1 if n is None else self.table_slot[n] for n in adapter_names], np.int32),
+                              np.diff(starts))
+        self.step_groups = slot_groups(row_slots)
+        if self.table is not None:  # the kernel adds them: no torch rows to build
+            return self.step_groups
         runs: dict[str, list[tuple[int, int]]] = {}
         for i, name in enumerate(adapter_names):
             if name is not None:
                 runs.setdefault(name, []).append((int(starts[i]), int(starts[i + 1])))
         self.groups = [(self.loaded[name], _as_rows(spans, self.device)) for name, spans in runs.items()]
-        return bool(self.groups)
+        if self.slots is not None:
+            self.slots.set_step(self.loaded, runs)
+        return self.step_groups
 
     def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...],
                      output: torch.Tensor) -> torch.Tensor | None:
-        if not self.groups:
+        if self.step_groups is None:
             return None
+        if self.table is not None:  # one C call adds every adapter of the step (cpu_lora.h)
+            layer, path = key
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).contiguous()
+            self.table.add(layer, TARGET_PATHS.index(path), x, output.view(-1, output.shape[-1]), self.step_groups)
+            return output
+        if self.slots is not None:  # CUDA: one grouped shrink and expand per shard (kernels/triton_lora.py)
+            return self.slots.add_updates(key, inputs[0], output)
         x = inputs[0]
         for adapter, rows in self.groups:
             lora = adapter.modules.get(key)
@@ -149,6 +203,35 @@ def resolve_adapter(lora_model: LoRAModel | None, lora: LoRARequest | str | None
     if known is None:
         raise InvalidParamError(f"the LoRA adapter {lora!r} does not exist", "model", "model_not_found")
     return known
+
+
+def kernel_table(model: CausalLM, targets: dict[str, TargetModule], config: LoRAConfig) -> Any | None:
+    """The native extension's adapter slots for `model` (cpu_decode.LoRATable) where its C may add the updates: a
+    CPU float32 model, the "auto" backend, the extension built; else None."""
+    kernel = decode_kernel()
+    if kernel is None or requested_backend() != "auto" or model.device.type != "cpu" or model.dtype != torch.float32:
+        return None
+    modules = {(t.layer, t.path): t for t in targets.values()}
+    shapes = [[(modules[layer, path].in_features, modules[layer, path].shards[-1].columns.stop)
+               for path in TARGET_PATHS] for layer in range(len(model.model.layers))]
+    widest = max(len(t.shards) for t in modules.values())
+    return kernel.LoRATable(config.max_loras, shapes, widest * config.max_lora_rank)
+
+
+def fill_slot(table: Any, slot: int, weights: AdapterWeights) -> None:
+    """An adapter's updates into a table slot: its shrinks as they are, each shard's B transposed (the C streams it
+    along the output)."""
+    for (layer, path), lora in weights.modules.items():
+        shards = [(columns.start, ranks.start, expand.T.contiguous()) for columns, ranks, expand in lora.expands]
+        table.set(slot, layer, TARGET_PATHS.index(path), lora.shrink, shards)
+
+
+def slot_groups(row_slots: np.ndarray) -> Groups:
+    """Rows with a slot (>= 0) grouped by it, each group in row order: (slot, start, row) as the kernel takes them."""
+    adapted = np.flatnonzero(row_slots >= 0)
+    rows = adapted[np.argsort(row_slots[adapted], kind="stable")].astype(np.int32)
+    slots, firsts = np.unique(row_slots[rows], return_index=True)
+    return slots.astype(np.int32), np.append(firsts, len(rows)).astype(np.int32), rows
 
 
 def _as_rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
