@@ -322,11 +322,11 @@ kernel_tests() {
     local log=$LOGS/02-tests.log rc summary
     # -o addopts: pyproject's --benchmark-disable would need pytest-benchmark, which these files do not use
     run_step tests "$TESTS_S" "$log" "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-        tests/kernels/test_triton.py tests/kernels/test_triton_formats.py tests/kernels/test_blocks.py \
-        tests/kernels/test_dispatch.py
+        tests/kernels/test_triton.py tests/kernels/test_triton_formats.py tests/kernels/test_triton_lora.py \
+        tests/kernels/test_blocks.py tests/kernels/test_dispatch.py
     rc=$?
     summary=$(grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
-    row "kernel tests (Triton vs reference on $DEVICE, every KV page format, blocks, dispatch)" "$(result_of "$rc")" \
+    row "kernel tests (Triton vs reference on $DEVICE, every KV page format, LoRA, blocks, dispatch)" "$(result_of "$rc")" \
         "${summary:-no pytest summary} (${TOOK[tests]} s)"
     ((rc == 0)) || FAILED=1
 }

@@ -8,13 +8,15 @@ give the same tokens, except after a near tie (the CPU's top two within --tie-na
 within --logprob-tol. In the model's own dtype (`auto`: bfloat16 for SmolLM2 on CUDA) agreement is reported,
 not judged, and throughput is timed: one stream, then --batch requests at once. With --rows, appends markdown
 table rows (check | result | figures) for bench/gpu_check.sh. Then the KV tiers on the device (host memory and disk
-give back a prefix's pages with the cold run's tokens). Exits 1 when an agreement or tier check fails.
+give back a prefix's pages with the cold run's tokens), and LoRA adapters in one mixed batch (on CUDA through the
+grouped Triton kernels, kernels/triton_lora.py) against the CPU's torch path. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import sys
 import tempfile
@@ -23,11 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 from pagegate import LLM, SamplingParams  # noqa: E402
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pagegate.engine.lora import LoRARequest  # noqa: E402
 from pagegate.engine.outputs import CompletionOutput, Logprob  # noqa: E402
 from pagegate.kernels import resolve_backend  # noqa: E402
 
@@ -186,6 +190,52 @@ def check_tiers(device: str) -> tuple[bool, tuple[str, str, str]]:
     return ok, (f"KV tiers on {device}: pushed-out and restarted prefixes = cold", "PASS" if ok else "FAIL", figures)
 
 
+def write_adapter(llm: LLM, folder: Path, seed: int, rank: int = 8) -> None:
+    """A PEFT LoRA folder with random non-zero A and B for every projection the model adapts."""
+    lora = llm.engine.runner.lora
+    assert lora is not None
+    gen, tensors = torch.Generator().manual_seed(seed), {}
+    for key, target in lora.targets.items():
+        layer, name = key.split(".", 1)
+        shard = next(s for s in target.shards if s.name == name)
+        prefix = f"base_model.model.model.layers.{layer}.{target.path.split('.')[0]}.{name}"
+        tensors[f"{prefix}.lora_A.weight"] = 0.05 * torch.randn(rank, target.in_features, generator=gen)
+        tensors[f"{prefix}.lora_B.weight"] = 0.05 * torch.randn(shard.columns.stop - shard.columns.start, rank,
+                                                                generator=gen)
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+
+
+def check_lora(args: argparse.Namespace) -> tuple[bool, tuple[str, str, str]]:
+    """Two random adapters and the base model in one batch, float32: the device (on CUDA, the grouped Triton
+    shrink and expand) gives the CPU torch path's tokens, except after a near tie, and its logprobs."""
+    def run(on: str, loras: list[LoRARequest | None]) -> list[CompletionOutput]:
+        llm = LLM(None, device=on, dtype="float32", num_kv_blocks=512, seed=0, enable_lora=True, max_lora_rank=8)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
+        outputs = [out.outputs[0] for out in llm.generate(PROMPTS * 3, params, use_tqdm=False, lora_request=loras)]
+        release(llm)
+        return outputs
+
+    with tempfile.TemporaryDirectory(prefix="pagegate-gpu-lora-") as directory:
+        probe = LLM(None, device="cpu", dtype="float32", num_kv_blocks=256, enable_lora=True, max_lora_rank=8)
+        adapters = []
+        for i in (1, 2):
+            write_adapter(probe, Path(directory) / f"a{i}", seed=i)
+            adapters.append(LoRARequest(f"a{i}", i, str(Path(directory) / f"a{i}")))
+        release(probe)
+        loras = [None] * len(PROMPTS) + [adapters[0]] * len(PROMPTS) + [adapters[1]] * len(PROMPTS)
+        reference = run("cpu", loras)
+        agreement = compare(reference, run(args.device, loras), args.tie_nats)
+    base, adapted = reference[:len(PROMPTS)], reference[len(PROMPTS):]
+    changed = sum(a.token_ids != b.token_ids for a, b in zip(base * 2, adapted, strict=True))
+    ok = agreement.mismatch == 0 and agreement.max_logprob_diff <= args.logprob_tol and changed > 0
+    figures = f"{agreement.describe()}; the adapters change {changed}/{len(adapted)} answers"
+    print(f"[lora] {args.device} float32 vs cpu float32: {figures} -> {'PASS' if ok else 'FAIL'}")
+    return ok, (f"LoRA on {args.device}: 2 adapters + base in one batch = cpu torch path", "PASS" if ok else "FAIL",
+                figures)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="device under test (cpu: a dry run against itself)")
@@ -227,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     tiers_ok, tiers_row = check_tiers(args.device)
     ok &= tiers_ok
     rows.append(tiers_row)
+    lora_ok, lora_row = check_lora(args)
+    ok &= lora_ok
+    rows.append(lora_row)
     if not args.smollm2.is_file():
         print(f"SmolLM2 skipped: {args.smollm2} is missing")
         rows.append(("engine SmolLM2-135M Q4_1", "SKIP", f"{args.smollm2} not present"))
