@@ -6,12 +6,16 @@ cimport cython
 
 @cython.final
 cdef class BlockPool:
-    cdef readonly int num_blocks
+    cdef readonly int num_blocks    # the limit: pages [0, num_blocks) may be handed out (set_limit moves it)
+    cdef readonly int capacity      # pages the arrays are sized for (the most num_blocks may grow to)
+    cdef readonly int base          # the limit at construction: free pages below it sit on the FIFO list
     cdef readonly int block_size
     cdef readonly bint enable_prefix_caching
     cdef int32_t* refcounts
     # free pages sit on one of two doubly linked lists through prev/next; sentinels live at
-    # index num_blocks (pages with no cached content) and num_blocks + 1 (cached, LRU order)
+    # index capacity (pages with no cached content, below base) and capacity + 1 (cached, LRU order).
+    # Uncached free pages at or above base are bits of a bitmap instead (set_limit's NOTE), levels[0] one bit a
+    # page, levels[k] one bit a non-zero word of levels[k - 1], the top level one word.
     cdef int32_t* prev
     cdef int32_t* next
     cdef uint8_t* cached
@@ -37,9 +41,16 @@ cdef class BlockPool:
     cdef uint64_t* evicted_parents
     cdef uint8_t* evicted_firsts
     cdef int32_t* evicted_tokens
+    cdef uint64_t* levels[8]
+    cdef int num_levels
 
     cdef void push_back(self, int32_t sentinel, int32_t b) noexcept
     cdef void unlink(self, int32_t b) noexcept
+    cdef void mark_free(self, int32_t b) noexcept
+    cdef void mark_taken(self, int32_t b) noexcept
+    cdef int32_t lowest_marked(self) noexcept
+    cdef void hand_back(self, int32_t b) noexcept
+    cdef void withdraw(self, int32_t b) noexcept
     cdef uint64_t home(self, uint64_t h) noexcept
     cdef int32_t find(self, uint64_t h) noexcept
     cdef void insert(self, int32_t block) noexcept

@@ -6,7 +6,7 @@ Every array is a C array sized at construction; no Python object exists per page
 
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
@@ -14,6 +14,9 @@ import numpy as np
 from pagegate.core.stats import PoolStats
 
 cnp.import_array()
+
+cdef extern from *:
+    int __builtin_ctzll(unsigned long long x) nogil
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -79,18 +82,22 @@ def compute_block_hash(parent_hash: int, token_ids) -> int:
 
 
 cdef class BlockPool:
-    """A pool of `num_blocks` KV pages of `block_size` tokens each.
+    """A pool of `num_blocks` KV pages of `block_size` tokens each; with `limit`, arrays for `num_blocks` pages
+    (its capacity) of which only the first `limit` may be handed out until set_limit moves it.
 
     `hash_bits` < 64 truncates prefix hashes; it exists so tests can plant collisions.
     """
 
     def __cinit__(self, int num_blocks, int block_size=16, bint enable_prefix_caching=True,
-                  int hash_bits=64):
+                  int hash_bits=64, limit=None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         if not 1 <= hash_bits <= 64:
             raise ValueError(f"hash_bits must be in [1, 64], got {hash_bits}")
-        self.num_blocks = num_blocks
+        if limit is not None and not 0 <= limit <= num_blocks:
+            raise ValueError(f"limit must be within [0, {num_blocks}], got {limit}")
+        self.capacity = num_blocks
+        self.num_blocks = self.base = num_blocks if limit is None else limit
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_mask = <uint64_t>0xffffffffffffffff if hash_bits == 64 else ((<uint64_t>1 << hash_bits) - 1)
@@ -116,6 +123,13 @@ cdef class BlockPool:
                 and self.parent_hashes and self.tokens and self.table_blocks and self.firsts and self.evicted_ids
                 and self.evicted_hashes and self.evicted_parents and self.evicted_firsts and self.evicted_tokens):
             raise MemoryError("cannot allocate the block pool's bookkeeping arrays")
+        cdef Py_ssize_t words = num_blocks - self.base
+        while words > 1 or (words == 1 and self.num_levels == 0):
+            words = (words + 63) >> 6
+            self.levels[self.num_levels] = <uint64_t*>calloc(words, sizeof(uint64_t))
+            if not self.levels[self.num_levels]:
+                raise MemoryError("cannot allocate the block pool's bitmap")
+            self.num_levels += 1
         self.reset()
 
     def __dealloc__(self):
@@ -123,20 +137,27 @@ cdef class BlockPool:
         free(self.hashes); free(self.parent_hashes); free(self.tokens); free(self.table_blocks)
         free(self.firsts); free(self.evicted_ids); free(self.evicted_hashes); free(self.evicted_parents)
         free(self.evicted_firsts); free(self.evicted_tokens)
+        cdef int lev
+        for lev in range(self.num_levels):
+            free(self.levels[lev])
 
     def reset(self) -> None:
         """Return every page to the free list and forget the prefix cache."""
         if self.events is not None:
             self.events.append(("AllBlocksCleared",))
-        cdef int i, s, n = self.num_blocks
-        memset(self.refcounts, 0, n * sizeof(int32_t))
-        memset(self.cached, 0, n * sizeof(uint8_t))
+        cdef int i, s, n = self.num_blocks, c = self.capacity, lev
+        cdef Py_ssize_t words = c - self.base
+        memset(self.refcounts, 0, c * sizeof(int32_t))
+        memset(self.cached, 0, c * sizeof(uint8_t))
         memset(self.table_blocks, 0xff, (self.table_mask + 1) * sizeof(int32_t))
-        for s in (n, n + 1):
+        for lev in range(self.num_levels):
+            words = (words + 63) >> 6
+            memset(self.levels[lev], 0, words * sizeof(uint64_t))
+        for s in (c, c + 1):
             self.prev[s] = s
             self.next[s] = s
         for i in range(n):
-            self.push_back(n, i)
+            self.hand_back(i)
         self.num_free_blocks = n
         self.num_cached_free = 0
         self.num_shared = 0
@@ -156,18 +177,76 @@ cdef class BlockPool:
         self.next[self.prev[b]] = self.next[b]
         self.prev[self.next[b]] = self.prev[b]
 
+    cdef void mark_free(self, int32_t b) noexcept:
+        cdef Py_ssize_t i = b - self.base, w
+        cdef uint64_t was
+        cdef int lev
+        for lev in range(self.num_levels):
+            w = i >> 6
+            was = self.levels[lev][w]
+            self.levels[lev][w] = was | (<uint64_t>1 << (i & 63))
+            if was:
+                break
+            i = w
+
+    cdef void mark_taken(self, int32_t b) noexcept:
+        cdef Py_ssize_t i = b - self.base, w
+        cdef int lev
+        for lev in range(self.num_levels):
+            w = i >> 6
+            self.levels[lev][w] &= ~(<uint64_t>1 << (i & 63))
+            if self.levels[lev][w]:
+                break
+            i = w
+
+    cdef int32_t lowest_marked(self) noexcept:
+        """The lowest uncached free page at or above base, -1 when there is none: one word a level."""
+        cdef int lev = self.num_levels - 1
+        cdef Py_ssize_t i = 0
+        if lev < 0 or self.levels[lev][0] == 0:
+            return -1
+        while lev >= 0:
+            i = (i << 6) | __builtin_ctzll(self.levels[lev][i])
+            lev -= 1
+        return <int32_t>(i + self.base)
+
+    cdef void hand_back(self, int32_t b) noexcept:
+        """An uncached page with no reference joins the free pages: the FIFO list below base, the bitmap above."""
+        if b < self.base:
+            self.push_back(self.capacity, b)
+        else:
+            self.mark_free(b)
+
+    cdef void withdraw(self, int32_t b) noexcept:
+        """A free page (cached or not) leaves the free pages; the caller counts it."""
+        if self.cached[b]:
+            self.unlink(b)
+            self.num_cached_free -= 1
+        elif b < self.base:
+            self.unlink(b)
+        else:
+            self.mark_taken(b)
+
     cdef int take_free(self) noexcept:
         """Pop a free page (uncached first, else the least recently freed cached one): refcount 1."""
-        cdef int32_t uncached = self.num_blocks, b = self.next[uncached]
+        cdef int32_t uncached = self.capacity, b = self.next[uncached]
         # NOTE: a page with no cached content goes first (handing it out loses nothing); among cached pages the
         # one freed longest ago goes: the least likely to be hit again, and the list's head gives it in O(1).
+        # Uncached pages above base (a pool grown past its first limit) go after those below it, lowest id
+        # first, so the pages a shrink would take back stay free as long as possible.
         if b == uncached:
-            b = self.next[uncached + 1]
-            if self.logging_evictions:
-                self.log_eviction(b)
-            self.evict(b)
-            self.num_cached_free -= 1
-        self.unlink(b)
+            b = self.lowest_marked()
+            if b >= 0:
+                self.mark_taken(b)
+            else:
+                b = self.next[uncached + 1]
+                if self.logging_evictions:
+                    self.log_eviction(b)
+                self.evict(b)
+                self.num_cached_free -= 1
+                self.unlink(b)
+        else:
+            self.unlink(b)
         self.num_free_blocks -= 1
         self.refcounts[b] = 1
         return b
@@ -175,18 +254,16 @@ cdef class BlockPool:
     cdef void release(self, int32_t block) noexcept:
         """A page whose refcount reached zero goes back; a cached one stays revivable (LRU tail)."""
         if self.cached[block]:
-            self.push_back(self.num_blocks + 1, block)
+            self.push_back(self.capacity + 1, block)
             self.num_cached_free += 1
         else:
-            self.push_back(self.num_blocks, block)
+            self.hand_back(block)
         self.num_free_blocks += 1
 
     cdef void ref(self, int32_t block) noexcept:
         if self.refcounts[block] == 0:  # revive a free page in O(1)
-            self.unlink(block)
+            self.withdraw(block)
             self.num_free_blocks -= 1
-            if self.cached[block]:
-                self.num_cached_free -= 1
         self.refcounts[block] += 1
         if self.refcounts[block] == 2:
             self.num_shared += 1
@@ -408,12 +485,12 @@ cdef class BlockPool:
 
     def cached_blocks(self) -> tuple:
         """Every page holding cached content, as take_evicted gives them (for writing them down at shutdown)."""
-        ids = np.flatnonzero(np.asarray(<uint8_t[:self.num_blocks]>self.cached)).astype(np.int32)
-        hashes = np.asarray(<uint64_t[:self.num_blocks]>self.hashes)[ids].copy()
-        parents = np.asarray(<uint64_t[:self.num_blocks]>self.parent_hashes)[ids].copy()
-        firsts = np.asarray(<uint8_t[:self.num_blocks]>self.firsts)[ids].astype(bool)
-        tokens = np.asarray(<int32_t[:self.num_blocks * self.block_size]>self.tokens).reshape(
-            self.num_blocks, self.block_size)[ids].copy()
+        ids = np.flatnonzero(np.asarray(<uint8_t[:self.capacity]>self.cached)).astype(np.int32)
+        hashes = np.asarray(<uint64_t[:self.capacity]>self.hashes)[ids].copy()
+        parents = np.asarray(<uint64_t[:self.capacity]>self.parent_hashes)[ids].copy()
+        firsts = np.asarray(<uint8_t[:self.capacity]>self.firsts)[ids].astype(bool)
+        tokens = np.asarray(<int32_t[:self.capacity * self.block_size]>self.tokens).reshape(
+            self.capacity, self.block_size)[ids].copy()
         return ids, hashes, parents, firsts, tokens
 
     # ---- events (KV-cache events for routers) -----------------------------------------------------
@@ -445,17 +522,62 @@ cdef class BlockPool:
         return self.hashes[block_id] if self.cached[block_id] else None
 
     def free_block_ids(self) -> cnp.ndarray:
-        """Free pages in hand-out order: uncached first, then cached least recently freed first."""
+        """Free pages in hand-out order: uncached first (below base in FIFO order, then above it lowest first),
+        then cached least recently freed first."""
         out = np.empty(self.num_free_blocks, dtype=np.int32)
         cdef int32_t[:] o = out
         cdef int k = 0, s, b
-        for s in (self.num_blocks, self.num_blocks + 1):
-            b = self.next[s]
-            while b != s and k < self.num_free_blocks:
+        b = self.next[self.capacity]
+        while b != self.capacity and k < self.num_free_blocks:
+            o[k] = b
+            k += 1
+            b = self.next[b]
+        for b in range(self.base, self.num_blocks):
+            if self.refcounts[b] == 0 and not self.cached[b]:
                 o[k] = b
                 k += 1
-                b = self.next[b]
+        s = self.capacity + 1
+        b = self.next[s]
+        while b != s and k < self.num_free_blocks:
+            o[k] = b
+            k += 1
+            b = self.next[b]
         return out[:k]
+
+    # ---- the limit (elastic pools) -------------------------------------------------------------
+
+    def set_limit(self, int n) -> int:
+        """Let pages [0, n) be handed out; the limit reached. Growing frees pages [limit, n) at once. Shrinking
+        takes back only free pages: cached ones are evicted (logged for the tiers, an event for routers), and it
+        stops above the highest page in use, so the limit reached may be above `n`.
+
+        NOTE: the limit moves within the capacity the arrays were sized for, so a pool grows and shrinks in
+        O(pages moved) without copying anything and keeps its prefix cache below the limit. The pages a shrink
+        takes back are the highest ids, which is why allocation hands out the lowest ones above base first."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"limit must be within [0, {self.capacity}], got {n}")
+        cdef int32_t b, old = self.num_blocks, target = n
+        cdef bint was_cached
+        if n >= old:
+            for b in range(old, n):
+                self.hand_back(b)
+            self.num_free_blocks += n - old
+            self.num_blocks = n
+            return n
+        for b in range(old - 1, n - 1, -1):
+            if self.refcounts[b]:
+                target = b + 1
+                break
+        for b in range(target, old):
+            was_cached = self.cached[b]
+            self.withdraw(b)
+            if was_cached:
+                if self.logging_evictions:
+                    self.log_eviction(b)
+                self.evict(b)
+        self.num_free_blocks -= old - target
+        self.num_blocks = target
+        return target
 
     @property
     def num_used_blocks(self) -> int:
