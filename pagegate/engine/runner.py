@@ -163,10 +163,12 @@ class ModelRunner:
         # cached prefix changed greedy answers). Decode steps keep the native decoder.
         if self.tiers is not None:  # before anything writes the step's new pages
             move_tier_pages(self.kv_cache, self.tiers, batch.evicted, batch.tier_loads)
-        # NOTE: a step with a LoRA adapter's rows runs the torch forward: its hooks add the adapters' low-rank
-        # updates (lora/model.py), which the native decoder's C step does not compute.
-        adapted = self.lora is not None and self.lora.set_step([s.request.lora_name for s in seqs], starts)
-        native = None if holds_prompt_tokens(seqs, counts) or adapted else self.native
+        # NOTE: a step with LoRA adapters' rows stays on the native decoder where the adapters sit in its C table
+        # (lora/model.py); elsewhere the torch forward's hooks add their updates.
+        lora_groups = self.lora.set_step([s.request.lora_name for s in seqs], starts) if self.lora else None
+        native = None if holds_prompt_tokens(seqs, counts) else self.native
+        if native is not None:
+            native = native.take_adapters(self.lora.table if self.lora else None, lora_groups)
         hidden = forward(self.model, self.kv_cache, step, native)
         compute_logits = (self.native or self.model).compute_logits
         if any(s.request.scoring_prompt for s in seqs):

@@ -5,7 +5,7 @@ larger steps (prefill) run there, and the "reference" kernel backend keeps every
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ class NativeDecoder:
                                                                                         strict=True)]
         self.max_tokens: int = kernel.MAX_TOKENS
         self.model = model
+        self.adapters: tuple[Any, Any] | None = None  # this step's (LoRA table, groups): see take_adapters
         local = decoder.local_rotary
         self.kernel_model = kernel.DecodeModel(
             dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(), _rows(decoder.embed_tokens),
@@ -99,10 +100,22 @@ class NativeDecoder:
     def takes(self, step: StepInputs) -> bool:
         return 0 < len(step.input_ids) <= self.max_tokens
 
+    def take_adapters(self, table: Any | None, groups: Any | None) -> NativeDecoder | None:
+        """This decoder for the next step, whose tokens `groups` (a cpu_decode.LoRATable's groups; None: none) run
+        with adapters in `table`'s slots; None when it cannot add them (no table: the torch hooks must).
+
+        NOTE: the step's adapters are state set before each forward, as the LoRA hooks' are, so that forward()'s
+        signature (and engine/forward.py, shared with the tensor-parallel workers) stays the base model's."""
+        if groups is not None and table is None:
+            return None
+        self.adapters = None if groups is None else (table, groups)
+        return self
+
     def forward(self, step: StepInputs) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's tokens."""
+        """Final hidden states [T, hidden] of the step's tokens (each with its adapter's updates, if any)."""
+        table, groups = self.adapters or (None, None)
         return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                                         step.seq_lens, step.query_start_loc)
+                                         step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a few rows on the kernel (one pass over the LM head); more rows are the model's GEMM."""

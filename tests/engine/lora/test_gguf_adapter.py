@@ -16,7 +16,7 @@ from pagegate.engine.lora import LoRARequest
 
 from ..conftest import SavedModel
 from ..loading.gguf_files import write_gguf
-from .test_lora import ALL, PROMPTS, hf_greedy, lora_llm, make_adapter, tokens
+from .test_lora import ALL, PATHS, PROMPTS, hf_greedy, lora_llm, make_adapter, tokens
 
 pytest.importorskip("peft")
 
@@ -40,14 +40,15 @@ def peft_and_gguf(llama_model: SavedModel, tmp_path_factory: pytest.TempPathFact
     return folder, gguf_file, [hf_greedy(model, p) for p in PROMPTS]
 
 
-def test_a_gguf_adapter_answers_as_its_peft_folder(llama_model, peft_and_gguf, tmp_path):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_gguf_adapter_answers_as_its_peft_folder(llama_model, peft_and_gguf, tmp_path, path):
     folder, gguf_file, reference = peft_and_gguf
-    llm = lora_llm(llama_model.path)
+    llm = lora_llm(llama_model.path, path)
     from_peft = tokens(llm, PROMPTS, [LoRARequest("peft", 1, str(folder))] * len(PROMPTS))
     from_gguf = tokens(llm, PROMPTS, [LoRARequest("gguf", 2, str(gguf_file))] * len(PROMPTS))
     assert from_gguf == from_peft == reference
     assert tokens(llm, PROMPTS, [None] * len(PROMPTS)) != reference  # the adapter changes the answers
-    gguf_base = lora_llm(write_gguf(tmp_path / "model.gguf", llama_model.hf_model, "llama"))
+    gguf_base = lora_llm(write_gguf(tmp_path / "model.gguf", llama_model.hf_model, "llama"), path)
     assert tokens(gguf_base, PROMPTS, [LoRARequest("gguf", 1, str(gguf_file))] * len(PROMPTS)) == reference
 
 

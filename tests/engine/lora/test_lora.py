@@ -1,5 +1,6 @@
 """LoRA adapters against transformers + peft: greedy parity for each adapter alone and in one mixed batch with
-the base model, over a HF folder and a GGUF base; prefix-cache separation; adapter pages, eviction and reload."""
+the base model, over a HF folder and a GGUF base, on both paths (the native decode step with the adapters in its C
+table, and torch's hooks); prefix-cache separation; adapter pages, eviction and reload."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pagegate.config import CacheConfig, EngineConfig, LoRAConfig
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.lora import LoRARequest
 from pagegate.engine.lora.model import resolve_adapter
+from pagegate.engine.models.native import NativeDecoder
 
 from ..conftest import TINY, SavedModel, hf, save_hf_model
 from ..loading.gguf_files import write_gguf
@@ -76,39 +78,73 @@ def references(llama_model: SavedModel, adapters: dict[str, Adapter]) -> dict[st
     return refs
 
 
-def lora_llm(model: str | Path, **kwargs: object) -> LLM:
-    return LLM(str(model), device="cpu", enable_lora=True, max_lora_rank=8, **{"num_kv_blocks": 64, **kwargs})
+# "native": decode steps on the native decoder in exact mode (the torch path's arithmetic), the adapters in its C
+# table (the torch forward of prefills adds them with the same C); "torch": the reference backend, torch ops only
+PATHS = ["native", "torch"]
+
+
+def lora_llm(model: str | Path, path: str = "torch", **kwargs: object) -> LLM:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference" if path == "torch" else "auto")
+        llm = LLM(str(model), device="cpu", enable_lora=True, max_lora_rank=8, **{"num_kv_blocks": 64, **kwargs})
+    runner = llm.engine.runner
+    assert (runner.native is None) == (runner.lora.table is None) == (path == "torch")
+    if path == "native":
+        runner.native = NativeDecoder(runner.model, runner.kv_cache, exact=True)
+    return llm
+
+
+def ran_native_with_adapters(llm: LLM) -> bool:
+    """Whether the last step ran on the native decoder with adapter rows (the torch path has no native decoder)."""
+    native = llm.engine.runner.native
+    return native is not None and native.adapters is not None
 
 
 def tokens(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
 
 
-def test_each_adapter_alone_matches_peft(llama_model, adapters, references):
-    llm = lora_llm(llama_model.path)
+@pytest.mark.parametrize("path", PATHS)
+def test_each_adapter_alone_matches_peft(llama_model, adapters, references, path):
+    llm = lora_llm(llama_model.path, path)
     for name, adapter in adapters.items():
         assert tokens(llm, PROMPTS, [adapter.request] * len(PROMPTS)) == references[name], name
+        assert ran_native_with_adapters(llm) == (path == "native")
     assert tokens(llm, PROMPTS, [None] * len(PROMPTS)) == references[None]
     assert llm.stats().used_blocks == llm.engine.scheduler.adapters.num_pages > 0  # idle adapters stay loaded
 
 
-def test_one_mixed_batch_serves_every_adapter_and_the_base(llama_model, adapters, references):
+@pytest.mark.parametrize("path", PATHS)
+def test_one_mixed_batch_serves_every_adapter_and_the_base(llama_model, adapters, references, path):
     names: list[str | None] = [None, *adapters]
     plan = [(p, names[(i + j) % len(names)]) for i, p in enumerate(PROMPTS) for j in range(len(names))]
-    llm = lora_llm(llama_model.path)
+    llm = lora_llm(llama_model.path, path)
+    got = tokens(llm, [p for p, _ in plan], [adapters[n].request if n else None for _, n in plan])
+    assert got == [references[n][PROMPTS.index(p)] for p, n in plan]
+    assert ran_native_with_adapters(llm) == (path == "native")  # 16 rows: the last steps fit the native decoder
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_batch_past_the_native_step_takes_the_torch_forward_with_its_adapters(llama_model, adapters, references,
+                                                                                path):
+    """More rows than the native decoder takes (its MAX_TOKENS): torch's hooks add every adapter's update."""
+    names: list[str | None] = [None, *adapters]
+    plan = [(p, names[(i + j) % len(names)]) for i, p in enumerate(PROMPTS) for j in range(2 * len(names))]
+    llm = lora_llm(llama_model.path, path)
     got = tokens(llm, [p for p, _ in plan], [adapters[n].request if n else None for _, n in plan])
     assert got == [references[n][PROMPTS.index(p)] for p, n in plan]
 
 
-def test_a_gguf_base_takes_the_same_adapters(llama_model, adapters, references, tmp_path):
-    path = write_gguf(tmp_path / "model.gguf", llama_model.hf_model, "llama")
-    llm = lora_llm(path)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_gguf_base_takes_the_same_adapters(llama_model, adapters, references, tmp_path, path):
+    llm = lora_llm(write_gguf(tmp_path / "model.gguf", llama_model.hf_model, "llama"), path)
     for name in ("attn", "all"):
         assert tokens(llm, PROMPTS, [adapters[name].request] * len(PROMPTS)) == references[name], name
 
 
-def test_a_page_computed_under_one_adapter_is_never_a_hit_for_another(llama_model, adapters, references):
-    llm = lora_llm(llama_model.path)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_page_computed_under_one_adapter_is_never_a_hit_for_another(llama_model, adapters, references, path):
+    llm = lora_llm(llama_model.path, path)
     prompt, index = PROMPTS[3], 3  # 40 tokens: two whole pages to share
     order: list[str | None] = [None, "attn", "mlp", "attn", None]
     outputs = [llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[n].request if n else None)[0]
@@ -140,13 +176,14 @@ def test_idle_adapters_give_their_pages_back_and_reload(llama_model, adapters, r
     assert metrics.get_sample_value("pagegate:lora_adapter_loads_total", labels) == 2
 
 
-def test_choices_and_guessed_tokens_keep_the_adapter(llama_model, adapters, references):
+@pytest.mark.parametrize("path", PATHS)
+def test_choices_and_guessed_tokens_keep_the_adapter(llama_model, adapters, references, path):
     request = adapters["mlp"].request
-    llm = lora_llm(llama_model.path)
+    llm = lora_llm(llama_model.path, path)
     [two] = llm.generate(PROMPTS[1], SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                          use_tqdm=False, lora_request=request)
     assert [c.token_ids for c in two.outputs] == [references["mlp"][1]] * 2
-    guessing = lora_llm(llama_model.path, speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    guessing = lora_llm(llama_model.path, path, speculative_config={"method": "ngram", "prompt_lookup_min": 1})
     assert tokens(guessing, PROMPTS, [request] * len(PROMPTS)) == references["mlp"]
     assert guessing.stats().spec_draft_tokens > 0
 
