@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 
 import numpy as np
 import torch
@@ -14,6 +16,8 @@ from pagegate.kernels.kv_format import KVFormat
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
+_MADV_DONTNEED = 4  # Linux: the range's pages are dropped; an access reads zeros (private anonymous memory)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_format: KVFormat) -> int:
@@ -52,6 +56,9 @@ class PagedKVCache:
         self.kv_format = kv_format
 
         def pair(blocks: int, on: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            if on.type == "cpu" and not pin:
+                return (untouched_zeros(kv_format, blocks, block_size, num_kv_heads, head_dim),
+                        untouched_zeros(kv_format, blocks, block_size, num_kv_heads, head_dim))
             return (kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin),
                     kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin))
 
@@ -59,6 +66,15 @@ class PagedKVCache:
         cpu = torch.device("cpu")
         self.cpu_layers = [pair(num_cpu_blocks, cpu, device.type == "cuda")
                            for _ in range(num_layers)] if num_cpu_blocks else []
+
+    def release_pages(self, start: int, stop: int) -> None:
+        """Give the memory of pages [start, stop) back to the OS (every layer's K and V, the scales inside their
+        rows included); they read as zeros when used again. A pool shrinking its limit calls this (CPU only: a
+        device tensor keeps its memory)."""
+        for tensor in self._flat(self.layers):
+            if tensor.device.type == "cpu" and stop > start:
+                stride = tensor[0].numel() * tensor.element_size()
+                drop_memory(tensor.data_ptr() + start * stride, (stop - start) * stride)
 
     def _flat(self, layers: list) -> list[torch.Tensor]:
         return [t for pair in layers for t in pair]
@@ -102,3 +118,39 @@ class PagedKVCache:
         """(cpu page, device page) pairs, CPU -> device."""
         if len(pairs):
             kernels.swap_blocks(self._flat(self.cpu_layers), self._flat(self.layers), pairs)
+
+
+def untouched_zeros(kv_format: KVFormat, num_blocks: int, block_size: int, num_kv_heads: int,
+                    head_dim: int) -> torch.Tensor:
+    """kv_format.empty's zeroed CPU tensor, its memory not yet committed: the OS backs a page when it is written.
+
+    NOTE: torch.zeros writes every byte, so a pool would cost its whole size at once; here only the unaligned ends are
+    written and the pages between are dropped (madvise), which reads as zeros. A pool's pages then cost memory as
+    they are first used, and an elastic pool allocated at the capacity of a server's whole budget costs its limit."""
+    shape = (num_blocks, block_size, num_kv_heads, kv_format.row_bytes(head_dim))
+    raw = torch.empty(shape, dtype=torch.uint8)
+    flat = raw.view(-1)
+    start, end = _aligned_inside(raw.data_ptr(), flat.numel())
+    if end > start:
+        flat[:start].zero_()
+        flat[end:].zero_()
+        drop_memory(raw.data_ptr() + start, end - start)
+    else:
+        flat.zero_()
+    return raw.view(kv_format.dtype)
+
+
+def _aligned_inside(address: int, length: int) -> tuple[int, int]:
+    """The offsets [start, end) of the whole OS pages inside `length` bytes at `address`."""
+    page = mmap.PAGESIZE
+    start = -address % page
+    end = (address + length) // page * page - address
+    return start, max(end, start)
+
+
+def drop_memory(address: int, length: int) -> None:
+    """madvise(MADV_DONTNEED) the whole OS pages inside [address, address + length)."""
+    start, end = _aligned_inside(address, length)
+    if end > start and _libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(end - start),
+                                     _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
