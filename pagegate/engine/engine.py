@@ -34,7 +34,7 @@ class Engine:
                                        runner.max_model_len, config.speculative, runner.draft, runner.tiers,
                                        runner.lora)
             runner.bind(self.scheduler.tables)
-            self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers)
+            self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers, runner.lora)
         except BaseException:
             runner.close(graceful=False)
             raise
@@ -112,7 +112,7 @@ class Engine:
         sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
         moved, sampled = self._sample(sampling, logits, time.monotonic())
         self.monitor.computed(prompt_tokens, sampled)
-        self.refresh_stats(now)
+        self.refresh_stats(now, batch.seqs)
         return failed + moved
 
     def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> tuple[list[Request], int]:
@@ -189,9 +189,9 @@ class Engine:
 
     # ---- introspection ----------------------------------------------------------------------------------
 
-    def refresh_stats(self, now: float | None = None) -> None:
-        """Recompute the gauges and the health grade from the scheduler's counts."""
-        self.monitor.refresh(self.scheduler.stats(), now)
+    def refresh_stats(self, now: float | None = None, computed: list[Sequence] | None = None) -> None:
+        """Recompute the gauges and the health grade from the scheduler's counts (`computed`: the step's batch)."""
+        self.monitor.refresh(self.scheduler.stats(), now, computed or [])
 
     def stats(self) -> EngineStats:
         return self.monitor.stats(self.scheduler.stats(), len(self.requests))

@@ -6,8 +6,9 @@ never waits). The thread sends ZMQ multipart messages `[topic, seq, payload]`: `
 counter from 0, `payload` msgpack arrays `[ts, events, data_parallel_rank]` with events
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`,
 `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`; `medium` is "GPU" for the pool's pages (on CPU
-servers too, as vLLM names them), "CPU" for the host-memory tier and "DISK" for the disk tier. A ROUTER socket replays the buffered
-batches from a requested sequence number.
+servers too, as vLLM names them), "CPU" for the host-memory tier and "DISK" for the disk tier; `lora_id` and
+`lora_name` name the LoRA adapter a page was computed under (AdapterTags), None for the base model. A ROUTER socket
+replays the buffered batches from a requested sequence number.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -25,11 +26,15 @@ import msgpack
 from pagegate.config import KVEventsConfig
 
 if TYPE_CHECKING:
+    from pagegate.core import BlockPool
     from pagegate.engine.kv_tiers import TierEvent
 
 log = logging.getLogger(__name__)
 
 MEDIUM = "GPU"  # vLLM's name for device pages, on CPU-only servers too
+# a BlockStored's medium, lora_id and lora_name where the event leaves them out (the pool's: its pages, no adapter)
+STORED_DEFAULTS: tuple[Any, ...] = (MEDIUM, None, None)
+LoRATag = tuple[int, str]  # (lora_int_id, lora_name) of the adapter a page was computed under
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -41,13 +46,15 @@ def encode_batch(events: Sequence[tuple[Any, ...]], block_size: int, ts: float |
         kind = event[0]
         last = encoded[-1] if encoded else None
         if kind == "BlockStored":
-            _, block_hash, parent, tokens, *where = event
-            medium = where[0] if where else MEDIUM
-            if last is not None and last[0] == "BlockStored" and parent == last[1][-1] and last[6] == medium:
+            _, block_hash, parent, tokens, *given = event
+            medium, lora_id, lora_name = (*given, *STORED_DEFAULTS[len(given):])
+            if last is not None and last[0] == "BlockStored" and parent == last[1][-1] and last[6] == medium \
+                    and last[5] == lora_id:
                 last[1].append(block_hash)
                 last[3].extend(tokens)
             else:
-                encoded.append(["BlockStored", [block_hash], parent, list(tokens), block_size, None, medium, None])
+                encoded.append(["BlockStored", [block_hash], parent, list(tokens), block_size, lora_id, medium,
+                                lora_name])
         elif kind == "BlockRemoved":
             medium = event[2] if len(event) > 2 else MEDIUM
             if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
@@ -69,6 +76,49 @@ def tier_events(events: Sequence[TierEvent]) -> list[tuple[Any, ...]]:
             else:
                 out.append(("BlockRemoved", key.hash, event.medium))
     return out
+
+
+class AdapterTags:
+    """Which LoRA adapter each page entering a cache was computed under, for BlockStored's lora_id and lora_name
+    (llm-d's indexer keys pages on them).
+
+    NOTE: the pool logs pages by hash and knows no sequence. An adapter's pages chain from a root hash salted with
+    its identity (intake.py), so a page is its parent's adapter's, and a chain's first page is an adapter's when it
+    hashes from the root of a sequence of the step that stored it running with that adapter (pages are stored by
+    the step's own sequences). The pages remembered are bounded, least recently stored out first: a page whose
+    parent fell out is published with no adapter, as every page was before."""
+
+    def __init__(self, pool: BlockPool, max_pages: int = 1 << 16) -> None:
+        self.pool, self.max_pages = pool, max_pages
+        self.pages: OrderedDict[int, LoRATag] = OrderedDict()  # page hash -> its adapter
+
+    def tag(self, events: Sequence[tuple[Any, ...]], roots: Callable[[], dict[int, LoRATag]]) -> list[tuple[Any, ...]]:
+        """The pool's and tiers' events, every BlockStored with its medium, lora_id and lora_name; `roots()`: the
+        chain roots of the step's sequences that run with an adapter (asked at most once)."""
+        tagged, step_roots = [], None
+        for event in events:
+            if event[0] == "BlockStored":
+                _, block_hash, parent, tokens, *given = event
+                lora = self.pages.get(block_hash if parent is None else parent)
+                if lora is None and parent is None:
+                    step_roots = roots() if step_roots is None else step_roots
+                    lora = self._first_page_adapter(block_hash, tokens, step_roots)
+                if lora is not None:
+                    self._remember(block_hash, lora)
+                event = (*event[:4], given[0] if given else MEDIUM, *(lora or (None, None)))
+            tagged.append(event)
+        return tagged
+
+    def _first_page_adapter(self, block_hash: int, tokens: Sequence[int],
+                            roots: dict[int, LoRATag]) -> LoRATag | None:
+        return next((lora for root, lora in roots.items()
+                     if int(self.pool.prefix_hashes(tokens, root)[0]) == block_hash), None)
+
+    def _remember(self, block_hash: int, lora: LoRATag) -> None:
+        self.pages[block_hash] = lora
+        self.pages.move_to_end(block_hash)
+        if len(self.pages) > self.max_pages:
+            self.pages.popitem(last=False)
 
 
 class EventPublisher:

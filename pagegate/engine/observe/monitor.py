@@ -4,28 +4,33 @@ KV-cache events routers read, all fed from the engine thread once per step."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from pagegate.config import EngineConfig, KVEventsConfig
 from pagegate.core import BlockPool
-from pagegate.engine.observe.kv_events import EventPublisher, tier_events
+from pagegate.engine.observe.kv_events import AdapterTags, EventPublisher, LoRATag, tier_events
 from pagegate.engine.observe.metrics import EngineMetrics
 from pagegate.engine.observe.stats import EngineHealth, EngineStats, SchedulerStats
 
 if TYPE_CHECKING:
     from pagegate.engine.kv_tiers import TierStack
+    from pagegate.engine.lora.model import LoRAModel
     from pagegate.engine.sequence import Request
+    from pagegate.engine.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
 
 
 class EngineMonitor:
-    def __init__(self, model_name: str, config: EngineConfig, pool: BlockPool, tiers: TierStack | None = None) -> None:
+    def __init__(self, model_name: str, config: EngineConfig, pool: BlockPool, tiers: TierStack | None = None,
+                 lora: LoRAModel | None = None) -> None:
         self.metrics = EngineMetrics(model_name, config.health)
         self.metrics.cache_config(config.cache.block_size, pool.num_blocks)
-        self.pool, self.tiers = pool, tiers
+        self.pool, self.tiers, self.lora = pool, tiers, lora
         self.kv_events = start_kv_events(config.kv_events, pool)
+        self.adapter_tags = AdapterTags(pool)  # the LoRA adapter of each stored page, for the KV events
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.grade, self.reason = "OK", "starting"
 
@@ -50,8 +55,9 @@ class EngineMonitor:
         if request.first_scheduled_time is not None:
             self.metrics.request_queue_time.observe(request.first_scheduled_time - request.arrival_time)
 
-    def refresh(self, stats: SchedulerStats, now: float | None = None) -> None:
-        """Recompute the gauges and the health grade; publish the pool's new KV events."""
+    def refresh(self, stats: SchedulerStats, now: float | None = None, computed: Sequence[Seq] = ()) -> None:
+        """Recompute the gauges and the health grade; publish the pool's new KV events (`computed`: the sequences of
+        the step that stored its pages)."""
         self.grade, self.reason = self.metrics.update(stats, now)  # None: update reads the clock
         if self.tiers is not None:
             self.metrics.update_tiers(self.tiers.stats())
@@ -60,8 +66,17 @@ class EngineMonitor:
         events = self.pool.take_events()
         if self.tiers is not None:
             events += tier_events(self.tiers.take_events())
-        if events and not self.kv_events.publish(events):
+        if events and not self.kv_events.publish(self.adapter_tags.tag(events, lambda: self._adapter_roots(computed))):
             self.metrics.kv_events_dropped.inc()
+
+    def _adapter_roots(self, seqs: Sequence[Seq]) -> dict[int, LoRATag]:
+        """The chain roots of the sequences that run with an adapter, and its (lora_int_id, lora_name)."""
+        roots = {}
+        for seq in seqs:
+            name = seq.request.lora_name
+            if name is not None and self.lora is not None and name in self.lora.registered:
+                roots[seq.request.root_hash] = (self.lora.registered[name].request.lora_int_id, name)
+        return roots
 
     def stats(self, scheduler: SchedulerStats, num_requests: int) -> EngineStats:
         return EngineStats(**{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},

@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, EngineConfig, KVEventsConfig, SchedulerConfig
 from pagegate.core import BlockPool, compute_block_hash
+from pagegate.engine.lora import LoRARequest
 from pagegate.engine.observe.kv_events import END_OF_REPLAY, encode_batch
 from pagegate.engine.observe.monitor import start_kv_events
 from pagegate.testing.kv_index import PageIndex
@@ -47,6 +48,17 @@ def test_batches_are_vllm_arrays_and_merge_chains() -> None:
         ["BlockStored", [9], 5, [3] * BLOCK, BLOCK, None, "GPU", None],
         ["BlockRemoved", [4, 5], "GPU"],
         ["AllBlocksCleared"],
+    ]
+
+
+def test_stored_pages_carry_their_adapter_and_chains_of_two_adapters_stay_apart() -> None:
+    events = [("BlockStored", 1, None, [1] * BLOCK, "GPU", 3, "sql"), ("BlockStored", 2, 1, [2] * BLOCK, "GPU", 3, "sql"),
+              ("BlockStored", 7, 2, [4] * BLOCK, "GPU", 4, "chat"), ("BlockStored", 8, None, [5] * BLOCK, "CPU")]
+    _, decoded, _ = msgpack.unpackb(encode_batch(events, BLOCK, ts=1.0))
+    assert decoded == [
+        ["BlockStored", [1, 2], None, [1] * BLOCK + [2] * BLOCK, BLOCK, 3, "GPU", "sql"],
+        ["BlockStored", [7], 2, [4] * BLOCK, BLOCK, 4, "GPU", "chat"],  # another adapter: not merged into the chain
+        ["BlockStored", [8], None, [5] * BLOCK, BLOCK, None, "CPU", None],
     ]
 
 
@@ -148,3 +160,62 @@ def test_events_predict_cached_tokens_under_eviction_and_replay() -> None:
     finally:
         llm.shutdown()
         context.destroy(linger=0)
+
+
+def stored_events(socket: zmq.Socket) -> list[list]:
+    """Every BlockStored the server published so far, one per page: [hash, parent, tokens, lora_id, lora_name]."""
+    pages = []
+    while socket.poll(200):
+        _, _, payload = socket.recv_multipart()
+        for event in msgpack.unpackb(payload)[1]:
+            if event[0] == "BlockStored":
+                _, hashes, parent, tokens, size, lora_id, _, lora_name = event
+                for i, block_hash in enumerate(hashes):
+                    pages.append([block_hash, parent, tokens[i * size:(i + 1) * size], lora_id, lora_name])
+                    parent = block_hash
+    return pages
+
+
+def test_pages_computed_under_an_adapter_carry_its_id_and_name(llama_model, tmp_path) -> None:
+    """One mixed batch: the same 40-token prompt on the base model and under two adapters, and a 5-token prompt
+    under one (its first page fills while it generates). Each stored page names the adapter it was computed under
+    (vLLM's lora_id and lora_name), so a router keying pages on them never offers one adapter's pages to another."""
+    pytest.importorskip("peft")
+    from ..lora.test_lora import make_adapter
+
+    folders = {name: tmp_path / name for name in ("sql", "chat")}
+    for seed, folder in enumerate(folders.values()):
+        make_adapter(llama_model.hf_model, folder, ["q_proj", "v_proj"], 4, 8, False, seed=seed)
+    port = free_port()
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.bind(f"tcp://127.0.0.1:{port}")
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@pod@model")
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+                            replay_endpoint=None, topic="kv@pod@model")
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    llm.engine.monitor.kv_events = start_kv_events(config, llm.engine.scheduler.pool)
+    try:
+        sql, chat = (LoRARequest(name, 7 + i, str(folder)) for i, (name, folder) in enumerate(folders.items()))
+        prompt, short = list(range(30, 70)), [5, 17, 99, 3, 8]
+        assert stored_events(subscriber) == []  # waits for the connection: PUB drops what is sent before it
+        outputs = llm.generate([prompt, prompt, prompt, short], SamplingParams(temperature=0, max_tokens=20,
+                               ignore_eos=True), use_tqdm=False, lora_request=[None, sql, chat, chat])
+        pages = stored_events(subscriber)
+    finally:
+        llm.shutdown()
+        context.destroy(linger=0)
+    chains: dict[tuple, list[list]] = {}
+    for block_hash, parent, tokens, lora_id, lora_name in pages:
+        chains.setdefault((lora_id, lora_name), []).append([block_hash, parent, tokens])
+    assert set(chains) == {(None, None), (7, "sql"), (8, "chat")}
+    # 59 tokens of each long prompt and its answer computed: 3 whole pages; 24 of the short one: 1
+    assert {adapter: len(chain) for adapter, chain in chains.items()} == {(None, None): 3, (7, "sql"): 3,
+                                                                          (8, "chat"): 4}
+    short_first_page = (short + outputs[3].outputs[0].token_ids)[:BLOCK]
+    firsts = {adapter: sorted(tokens for _, parent, tokens in chain if parent is None)
+              for adapter, chain in chains.items()}
+    assert firsts == {(None, None): [prompt[:BLOCK]], (7, "sql"): [prompt[:BLOCK]],
+                      (8, "chat"): sorted([prompt[:BLOCK], short_first_page])}
+    for adapter, chain in chains.items():  # every later page's parent is a page of the same adapter
+        assert all(parent is None or parent in {h for h, _, _ in chain} for _, parent, _ in chain), adapter
