@@ -144,11 +144,12 @@ class EngineRequests:
     async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0,
                     model: str | None = None) -> list[bytes]:
         """Embed every input at once (one engine request each) on the engine of `model`; if one fails, the caller
-        goes or `end_all` ends it, the others are aborted."""
-        engine, _ = self._require_engine(model)
+        goes or `end_all` ends it, the others are aborted. A `model` naming a LoRA adapter embeds with it."""
+        engine, context = self._require_engine(model)
+        lora_name = model if model in context.adapters else None
         unique = uuid.uuid4().hex[:8]
-        tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority))
-                 for i, ids in enumerate(inputs)]
+        tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority,
+                                                    lora_name=lora_name)) for i, ids in enumerate(inputs)]
         gathered = asyncio.gather(*tasks)
         stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._embeddings.add(stopped)

@@ -1,6 +1,6 @@
 """`pagegate serve --enable-lora` through the OpenAI SDK: a request naming an adapter answers as the offline LLM with
-that adapter; /v1/models lists adapters with their parent; run-time load and unload (--allow-runtime-lora); 404 for
-an unknown adapter, 400 for one that does not fit."""
+that adapter, embeddings too; /v1/models lists adapters with their parent; run-time load and unload
+(--allow-runtime-lora); 404 for an unknown adapter, 400 for one that does not fit."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.lora import LoRARequest
+from pagegate.engine.lora.model import resolve_adapter
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.testing.launcher import ServerProcess
 from tests.gateway.conftest import SERVER_ARGS
@@ -88,6 +90,33 @@ def test_a_request_naming_an_adapter_answers_as_the_offline_llm(server, adapters
     with pytest.raises(openai.NotFoundError) as unknown:
         complete(client, "nobody")
     assert unknown.value.code == "model_not_found"
+
+
+def offline_embeddings(adapters: dict[str, Path]) -> dict[str | None, np.ndarray]:
+    """The prompt's embedding (the last token's hidden state, as the server pools) offline: the base and "sql"."""
+    llm = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64,
+              max_model_len=512, pooling="last")
+    vectors: dict[str | None, np.ndarray] = {}
+    for name in (None, "sql"):
+        adapter = resolve_adapter(llm.engine.runner.lora, LoRARequest(name, 1, str(adapters[name])) if name else None)
+        request = llm.engine.intake.make_request(f"embed-{name}", PROMPT, SamplingParams(), embed=True, lora=adapter)
+        llm.engine.add(request)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert request.embedding is not None
+        vectors[name] = request.embedding.numpy()
+    return vectors
+
+
+def test_embeddings_naming_an_adapter_run_with_it(server, adapters) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    base = (next(card for card in client.models.list().data if card.id == "sql").model_extra or {})["parent"]
+    served = {name: np.array(client.embeddings.create(model=model, input=PROMPT).data[0].embedding)
+              for name, model in ((None, base), ("sql", "sql"))}
+    expected = offline_embeddings(adapters)
+    for name, vector in served.items():
+        np.testing.assert_allclose(vector, expected[name], atol=1e-5, err_msg=str(name))
+    assert np.abs(served["sql"] - served[None]).max() > 1e-2  # the adapter changes the embedding
 
 
 def test_adapters_load_and_unload_at_run_time(server, adapters, offline) -> None:
