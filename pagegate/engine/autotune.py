@@ -34,6 +34,12 @@ class RunningCap:
         else:
             self.low_since = None
 
+    def reset(self) -> None:
+        """Back to max_num_seqs, its preemptions forgotten: the pool it was tuned on has grown."""
+        self.preemptions.clear()
+        self.low_since = None
+        self._set(self.max, "the KV pool grew")
+
     def _set(self, value: int, reason: str) -> None:
         if value != self.value:
             log.info("max_num_seqs %d -> %d: %s", self.value, value, reason)

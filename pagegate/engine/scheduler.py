@@ -74,12 +74,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None,
                  proposer: Proposer | None = None, tiers: TierStack | None = None,
-                 lora: AdapterStore | None = None) -> None:
+                 lora: AdapterStore | None = None, limit: int | None = None) -> None:
         self.config = config
         self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
+        self.cache = cache
         self.prefix_caching = cache.enable_prefix_caching
-        self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching, limit=limit)
+        # NOTE: an elastic pool (limit: pages usable of num_blocks) hands out pages above its first limit lowest
+        # first; it is opened to its capacity while the parts below size their per-page arrays from it, then limited.
+        self.pool.set_limit(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks, cache.block_size, False) if num_cpu_blocks else None
         self.tables = BlockTables(self.pool, *config.table_shape(max_model_len, cache.block_size), self.cpu_pool)
         self.tiers = PrefixTiers(tiers, self.pool) if tiers is not None and self.prefix_caching else None
@@ -97,9 +101,12 @@ class Scheduler:
         self._pooling_left = 0  # tokens embedding sequences may still take in the step being scheduled
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
+        self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
         if not 0.0 <= cache.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be within [0, 1], got {cache.max_pinned_fraction}")
         self.pins = PrefixPins(self.pool, int(cache.max_pinned_fraction * num_blocks))
+        if limit is not None:
+            self.set_limit(limit)
 
     # ---- queues ------------------------------------------------------------------------------------
 
@@ -172,6 +179,23 @@ class Scheduler:
         child.num_computed = parent.num_computed
         child.status = SeqStatus.RUNNING
         self.running.append(child)
+
+    def set_limit(self, num_blocks: int) -> int:
+        """An elastic pool's limit moved (BlockPool.set_limit): the watermark and the pins' budget follow it, and a
+        pool that grew takes as many sequences again as it is allowed (the cap tuned on the smaller pool no longer
+        says what fits). The limit reached: a shrink stops above the highest page in use."""
+        grew = num_blocks > self.pool.num_blocks
+        reached = self.pool.set_limit(num_blocks)
+        self.watermark_blocks = int(self.cache.watermark * reached)
+        self.pins.max_blocks = int(self.cache.max_pinned_fraction * reached)
+        if grew:
+            self.cap.reset()
+        return reached
+
+    def take_pages_short(self) -> int:
+        """The pages admission and running sequences lacked since the last call (what an elastic pool grows by)."""
+        short, self.pages_short = self.pages_short, 0
+        return short
 
     @property
     def num_unfinished(self) -> int:
@@ -345,6 +369,7 @@ class Scheduler:
         batch.preempted += 1
         self.num_preemptions += 1
         pages = self.tables.num_blocks(victim.handle)
+        self.pages_short += pages
         if self._should_swap(victim, now):
             victim.request.timeline.preempted(SWAP, now, pages, victim.index)
             pairs = self.tables.swap_out(victim.handle)
@@ -447,6 +472,7 @@ class Scheduler:
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
         if not self._free_up(need + reserve):
+            self.pages_short += need + reserve - self.pool.num_free_blocks
             self.pool.free(hits)
             self._release_adapter(seq)
             return 0

@@ -28,10 +28,8 @@ from pagegate.gateway.engine_requests import EngineRequests
 from pagegate.gateway.errors import APIError, NotFound, ServiceUnavailable
 from pagegate.gateway.model_slots import FAILED as MODEL_FAILED
 from pagegate.gateway.model_slots import (
-    GROW_MIN_FRACTION,
     LOADED,
     LOADING,
-    REBALANCE_IDLE_S,
     SLEEPING,
     UNLOADED,
     ModelSlot,
@@ -84,7 +82,8 @@ class EngineHost:
         # LoRA adapters served by name -> path (--lora-modules, then run-time loads); ModelContext shares this dict
         self.adapters: dict[str, str] = dict(engine_config.lora.modules) if engine_config.lora else {}
         self.slots = model_slots(engine_config, config)
-        self.budget = page_budget(engine_config, config.models_max or len(self.slots)) if self.several else None
+        self.budget = page_budget(engine_config, config.models_max or len(self.slots),
+                                  self.slots) if self.several else None
         self.loop: asyncio.AbstractEventLoop | None = None
         # NOTE: the parts reach the engines through two callables (a model's engine only while serving, or every
         # running one), never through the host: what each may touch is named, and neither imports this module.
@@ -129,11 +128,10 @@ class EngineHost:
         slot.state, slot.reason = LOADING, "loading"
         started = time.perf_counter()
         try:
-            kv_bytes = await self._grant(slot)
-            config = with_kv_bytes(slot.engine_config,
-                                   kv_bytes // self.config.data_parallel_size if kv_bytes is not None else None)
-            slot.engine = engine = await start_cores(config, self.config.data_parallel_size,
-                                                     self.config.engine_step_timeout_s)
+            kv_bytes, cores = await self._grant(slot), self.config.data_parallel_size
+            config = with_kv_bytes(slot.engine_config, kv_bytes // cores if kv_bytes is not None else None)
+            elastic = self.budget.elastic(slot, kv_bytes, cores) if self.budget and kv_bytes is not None else None
+            slot.engine = engine = await start_cores(config, cores, self.config.engine_step_timeout_s, elastic)
             slot.loads += 1
             engine.on_dead = lambda: self._engine_died(slot, engine)
             slot.model = self._model_context(slot, engine)
@@ -202,9 +200,9 @@ class EngineHost:
     async def _drop_engine(self, slot: ModelSlot) -> None:
         """Forget the model's engine and end its processes (its pages and weights go with them)."""
         engine, slot.engine, slot.model = slot.engine, None, None
-        slot.kv_bytes = 0  # its share goes back to the budget
         if engine is not None:
             await engine.shutdown()
+        slot.release_budget()  # once its cores are gone: none of them changes its entry again
         self._changed.set()
 
     # -- several models: load on demand, room under --models-max, unload, sleep ------------------
@@ -216,14 +214,11 @@ class EngineHost:
             return self.require_engine()
         self.check_serving()
         slot = self.slot_for(requested)
-        grow = self._may_grow(slot)  # before this request counts: was it idle a while?
         held = _HELD.get()
         if held is not None and slot not in held:
             held.append(slot)
             slot.in_flight += 1
         slot.used()
-        if grow and slot.loading is None:
-            slot.loading = asyncio.get_running_loop().create_task(self._grow(slot))
         await self.ensure_loaded(slot)
         return self.require_engine(slot.name)
 
@@ -284,71 +279,44 @@ class EngineHost:
 
     # -- the page budget (model_slots' NOTE) -----------------------------------------------------
     async def _grant(self, slot: ModelSlot) -> int | None:
-        """The bytes of pages a model loading or waking takes: all the budget that is free, idle models shrunk to
-        their floors first while less than its floor is (waiting while they serve). None: no shared budget."""
+        """The bytes of pages a model loading or waking starts with, reserved for it in the ledger: its floor, idle
+        models shrunk to their floors first while less is free (waiting while they serve); its cores grow it from
+        there by demand. None: no shared budget."""
         budget = self.budget
         if budget is None:
             return None
-        slot.kv_bytes = 0
+        slot.release_budget()
         deadline, tried = time.monotonic() + ROOM_TIMEOUT_S, set()
-        while (free := budget.free(self.slots)) < budget.floor:
-            donors = [s for s in self._donors(slot, 0.0) if s.name not in tried]
+        while not (granted := budget.ledger.take(slot.entry, budget.floor, budget.floor)):
+            donors = [s for s in self._donors(slot) if s.name not in tried]
             if donors:
                 donor = max(donors, key=lambda s: s.kv_bytes)
                 tried.add(donor.name)
                 await self._resize(donor, budget.floor)
                 continue
             await self._wait_for_change(deadline, "the page budget: every model holding pages")
-        slot.kv_bytes = free
-        return free
+        return granted
 
-    def _donors(self, slot: ModelSlot, idle_for_s: float) -> list[ModelSlot]:
-        """The other loaded models idle at least `idle_for_s` that hold pages beyond their floors."""
+    def _donors(self, slot: ModelSlot) -> list[ModelSlot]:
+        """The other loaded, idle models that hold pages beyond their floors."""
         assert self.budget is not None
-        now = time.monotonic()
         return [s for s in self.slots if s is not slot and s.state == LOADED and s.idle and s.engine is not None
-                and not s.resizing and now - s.last_used >= idle_for_s and self.budget.spare(s)]
-
-    def _may_grow(self, slot: ModelSlot) -> bool:
-        """A loaded model idle a while may take the free budget and what idle others hold beyond their floors,
-        when that grows it by GROW_MIN_FRACTION at least (a resize costs an allocation and its prefix cache)."""
-        budget = self.budget
-        if budget is None or slot.state != LOADED or not slot.idle or slot.resizing or \
-                time.monotonic() - slot.last_used < REBALANCE_IDLE_S:
-            return False
-        gain = budget.free(self.slots) + sum(budget.spare(s) for s in self._donors(slot, REBALANCE_IDLE_S))
-        return gain > 0 and gain >= GROW_MIN_FRACTION * slot.kv_bytes
-
-    async def _grow(self, slot: ModelSlot) -> None:
-        try:
-            assert self.budget is not None
-            for donor in self._donors(slot, REBALANCE_IDLE_S):
-                await self._resize(donor, self.budget.floor)
-            await self._resize(slot, slot.kv_bytes + self.budget.free(self.slots))
-        finally:
-            slot.loading = None
-            self._changed.set()
+                and not s.resizing and self.budget.spare(s)]
 
     async def _resize(self, slot: ModelSlot, kv_bytes: int) -> None:
-        """An idle model's pool to `kv_bytes` (its core frees and allocates it; its prefix cache is lost).
-
-        NOTE: a pool that grows counts its new size at once (reserved before the await, so no load takes the same
-        bytes meanwhile); one that shrinks counts its old size until its core has freed it. While it resizes, a
-        model is neither grown nor taken from again."""
-        old = slot.kv_bytes
-        if slot.engine is None or kv_bytes == old or slot.resizing:
+        """An idle model's pool to `kv_bytes`, in place (its core moves its limit and its ledger entry, keeping its
+        prefix cache below the limit). While it resizes, a model is not taken from again."""
+        if slot.engine is None or kv_bytes == slot.kv_bytes or slot.resizing:
             return
-        slot.resizing, slot.kv_bytes = True, max(old, kv_bytes)
+        slot.resizing = True
         try:
             pages = await slot.engine.resize(kv_bytes)
         except Exception as exc:
-            slot.kv_bytes = old
             logger.warning("resizing the pages of %s failed (it keeps its pool): %s", slot.name, exc)
             return
         finally:
             slot.resizing = False
-        slot.kv_bytes = kv_bytes
-        logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, kv_bytes / 2**20)
+        logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, slot.kv_bytes / 2**20)
 
     async def _unload(self, slot: ModelSlot) -> None:
         logger.info("unloading %s (%s)", slot.name, "least recently used" if self.config.models_max else "asked")
@@ -391,13 +359,17 @@ class EngineHost:
                 if slot.state == SLEEPING and slot.loading is None:
                     slot.state, slot.reason = LOADED, "serving"
                 raise
-            slot.kv_bytes = 0  # its share goes back to the budget
+            slot.release_budget()  # its cores gave their pages back; what rounding left goes too
             logger.info("%s sleeps", slot.name)
         return slot
 
     async def _wake(self, slot: ModelSlot) -> None:
         assert slot.engine is not None
-        await slot.engine.wake_up(await self._grant(slot))  # fresh pages: its new share (None: as before)
+        try:
+            await slot.engine.wake_up(await self._grant(slot))  # fresh pages: its floor, then as its demand grows
+        except BaseException:
+            slot.release_budget()  # it sleeps on, holding nothing
+            raise
         slot.state, slot.reason = LOADED, "serving"
         logger.info("%s woke up (%s)", slot.name, self._pages_of(slot))
 
@@ -469,6 +441,8 @@ class EngineHost:
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         loading = [slot.loading for slot in self.slots if slot.loading is not None]
         await asyncio.gather(*loading, return_exceptions=True)
+        if self.budget is not None:  # no core opens the ledger any more; those running keep their mapping
+            self.budget.ledger.unlink()
         engines = [slot.engine for slot in self.slots if slot.engine is not None]
         if not engines:
             return

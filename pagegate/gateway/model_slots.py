@@ -3,15 +3,19 @@ loaded on demand, unloaded least recently used first under --models-max, put to 
 alone when its core dies. This module holds what a slot is and how the models and their page budgets are found;
 EngineHost (engine_host.py) drives them.
 
-NOTE: one page budget, moved at idle moments. --kv-cache-memory (on CPU its default) is the whole server's, and
-the models holding pages never hold more than it together. A model that loads or wakes takes all the budget that
-is free; when less than its floor is free, idle models are shrunk to their floors first (a busy one never is: the
-load waits). The floor is half an equal share, `budget / (2 * capacity)` (capacity: --models-max, else the number of
-models), so an idle model keeps enough pages to answer at once while the busy one gets most of the budget. A
-sleeping or unloaded model holds nothing. A model that has been idle a while (REBALANCE_IDLE_S) and is asked again
-takes what the other idle models hold beyond their floors, when that grows it by a quarter or more.
-A core's pool is fixed while it runs (the page core has no resize), so shares move only between requests: a pool
-is resized by freeing it and allocating the new one (its prefix cache lost, as in a sleep), never under a request.
+NOTE: one page budget, moved by demand while requests run. --kv-cache-memory (on CPU its default) is the whole
+server's, kept in a ledger in shared memory (pagegate.engine.serving.page_ledger) with an entry per model, and the
+models' entries never sum past it. Each core's pool is elastic (pagegate.engine.serving.elastic_pages): allocated
+for the whole budget on CPU (memory is committed only as pages are used), with a limit of usable pages that grows
+from the ledger when its requests lack pages and shrinks back to its floor, giving the rest back, once it has been
+idle a couple of seconds. A model that loads or wakes takes its floor; when less is free, idle models are shrunk to
+their floors first, in place (a busy one never is: the load waits). The floor is half an equal share,
+`budget / (2 * capacity)` (capacity: --models-max, else the number of models), so an idle model keeps enough pages
+to answer at once and a busy one can take the rest. A sleeping or unloaded model holds nothing.
+NOTE (an earlier design): pools were fixed while their cores ran and resized (freed and allocated again, the prefix
+cache lost) only between requests, so a model whose burst began on a small pool stayed small through it; and the
+running cap tuned on one pool outlived the pool. Elastic pools move the budget within a burst, and a pool that
+grows lifts its cap (Scheduler.set_limit).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 
 from pagegate.config import EngineConfig, parse_bytes
 from pagegate.engine.serving.engine_client import EngineClient
+from pagegate.engine.serving.frames import ElasticSpec
+from pagegate.engine.serving.page_ledger import PageLedger
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.settings import ServedModel
 
@@ -44,7 +50,8 @@ class ModelSlot:
         self.last_used = 0.0  # time.monotonic() of its last request: the least recently used is unloaded first
         self.loading: asyncio.Task[None] | None = None  # its load or wake, while one runs
         self.loads = 0  # how many times its core was started
-        self.kv_bytes = 0  # its share of the server's page budget now (0 while it holds no pages)
+        self.ledger: PageLedger | None = None  # the server's page budget, where one is shared (its entry: `entry`)
+        self.entry = 0
         self.resizing = False  # its core is resizing its pool (EngineHost._resize)
 
     @property
@@ -52,6 +59,16 @@ class ModelSlot:
         if self.names:
             return self.names[0]
         return self.engine.model_name if self.engine is not None else "?"
+
+    @property
+    def kv_bytes(self) -> int:
+        """Its share of the server's page budget now, as its cores move it (0 while it holds no pages)."""
+        return self.ledger.held(self.entry) if self.ledger is not None else 0
+
+    def release_budget(self) -> None:
+        """Its cores are gone or asleep: whatever its entry still holds goes back."""
+        if self.ledger is not None:
+            self.ledger.clear(self.entry)
 
     @property
     def holds_memory(self) -> bool:
@@ -85,32 +102,35 @@ def discover_models(folder: str) -> list[ServedModel]:
     return sorted(found, key=lambda model: model.name)
 
 
-REBALANCE_IDLE_S = 2.0  # a model idle this long, asked again, may take what idle others hold beyond their floors
-GROW_MIN_FRACTION = 0.25  # ... when that grows its pool by this much at least (a resize loses its prefix cache)
-
-
 class PageBudget:
-    """The server's KV bytes and each model's floor; None-free arithmetic over the slots' `kv_bytes`."""
+    """The server's KV bytes, each model's floor, and the ledger the models' cores move their shares in."""
 
-    def __init__(self, total: int, capacity: int) -> None:
+    def __init__(self, total: int, capacity: int, slots: list[ModelSlot]) -> None:
         self.total = total
         self.floor = total // (2 * max(capacity, 1))
+        self.ledger = PageLedger.create(total, len(slots))
+        for entry, slot in enumerate(slots):
+            slot.ledger, slot.entry = self.ledger, entry
 
-    def free(self, slots: list[ModelSlot]) -> int:
-        return self.total - sum(slot.kv_bytes for slot in slots)
+    def free(self) -> int:
+        return self.ledger.free()
 
     def spare(self, slot: ModelSlot) -> int:
         """What a model holds beyond its floor."""
         return max(slot.kv_bytes - self.floor, 0)
 
+    def elastic(self, slot: ModelSlot, start_bytes: int, cores: int) -> ElasticSpec:
+        """What each of a model's `cores` is told of its elastic pool, `start_bytes` reserved for them together."""
+        return ElasticSpec(self.ledger.path, slot.entry, self.floor // cores, start_bytes // cores, self.total // cores)
 
-def page_budget(engine_config: EngineConfig, capacity: int) -> PageBudget | None:
+
+def page_budget(engine_config: EngineConfig, capacity: int, slots: list[ModelSlot]) -> PageBudget | None:
     """The server's page budget, shared by the models; None where each model's pages are given as a count
     (--num-kv-blocks: each model gets that many)."""
     cache = engine_config.cache
     if cache.num_kv_blocks is not None:
         return None
-    return PageBudget(parse_bytes(cache.kv_cache_memory or cache.default_cpu_kv_cache_memory), capacity)
+    return PageBudget(parse_bytes(cache.kv_cache_memory or cache.default_cpu_kv_cache_memory), capacity, slots)
 
 
 def with_kv_bytes(engine_config: EngineConfig, kv_bytes: int | None) -> EngineConfig:

@@ -197,20 +197,58 @@ def budgets(http: httpx.Client) -> dict[str, float]:
             for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)}
 
 
-def test_the_page_budget_moves_to_the_model_asked_after_idling(client: openai.OpenAI, http: httpx.Client) -> None:
-    """64 MiB for the server, --models-max 2: a floor of 16 MiB each; the model asked after both idled takes the
-    rest (48 MiB), the other keeps its floor; its answers are unchanged."""
+def test_loaded_models_start_at_their_floor_within_the_budget(client: openai.OpenAI, http: httpx.Client) -> None:
+    """64 MiB for the server, --models-max 2: a floor of 16 MiB each; short requests never need more, and an
+    idle model's pool is back at its floor (its answers unchanged)."""
     mib = 2**20
     for name in ("default_model", "tiny"):
         assert http.post("/models/load", json={"model": name}).status_code == 200
     before = greedy(client, "default_model")
-    for asked, other in (("tiny", "default_model"), ("default_model", "tiny")):
-        time.sleep(2.5)  # REBALANCE_IDLE_S: both idle a while
-        answer = greedy(client, asked)
-        shares = budgets(http)
-        assert shares[asked] == 48 * mib and shares[other] == 16 * mib, shares
-        assert sum(shares.values()) <= 64 * mib
-    assert answer == before  # default_model, on its resized pool
+    greedy(client, "tiny")
+    wait_for(lambda: budgets(http).get("default_model") == 16 * mib and budgets(http).get("tiny") == 16 * mib,
+             "both models at their floors")
+    assert sum(budgets(http).values()) <= 64 * mib
+    assert greedy(client, "default_model") == before
+
+
+def burst(client: openai.OpenAI, model: str, requests: int = 8) -> None:
+    """`requests` completions at once, 100 prompt tokens and 24 output tokens each (8 pages of 16 tokens)."""
+    def one(index: int) -> None:
+        prompt = [(index * 7 + i * 13) % 240 + 3 for i in range(100)]
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage is not None and reply.usage.completion_tokens == 24
+
+    with ThreadPoolExecutor(requests) as pool:
+        list(pool.map(one, range(requests)))
+
+
+def pool_pages(http: httpx.Client, model: str) -> float:
+    prefix = f'pagegate:model_kv_blocks_total{{model_name="{model}"}} '
+    return next(float(line[len(prefix):]) for line in http.get("/metrics").text.splitlines()
+                if line.startswith(prefix))
+
+
+def test_a_busy_models_pool_grows_while_the_other_idles(model_files: dict[str, str]) -> None:
+    """1 MiB of 8 KiB pages (128) for two tiny models, a floor of 32 pages each: a burst of 8 requests needing 64
+    pages grows the busy model's pool from the shared budget while the idle one keeps its floor; idle again, it
+    gives them back, and the other model's burst takes them. Greedy answers are unchanged by the moves."""
+    kib, floor = 1024, 256 * 1024
+    args = ["--model", model_files["tiny"], "--model", model_files["tinyhf"], "--served-model-name", "tiny", "tinyhf",
+            "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory", f"{1024 * kib}"]
+    with ServerProcess([*BASE_ARGS, *args]) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert http.post("/models/load", json={"model": "tinyhf"}).status_code == 200
+        before = greedy(client, "tiny")
+        for busy, idle in (("tiny", "tinyhf"), ("tinyhf", "tiny")):
+            wait_for(lambda: budgets(http) == {"tiny": floor, "tinyhf": floor}, "both pools at their floors")
+            burst(client, busy)
+            shares = budgets(http)  # read at once: a pool shrinks only after REBALANCE_IDLE_S idle
+            assert shares[busy] > floor and shares[idle] == floor, shares
+            assert sum(shares.values()) <= 1024 * kib
+            assert pool_pages(http, busy) * 8 * kib == shares[busy]  # the live limit, as the share says
+        assert greedy(client, "tiny") == before
+        wait_for(lambda: budgets(http) == {"tiny": floor, "tinyhf": floor}, "both pools back at their floors")
 
 
 def test_load_and_unload_by_hand(http: httpx.Client) -> None:

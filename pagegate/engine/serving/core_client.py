@@ -40,6 +40,7 @@ from pagegate.engine.serving.frames import (
     CallName,
     CoreLoad,
     CoreSpec,
+    ElasticSpec,
     Failed,
     Frame,
     FrameReader,
@@ -74,8 +75,9 @@ class _CoreProtocol(asyncio.Protocol):
 
 class CoreClient:
     def __init__(self, config: EngineConfig, index: int = 0, env: dict[str, str] | None = None, *,
-                 step_timeout_s: float = 0.0) -> None:
+                 step_timeout_s: float = 0.0, elastic: ElasticSpec | None = None) -> None:
         self.config, self.index, self._env = config, index, env
+        self.elastic = elastic  # its pool's share of a shared page budget (None: a fixed pool)
         self.step_timeout_s = step_timeout_s  # --engine-step-timeout (0: never taken for hung)
         self.stalled_error: EngineStalledError | None = None  # set while the core is taken for hung
         self._last_heard = time.monotonic()  # the core's last frame, or when an idle core was last given work
@@ -101,7 +103,8 @@ class CoreClient:
         """Start the core and wait until its model is loaded; ModelLoadError (or another) if it cannot start."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spec = CoreSpec(self.config, theirs.fileno(), os.getpid(), logging.getLevelName(logging.getLogger().level))
+        spec = CoreSpec(self.config, theirs.fileno(), os.getpid(), logging.getLevelName(logging.getLogger().level),
+                        self.elastic)
         self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.serving.core_process"], stdin=subprocess.PIPE,
                                         env=self._env, pass_fds=(theirs.fileno(),))
         theirs.close()

@@ -33,6 +33,7 @@ from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.scheduler import Scheduler
+from pagegate.engine.serving.elastic_pages import ElasticPages, elastic_config, elastic_pages
 from pagegate.engine.serving.frames import (
     CPUS_ENV,
     Abort,
@@ -68,8 +69,12 @@ IDLE_POLL_MS = 500  # an idle core wakes this often (SIGTERM sets `stopping` bet
 class CoreLoop:
     """Frames in, steps, frames out; the Engine and the socket are used from this thread only."""
 
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket, elastic: ElasticPages | None = None) -> None:
         self.engine, self.sock = engine, sock
+        self.elastic = elastic  # its pool's limit in a shared page budget (None: a fixed pool)
+        if elastic is not None:
+            self._new_scheduler(elastic.floor)
+            elastic.adopt(elastic.spec.start_bytes)
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
         self.reader: FrameReader[ToCore] = FrameReader(ToCore)
@@ -94,6 +99,8 @@ class CoreLoop:
                 self._flush(urgent)
             elif took or self.unsent:  # aborts freed pages, or an add failed: the gateway's counts must see it
                 self._flush(True)
+            if self.elastic is not None and not self.asleep:
+                self._rebalance(busy)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         self._last_counts()
@@ -105,6 +112,15 @@ class CoreLoop:
             self._send(Outputs([], self.load()))
         except OSError:
             pass
+
+    def _rebalance(self, busy: bool) -> None:
+        """The elastic pool grows after a step that lacked pages, shrinks when idle; the gateway hears of a move at
+        once (its share of the budget, its pages)."""
+        assert self.elastic is not None
+        before = self.elastic.limit
+        self.elastic.after_step(busy or self.engine.has_unfinished())
+        if self.elastic.limit != before:
+            self._flush(True)
 
     def _flush(self, urgent: bool) -> None:
         """One outputs frame for what moved since the last, unless the last went out under OUTPUT_INTERVAL_S ago
@@ -193,6 +209,8 @@ class CoreLoop:
         if not isinstance(engine.runner, ModelRunner) or (events is not None and events.enable_kv_cache_events):
             raise ValueError("this engine cannot sleep (an encoder, or KV-cache events are published)")
         engine.runner.free_kv_cache(engine.scheduler.pool)
+        if self.elastic is not None:
+            self.elastic.slept()
         gc.collect()
         self.asleep = True
 
@@ -203,24 +221,39 @@ class CoreLoop:
         runner = engine.runner
         assert isinstance(runner, ModelRunner)
         if not self.asleep:
+            if self.elastic is not None:  # the bytes reserved for a wake it did not need go back
+                self.elastic.ledger.give(self.elastic.spec.entry, kv_bytes or 0)
+                return self.elastic.limit
             return runner.num_blocks
-        if kv_bytes is not None:
+        if kv_bytes is not None and self.elastic is None:  # an elastic pool keeps its capacity and adopts kv_bytes
             runner.num_blocks = self._pages_for(kv_bytes)
             engine.metrics.cache_config(config.cache.block_size, runner.num_blocks)
         runner.allocate_kv_cache()
+        self._new_scheduler(self.elastic.floor if self.elastic is not None else None)
+        self.asleep = False
+        if self.elastic is not None:
+            return self.elastic.adopt(kv_bytes if kv_bytes is not None else self.elastic.spec.floor_bytes)
+        return runner.num_blocks
+
+    def _new_scheduler(self, limit: int | None) -> None:
+        """A fresh scheduler over the runner's pages (`limit`: of them usable, an elastic pool's floor)."""
+        engine, config = self.engine, self.engine.config
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
         engine.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
                                      runner.max_model_len, config.speculative, runner.draft, runner.tiers,
-                                     runner.lora)  # adapters are read into the fresh pool's pages on demand
+                                     runner.lora, limit)  # adapters are read into the fresh pool's pages on demand
         runner.bind(engine.scheduler.tables)
         engine.monitor.pool = engine.scheduler.pool
         engine.metrics.rebase(engine.scheduler.stats())
         engine.refresh_stats()
-        self.asleep = False
-        return runner.num_blocks
 
     def _resize(self, kv_bytes: int) -> int:
         """An idle core's pool to `kv_bytes` of pages, in one call (no request can come between its sleep and its
-        wake); the number of pages. Its prefix cache is lost, as in a sleep."""
+        wake); the number of pages. Its prefix cache is lost, as in a sleep; an elastic pool moves its limit in
+        place instead (its cached pages below the limit kept)."""
+        if self.elastic is not None:
+            return self.elastic.resize(kv_bytes)
         self._pages_for(kv_bytes)  # a size that cannot hold one sequence is refused before anything is freed
         self._sleep()
         return self._wake(kv_bytes)
@@ -284,14 +317,16 @@ def _never_outlive(parent_pid: int) -> None:
 def serve(spec: CoreSpec) -> int:
     sock = socket.socket(fileno=spec.socket_fd)
     try:
-        engine = Engine(spec.config)
+        config = elastic_config(spec.config, spec.elastic) if spec.elastic is not None else spec.config
+        engine = Engine(config)
+        elastic = elastic_pages(engine, spec.elastic)
     except Exception as error:
         log.debug("the engine failed to start", exc_info=True)
         sock.sendall(framed(Failed(type(error).__name__, str(error))))
         return 1
     if engine.runner.workers is not None:  # a dead rank: end here, the gateway sees the exit and fails streams
         engine.runner.workers.on_death = _worker_died
-    loop = CoreLoop(engine, sock)
+    loop = CoreLoop(engine, sock, elastic)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
     sock.sendall(framed(ready_frame(loop)))
     loop.run()

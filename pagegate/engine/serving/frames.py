@@ -201,6 +201,19 @@ class FrameReader(Generic[F]):
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    """A core's elastic pool (several models sharing one page budget; pagegate.engine.serving.elastic_pages): its
+    pages are allocated for the whole budget (config's kv_cache_memory) and it may use `start_bytes` of them,
+    already taken for it in the ledger's `entry`; it grows from the ledger and shrinks back to `floor_bytes`."""
+
+    ledger_path: str
+    entry: int
+    floor_bytes: int
+    start_bytes: int
+    capacity_bytes: int  # the pages it allocates on CPU (the budget); on a GPU only start_bytes are allocated
+
+
+@dataclass(frozen=True)
 class CoreSpec:
     """What the gateway hands a core on its stdin."""
 
@@ -208,6 +221,7 @@ class CoreSpec:
     socket_fd: int  # the core's end of the socketpair
     parent_pid: int
     log_level: str = "INFO"
+    elastic: ElasticSpec | None = None  # None: a fixed pool of config's size
 
 
 # ---- requests ------------------------------------------------------------------------------------------

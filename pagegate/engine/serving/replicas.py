@@ -27,7 +27,7 @@ from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_client import CoreClient
-from pagegate.engine.serving.frames import CPUS_ENV
+from pagegate.engine.serving.frames import CPUS_ENV, ElasticSpec
 
 
 class PrefixIndex:
@@ -79,14 +79,16 @@ class Replicas:
         self._owner: dict[str, CoreClient] = {}
 
     @classmethod
-    async def start(cls, config: EngineConfig, size: int, step_timeout_s: float = 0.0) -> Replicas:
+    async def start(cls, config: EngineConfig, size: int, step_timeout_s: float = 0.0,
+                    elastic: ElasticSpec | None = None) -> Replicas:
         cpus = sorted(os.sched_getaffinity(0))
         share = max(1, len(cpus) // size)
         cores = []
         for index in range(size):
             mine = cpus[index * share:(index + 1) * share] or cpus[-share:]
             env = {**os.environ, "OMP_NUM_THREADS": str(len(mine)), CPUS_ENV: ",".join(map(str, mine))}
-            cores.append(CoreClient(core_config(config, index), index, env, step_timeout_s=step_timeout_s))
+            cores.append(CoreClient(core_config(config, index), index, env, step_timeout_s=step_timeout_s,
+                                    elastic=elastic))
         results = await asyncio.gather(*(core.start() for core in cores), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -230,16 +232,17 @@ class Replicas:
 
 
 
-async def start_cores(config: EngineConfig, data_parallel_size: int = 1,
-                      step_timeout_s: float = 0.0) -> CoreClient | Replicas:
+async def start_cores(config: EngineConfig, data_parallel_size: int = 1, step_timeout_s: float = 0.0,
+                      elastic: ElasticSpec | None = None) -> CoreClient | Replicas:
     """The engine-core process(es), started and loaded: one CoreClient, or Replicas over `data_parallel_size`
     cores (each its own process, page pool and share of the CPUs); ModelLoadError when the model cannot load.
-    `step_timeout_s` > 0: a core with work that finishes no step in that long is taken for hung."""
+    `step_timeout_s` > 0: a core with work that finishes no step in that long is taken for hung. `elastic`: each
+    core's elastic pool (several models sharing one page budget)."""
     if data_parallel_size == 1:
-        core = CoreClient(config, step_timeout_s=step_timeout_s)
+        core = CoreClient(config, step_timeout_s=step_timeout_s, elastic=elastic)
         await core.start()
         return core
-    return await Replicas.start(config, data_parallel_size, step_timeout_s)
+    return await Replicas.start(config, data_parallel_size, step_timeout_s, elastic)
 
 def core_config(config: EngineConfig, index: int) -> EngineConfig:
     """Core `index`'s config: its own KV-event endpoints (tcp ports + index, ipc paths suffixed)."""

@@ -1,0 +1,137 @@
+"""An engine core's elastic pool: pages allocated for the server's whole budget, a limit of them usable, moved by
+demand through the ledger the cores of a several-model server share (pagegate.engine.serving.page_ledger).
+
+NOTE: grown by demand, given back when idle. After a step whose admission or running sequences lacked pages, the
+core takes more from the ledger, in chunks of at least a sixteenth of its capacity (one page at a time would pay a
+lock and a preemption per page), as much as is free; a core with no request for REBALANCE_IDLE_S shrinks to its
+floor and gives the rest back, so a model whose traffic moved on leaves its pages to the busy one within seconds,
+while its prefix cache below the floor stays. Shrinking never takes a page in use (pins and LoRA pages above the
+floor keep the limit above them) and gives the tail's memory back to the OS, so the budget is the memory used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pagegate.config import EngineConfig
+from pagegate.engine.kv_cache import check_fits
+from pagegate.engine.loading.loader import resolve_device
+from pagegate.engine.prefix_tiers import spill
+from pagegate.engine.runner import ModelRunner
+from pagegate.engine.serving.frames import ElasticSpec
+from pagegate.engine.serving.page_ledger import PageLedger
+
+if TYPE_CHECKING:
+    from pagegate.engine.engine import Engine
+
+log = logging.getLogger("pagegate.core")
+
+REBALANCE_IDLE_S = 2.0  # a core with no request this long shrinks to its floor
+GROW_CHUNK = 16  # a pool grows by at least 1/GROW_CHUNK of its capacity at a time
+
+
+def elastic_config(config: EngineConfig, spec: ElasticSpec) -> EngineConfig:
+    """The config a core of an elastic pool starts with: pages for the whole budget on CPU (memory is committed as
+    they are used, and given back on a shrink); on a GPU, where memory is not, the pages of its start share, within
+    which its limit moves."""
+    on_cpu = resolve_device(config.device).type == "cpu"
+    kv_bytes = spec.capacity_bytes if on_cpu else spec.start_bytes
+    return replace(config, cache=replace(config.cache, kv_cache_memory=str(kv_bytes), num_kv_blocks=None))
+
+
+def elastic_pages(engine: Engine, spec: ElasticSpec | None) -> ElasticPages | None:
+    """The engine's elastic pool, or None for a fixed one (no spec, or an encoder's pool, which keeps its start
+    share)."""
+    return ElasticPages(engine, spec) if spec is not None and isinstance(engine.runner, ModelRunner) else None
+
+
+class ElasticPages:
+    """The limit of one core's pool and the bytes its model's ledger entry holds for it."""
+
+    def __init__(self, engine: Engine, spec: ElasticSpec) -> None:
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        self.engine, self.spec = engine, spec
+        self.ledger = PageLedger(spec.ledger_path)
+        self.capacity = runner.num_blocks
+        self.page_bytes = runner.kv_cache.page_bytes
+        cache = engine.config.cache
+        self.floor = spec.floor_bytes // self.page_bytes
+        check_fits(self.floor, cache.block_size, runner.max_model_len, self.page_bytes)
+        self.last_busy = time.monotonic()
+
+    @property
+    def limit(self) -> int:
+        return int(self.engine.scheduler.pool.num_blocks)
+
+    def adopt(self, kv_bytes: int) -> int:
+        """A fresh pool (at load or wake, built limited to the floor) takes the `kv_bytes` reserved for it: its
+        limit, the rest back."""
+        self.last_busy = time.monotonic()
+        pages = min(kv_bytes // self.page_bytes, self.capacity)
+        reached = self._move(pages)
+        self.ledger.give(self.spec.entry, kv_bytes - reached * self.page_bytes)
+        return reached
+
+    def after_step(self, busy: bool) -> None:
+        """Grow when the step lacked pages; shrink to the floor once idle a while."""
+        now = time.monotonic()
+        if busy:
+            self.last_busy = now
+            short = self.engine.scheduler.take_pages_short()
+            if short:
+                self.grow(max(short, self.capacity // GROW_CHUNK))
+        elif now - self.last_busy >= REBALANCE_IDLE_S and self.limit > self.floor:
+            self.shrink(self.floor)
+
+    def grow(self, pages: int) -> int:
+        """Up to `pages` more from the ledger (what is free, within the capacity); the limit."""
+        wanted = min(pages, self.capacity - self.limit)
+        if wanted <= 0:
+            return self.limit
+        taken = self.ledger.take(self.spec.entry, wanted * self.page_bytes, self.page_bytes)
+        granted = taken // self.page_bytes
+        self.ledger.give(self.spec.entry, taken - granted * self.page_bytes)  # a part of a page: back
+        if granted:
+            log.info("KV pool grows to %d pages (+%d from the shared budget)", self._move(self.limit + granted),
+                     granted)
+        return self.limit
+
+    def shrink(self, pages: int) -> int:
+        """Down to `pages` (not below the floor, nor below a page in use), the rest back to the ledger; the limit."""
+        old = self.limit
+        reached = self._move(max(pages, self.floor))
+        if reached < old:
+            self.ledger.give(self.spec.entry, (old - reached) * self.page_bytes)
+            log.info("KV pool shrinks to %d pages (%d back to the shared budget)", reached, old - reached)
+        return reached
+
+    def resize(self, kv_bytes: int) -> int:
+        """The gateway's resize of an idle core, in place (its prefix cache below the new limit kept); the limit."""
+        pages = kv_bytes // self.page_bytes
+        return self.grow(pages - self.limit) if pages > self.limit else self.shrink(pages)
+
+    def slept(self) -> None:
+        """Its pages are freed: everything it held goes back."""
+        self.ledger.give(self.spec.entry, self.limit * self.page_bytes)
+
+    def _move(self, pages: int) -> int:
+        """The pool's limit to `pages`; a shrink writes its evicted pages down the tiers (if any) and gives the
+        tail's memory back to the OS. The limit reached."""
+        engine = self.engine
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        old = self.limit
+        reached = engine.scheduler.set_limit(pages)
+        if reached < old:
+            pool = engine.scheduler.pool
+            if runner.tiers is not None and engine.scheduler.tiers is not None:
+                spill(runner.kv_cache, runner.tiers, pool.take_evicted())  # before their bytes are dropped
+            runner.kv_cache.release_pages(reached, old)
+        if reached != old:
+            engine.metrics.cache_config(engine.config.cache.block_size, reached)
+            engine.refresh_stats()
+        return reached

@@ -1,0 +1,104 @@
+"""The page budget of a several-model server, shared by its engine cores: a small file of counters in shared memory.
+
+The gateway creates it with the server's KV bytes (--kv-cache-memory) and one entry per model; each core of a model
+takes bytes from it into its model's entry when its pool grows and gives them back when it shrinks or sleeps; the
+gateway reserves a model's first pages before its core starts or wakes and clears the entry when the core is gone.
+Every change is one read-modify-write under an exclusive flock of the file, so the entries never sum past the
+budget whichever processes change them at once.
+
+NOTE: a file in /dev/shm (tmpfs, RAM) with flock rather than multiprocessing.shared_memory with a semaphore: a core
+opens it by path from its spec without the gateway's Python objects, flock's lock dies with a killed holder (a core
+SIGKILLed mid-change never blocks the others), and the counters can be read with `od` while debugging.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_SLOT = struct.Struct("<q")  # one signed 64-bit counter: the total first, then each entry's bytes held
+
+
+def _folder() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class PageLedger:
+    """`total` bytes of KV pages and `entries` counters of the bytes each model holds, in the file at `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
+        self.num_entries = len(self._map) // _SLOT.size - 1
+
+    @classmethod
+    def create(cls, total: int, entries: int) -> PageLedger:
+        """A fresh ledger with every byte free (the gateway's; `unlink` removes its file)."""
+        fd, path = tempfile.mkstemp(prefix="pagegate-ledger-", dir=_folder())
+        os.write(fd, _SLOT.pack(total) + bytes(_SLOT.size * entries))
+        os.close(fd)
+        return cls(path)
+
+    @property
+    def total(self) -> int:
+        return self._read(0)
+
+    def held(self, entry: int) -> int:
+        return self._read(entry + 1)
+
+    def free(self) -> int:
+        with self._locked():
+            return self._free()
+
+    def take(self, entry: int, wanted: int, at_least: int = 0) -> int:
+        """Up to `wanted` free bytes into `entry` (none when fewer than `at_least` are free); how many it took."""
+        with self._locked():
+            granted = min(wanted, self._free())
+            if granted < max(at_least, 1):
+                return 0
+            self._write(entry + 1, self.held(entry) + granted)
+            return granted
+
+    def give(self, entry: int, amount: int) -> None:
+        """`amount` bytes of `entry` back to the budget."""
+        with self._locked():
+            self._write(entry + 1, max(self.held(entry) - amount, 0))
+
+    def clear(self, entry: int) -> int:
+        """Everything `entry` holds back to the budget (its cores are gone); how much that was."""
+        with self._locked():
+            held = self.held(entry)
+            self._write(entry + 1, 0)
+            return held
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+    def unlink(self) -> None:
+        """Remove its file (the gateway's, at shutdown); the processes that opened it keep using their mapping."""
+        Path(self.path).unlink(missing_ok=True)
+
+    def _free(self) -> int:
+        return self.total - sum(self.held(entry) for entry in range(self.num_entries))
+
+    def _read(self, index: int) -> int:
+        return int(_SLOT.unpack_from(self._map, index * _SLOT.size)[0])
+
+    def _write(self, index: int, value: int) -> None:
+        _SLOT.pack_into(self._map, index * _SLOT.size, value)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
