@@ -39,8 +39,9 @@ SMOLLM2=${SMOLLM2:-$ROOT/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 WORK=$(mktemp -d /tmp/pagegate-gpu-check.XXXXXX)  # JSON, rows, the serve plot: not for LOGS
 
 # per-step budgets in seconds; every one is also cut to what is left of BUDGET_S
-# (tests: test_triton_formats.py compiles ~40 more kernel variants, one per page format and case)
-SETUP_S=120 TESTS_S=150 KERNELS_S=75 ENGINE_S=110 SERVE_S=80
+# (tests: test_triton_formats.py compiles ~40 more kernel variants, one per page format and case; engine: the KV
+# tiers and a LoRA batch after the models)
+SETUP_S=120 TESTS_S=150 KERNELS_S=75 ENGINE_S=130 SERVE_S=80
 if [[ $DEVICE == cpu ]]; then  # the dry run: Triton's interpreter and a CPU engine are slower
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1500}
     SETUP_S=$((SETUP_S * 3)) TESTS_S=$((TESTS_S * 3)) KERNELS_S=$((KERNELS_S * 3))
