@@ -328,11 +328,15 @@ static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, floa
     #pragma omp barrier
 }
 
-/* The adapted tokens' LoRA updates of projection `proj` (PGL_QKV ...) of layer `index`, added to its output out
-   after its base matmul; x [T, k] its input. */
-static void pgd_lora(const pgd_step *s, int index, int proj, const float *x, int64_t k, float *out,
-                     int64_t out_stride) {
-    if (s->lora && s->lora_groups.count) pgl_add(s->lora, &s->lora_groups, index, proj, x, k, k, out, out_stride);
+/* The adapted tokens' LoRA updates of projection `proj` (PGL_QKV ...) of layer `index`: pgd_lora_shrink before its
+   base matmul (no barrier of its own: the matmul's covers it), x [T, k] its input; pgd_lora_expand after it, adding
+   into its output. */
+static void pgd_lora_shrink(const pgd_step *s, int index, int proj, const float *x, int64_t k) {
+    if (s->lora && s->lora_groups.count) pgl_shrink(s->lora, &s->lora_groups, index, proj, x, k, k);
+}
+
+static void pgd_lora_expand(const pgd_step *s, int index, int proj, float *out, int64_t out_stride) {
+    if (s->lora && s->lora_groups.count) pgl_expand_all(s->lora, &s->lora_groups, index, proj, out, out_stride);
 }
 
 /* One decoder layer (number `index`) over the step's tokens, x [T, hidden] the residual stream; act is this
@@ -346,35 +350,39 @@ static void pgd_layer_forward(const pgd_model *m, int index, const pgd_step *s, 
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->attn_norm, tokens, b->normed);
     pgd_quantize(m, &layer->qkv, b->normed, act, tokens);
+    pgd_lora_shrink(s, index, PGL_QKV, b->normed, m->hidden);
     pgd_matmul(m, &layer->qkv, b->normed, act, tokens, b->qkv, qkv_width, 0);
-    pgd_lora(s, index, PGL_QKV, b->normed, m->hidden, b->qkv, qkv_width);
+    pgd_lora_expand(s, index, PGL_QKV, b->qkv, qkv_width);
     pgd_rope_and_write(m, layer, s, b->qkv);
     pgd_attention(m, layer, s, b, b->qkv, qkv_width, b->normed, q_width);
     act->k = q_width;
     pgd_quantize(m, &layer->o, b->normed, act, tokens);
+    pgd_lora_shrink(s, index, PGL_O, b->normed, q_width);
     if (layer->post_attn_norm) {
         pgd_matmul(m, &layer->o, b->normed, act, tokens, b->branch, m->hidden, 0);
-        pgd_lora(s, index, PGL_O, b->normed, q_width, b->branch, m->hidden);
+        pgd_lora_expand(s, index, PGL_O, b->branch, m->hidden);
         pgd_add_normed(m, b->branch, layer->post_attn_norm, tokens, x);
     } else {
         pgd_matmul(m, &layer->o, b->normed, act, tokens, x, m->hidden, 1);
-        pgd_lora(s, index, PGL_O, b->normed, q_width, x, m->hidden);
+        pgd_lora_expand(s, index, PGL_O, x, m->hidden);
     }
     act->k = m->hidden;
     pgd_norm_rows(m, x, layer->ffn_norm, tokens, b->normed);
     pgd_quantize(m, &layer->gate_up, b->normed, act, tokens);
+    pgd_lora_shrink(s, index, PGL_GATE_UP, b->normed, m->hidden);
     pgd_matmul(m, &layer->gate_up, b->normed, act, tokens, b->gate_up, 2 * (int64_t)m->intermediate, 0);
-    pgd_lora(s, index, PGL_GATE_UP, b->normed, m->hidden, b->gate_up, 2 * (int64_t)m->intermediate);
+    pgd_lora_expand(s, index, PGL_GATE_UP, b->gate_up, 2 * (int64_t)m->intermediate);
     act->k = m->intermediate;
     pgd_gated(m, tokens, b->gate_up, b->normed);
     pgd_quantize(m, &layer->down, b->normed, act, tokens);
+    pgd_lora_shrink(s, index, PGL_DOWN, b->normed, m->intermediate);
     if (layer->post_ffn_norm) {
         pgd_matmul(m, &layer->down, b->normed, act, tokens, b->branch, m->hidden, 0);
-        pgd_lora(s, index, PGL_DOWN, b->normed, m->intermediate, b->branch, m->hidden);
+        pgd_lora_expand(s, index, PGL_DOWN, b->branch, m->hidden);
         pgd_add_normed(m, b->branch, layer->post_ffn_norm, tokens, x);
     } else {
         pgd_matmul(m, &layer->down, b->normed, act, tokens, x, m->hidden, 1);
-        pgd_lora(s, index, PGL_DOWN, b->normed, m->intermediate, x, m->hidden);
+        pgd_lora_expand(s, index, PGL_DOWN, x, m->hidden);
     }
 }
 

@@ -3,8 +3,8 @@
    shrink [rank, in] (the packed shards' A stacked), each shard's B (scale folded in) is kept transposed, [ranks, cols],
    so the expand streams it along the output. The step's adapted tokens come grouped by adapter slot (the caller sorts
    them once per step), so one adapter's A and B are read once per projection whatever its token count. Float32
-   weights whatever the base's blocks. AVX2 + FMA where the CPU has it, portable C elsewhere. pgl_add is called by
-   every thread of a parallel region (two `omp for`s: shrink, then expand). */
+   weights whatever the base's blocks. AVX2 + FMA where the CPU has it, portable C elsewhere. pgl_shrink and
+   pgl_expand_all are called by every thread of a parallel region, with a barrier between them. */
 #ifndef PAGEGATE_CPU_LORA_H
 #define PAGEGATE_CPU_LORA_H
 
@@ -168,25 +168,29 @@ static void pgl_expand_item(const pgl_table *table, const pgl_groups *g, const p
     }
 }
 
-/* out[t * out_stride + c] += B (A x_t) of token t's adapter for projection `proj` of `layer`, for every grouped token;
-   x [T, k], rows x_stride apart, the projection's input. Work is split over the threads by item: (group, token tile,
-   rank row) to shrink, then (group, shard, column tile) to expand, each item reading its rows of A or B once. */
-static void pgl_add(const pgl_table *table, const pgl_groups *g, int layer, int proj, const float *x, int64_t x_stride,
-                    int64_t k, float *out, int64_t out_stride) {
-    int64_t shrink_items = 0, expand_items = 0;
-    for (int i = 0; i < g->count; i++) {
-        const pgl_update *u = pgl_at(table, g->slot[i], layer, proj);
-        shrink_items += pgl_shrink_items(g, u, i);
-        expand_items += pgl_expand_items(u);
-    }
-    if (!shrink_items) return;  /* the same answer on every thread: none of them meets the barriers below */
-    #pragma omp for schedule(static)
-    for (int64_t item = 0; item < shrink_items; item++) {
+/* The shrink of the updates: A x_t of every grouped token for projection `proj` of `layer` (x [T, k], rows x_stride
+   apart, its input) into g->shrunk, split over the threads by (group, token tile, rank row) items. No barrier at its
+   end (`nowait`): the native step runs it before the projection's base matmul, whose barrier then covers both. */
+static void pgl_shrink(const pgl_table *table, const pgl_groups *g, int layer, int proj, const float *x,
+                       int64_t x_stride, int64_t k) {
+    int64_t items = 0;
+    for (int i = 0; i < g->count; i++) items += pgl_shrink_items(g, pgl_at(table, g->slot[i], layer, proj), i);
+    #pragma omp for schedule(static) nowait
+    for (int64_t item = 0; item < items; item++) {
         int i = 0;
         int64_t at = item;
         for (int64_t n; at >= (n = pgl_shrink_items(g, pgl_at(table, g->slot[i], layer, proj), i)); i++) at -= n;
         pgl_shrink_item(table, g, pgl_at(table, g->slot[i], layer, proj), i, at, x, x_stride, k);
     }
+}
+
+/* The expand, after a barrier past the shrink: out[t * out_stride + c] += B (A x_t), split over the threads by (group, shard,
+   column tile) items, each reading its rows of B once for all the group's tokens. */
+static void pgl_expand_all(const pgl_table *table, const pgl_groups *g, int layer, int proj, float *out,
+                           int64_t out_stride) {
+    int64_t expand_items = 0;
+    for (int i = 0; i < g->count; i++) expand_items += pgl_expand_items(pgl_at(table, g->slot[i], layer, proj));
+    if (!expand_items) return;  /* the same answer on every thread: none of them meets the barrier below */
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < expand_items; item++) {
         int i = 0;
@@ -196,11 +200,16 @@ static void pgl_add(const pgl_table *table, const pgl_groups *g, int layer, int 
     }
 }
 
-/* pgl_add on its own parallel region (the torch forward's projections, one call each). */
+/* out[t * out_stride + c] += B (A x_t) of token t's adapter for projection `proj` of `layer`, for every grouped token
+   (x [T, k] the projection's input), on its own parallel region: the torch forward's projections, one call each. */
 static void pgl_add_parallel(const pgl_table *table, const pgl_groups *g, int layer, int proj, const float *x,
                              int64_t k, float *out, int64_t out_stride, int threads) {
     #pragma omp parallel num_threads(threads)
-    pgl_add(table, g, layer, proj, x, k, k, out, out_stride);
+    {
+        pgl_shrink(table, g, layer, proj, x, k, k);
+        #pragma omp barrier
+        pgl_expand_all(table, g, layer, proj, out, out_stride);
+    }
 }
 
 #endif /* PAGEGATE_CPU_LORA_H */
