@@ -162,7 +162,7 @@ class LoRAModel:
                 runs.setdefault(name, []).append((int(starts[i]), int(starts[i + 1])))
         self.groups = [(self.loaded[name], _as_rows(spans, self.device)) for name, spans in runs.items()]
         if self.slots is not None:
-            self.slots.set_step(self.loaded, runs)
+            self.slots.set_step(self.loaded, self.table_slot, runs)
         return self.step_groups
 
     def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...],

@@ -12,7 +12,6 @@ on CUDA they are device memory outside the page budget: the pages stand for the 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection
 
 import torch
 
@@ -24,21 +23,25 @@ ModuleKey = tuple[int, str]  # (layer, path inside it), as model.LoRAModel keys 
 
 
 class AdapterSlots:
+    """The stacks of every adapted module, each loaded adapter written in the slot LoRAModel gave it on load."""
+
     def __init__(self, targets: dict[str, TargetModule], config: LoRAConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.modules: dict[ModuleKey, TargetModule] = {(t.layer, t.path): t for t in targets.values()}
         self.num_slots, self.max_rank, self.dtype, self.device = config.max_loras, config.max_lora_rank, dtype, device
         self.shrinks: dict[ModuleKey, torch.Tensor] = {}
         self.expands: dict[ModuleKey, list[tuple[slice, torch.Tensor]]] = {}  # per shard: its columns, its stack
-        # name -> (the weights its slot holds, the slot); weakly, so a dropped adapter's tensors are not kept
-        self.held: dict[str, tuple[weakref.ref[AdapterWeights], int]] = {}
+        # slot -> the weights written there, weakly: a dropped adapter's tensors are not kept for it
+        self.held: dict[int, weakref.ref[AdapterWeights]] = {}
         self.segments: Segments | None = None  # this step's rows of each adapter, by slot
 
-    def set_step(self, loaded: dict[str, AdapterWeights], runs: dict[str, list[tuple[int, int]]]) -> None:
-        """This step's row spans [start, stop) of each adapter: its weights are put in a slot if they are not in
-        one, and the spans become the kernels' segments."""
-        slots = {name: self._slot(name, loaded[name], runs.keys()) for name in runs}
-        spans = [(start, stop, slots[name]) for name, spans in runs.items() for start, stop in spans]
+    def set_step(self, loaded: dict[str, AdapterWeights], slot_of: dict[str, int],
+                 runs: dict[str, list[tuple[int, int]]]) -> None:
+        """This step's row spans [start, stop) of each adapter: its weights are written into its slot (`slot_of`,
+        given as it was loaded) unless they are there, and the spans become the kernels' segments."""
+        for name in runs:
+            self._hold(slot_of[name], loaded[name])
+        spans = [(start, stop, slot_of[name]) for name, spans in runs.items() for start, stop in spans]
         self.segments = Segments.of(spans, self.device) if spans else None
 
     def add_updates(self, key: ModuleKey, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
@@ -52,23 +55,11 @@ class AdapterSlots:
             lora_expand(shrunk[:, ranks], expand, self.segments, output[:, columns])
         return output
 
-    def _slot(self, name: str, weights: AdapterWeights, in_step: Collection[str]) -> int:
-        held = self.held.get(name)
-        if held is None or held[0]() is not weights:  # new, or read again since it was put in its slot
-            slot = held[1] if held is not None else self._free_slot(in_step)
+    def _hold(self, slot: int, weights: AdapterWeights) -> None:
+        held = self.held.get(slot)
+        if held is None or held() is not weights:  # another adapter's slot before, or this one read again
             self._write(slot, weights)
-            self.held[name] = (weakref.ref(weights), slot)
-        return self.held[name][1]
-
-    def _free_slot(self, in_step: Collection[str]) -> int:
-        """An unused slot, else the slot of an adapter this step does not run (at most max_loras adapters are
-        loaded, so one of those is no longer loaded)."""
-        taken = {slot for _, slot in self.held.values()}
-        free = next((slot for slot in range(self.num_slots) if slot not in taken), None)
-        if free is not None:
-            return free
-        name = next(name for name in self.held if name not in in_step)
-        return self.held.pop(name)[1]
+            self.held[slot] = weakref.ref(weights)
 
     def _write(self, slot: int, weights: AdapterWeights) -> None:
         for key in self.shrinks.keys() | weights.modules.keys():

@@ -32,7 +32,7 @@ def test_a_mixed_batch_through_the_grouped_kernels_matches_peft(llama_model, ada
     slots = grouped(llm)
     got = tokens(llm, [p for p, _ in plan], [adapters[n].request if n else None for _, n in plan])
     assert got == [references[n][PROMPTS.index(p)] for p, n in plan]
-    assert sorted(slot for _, slot in slots.held.values()) == [0, 1, 2]
+    assert sorted(slots.held) == [0, 1, 2]
     assert len(slots.shrinks) == 2 * 4  # "all" targets every adapted module of both layers
 
 
@@ -42,5 +42,6 @@ def test_slots_are_reused_as_adapters_are_evicted_and_read_again(llama_model, ad
     for name in ("attn", "mlp", "all", "attn"):  # max_loras=2: from the third on, each evicts the least recent
         got = tokens(llm, PROMPTS[:2], [adapters[name].request, None])
         assert got == [references[name][0], references[None][1]], name
-        assert slots.held[name][0]() is llm.engine.runner.lora.loaded[name]  # its slot holds the weights read last
-    assert llm.engine.scheduler.adapters.loads == 4 and sorted(slot for _, slot in slots.held.values()) == [0, 1]
+        lora = llm.engine.runner.lora
+        assert slots.held[lora.table_slot[name]]() is lora.loaded[name]  # its slot holds the weights read last
+    assert llm.engine.scheduler.adapters.loads == 4 and sorted(slots.held) == [0, 1]
