@@ -242,6 +242,9 @@ cdef class LoRATable:
             made.shard[i].expand = <const float *>_address(expand, torch.float32, (ranks, cols), "LoRA expand")
             made.shard[i].first_col, made.shard[i].cols = first_col, cols
             made.shard[i].first_rank, made.shard[i].ranks = first_rank, ranks
+        spans = sorted((made.shard[i].first_col, made.shard[i].cols) for i in range(made.shards))
+        if any(first + cols > next_first for (first, cols), (next_first, _) in zip(spans, spans[1:])):
+            raise ValueError(f"LoRA shards overlap in their columns: {spans}")  # their threads would race
         update[0] = made
         self.keep[slot][layer, proj] = (shrink, shards)
 

@@ -55,7 +55,7 @@ def groups(token_slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_grouped_updates_match_torch(isa: str, tokens: int) -> None:
     gen = torch.Generator().manual_seed(tokens)
     table = cpu_decode.LoRATable(3, SHAPES, MAX_RANK)
-    shard_plans = {0: [(0, 40, 4), (56, 16, 3)], 1: [(0, 72, 2), (40, 16, 2), (56, 16, 2)], 2: [(20, 52, 5)]}
+    shard_plans = {0: [(0, 40, 4), (56, 16, 3)], 1: [(0, 40, 2), (40, 16, 2), (56, 16, 2)], 2: [(20, 52, 5)]}
     updates = {slot: update(gen, 40, plan) for slot, plan in shard_plans.items()}
     for slot, (shrink, shards) in updates.items():
         table.set(slot, 0, 0, shrink, shards)
@@ -90,6 +90,8 @@ def test_updates_and_groups_that_do_not_fit_are_refused() -> None:
         table.set(0, 0, 1, *update(gen, 24, [(0, 40, MAX_RANK + 1)]))
     with pytest.raises(ValueError, match="does not fit"):
         table.set(0, 0, 1, *update(gen, 24, [(8, 40, 2)]))
+    with pytest.raises(ValueError, match="overlap"):
+        table.set(0, 0, 1, *update(gen, 24, [(0, 20, 2), (16, 8, 2)]))
     with pytest.raises(ValueError, match="shape"):
         table.set(0, 0, 1, *update(gen, 25, [(0, 40, 2)]))
     with pytest.raises(IndexError):
