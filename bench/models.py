@@ -10,11 +10,12 @@ greedy completion, for a model that is loaded, asleep (/sleep: its KV pages free
 --shared-budget: two models whose traffic shifts (phases of `concurrency` requests at once to one model, then to
 the other, with an idle gap between), served by one server whose --kv-cache-memory is `budget` for both, against
 two servers given half of it each. Reported: output tokens per second within the phases (median over phases, the
-first phase of each model left out as warm-up). The pool of the model in its phase holds up to 3/4 of the budget on
-the shared server (pagegate/gateway/model_slots.py), 1/2 on the split ones: the shared server wins where a phase
-needs more pages than half the budget, and loses where it does not (each phase's first request waits for two pool
-resizes, ~0.1-0.3 s on this machine, and the prefix caches are lost). Defaults: SmolLM2's float16 pages take
-23,040 bytes a token, so 64 MiB holds 2,912 tokens; 16 requests of 192 tokens need 3,072.
+first phase of each model left out as warm-up). On the shared server the pool of the model in its phase grows in
+place while its requests lack pages, up to all the budget but the idle model's floor (7/8 of it with two models;
+pagegate/gateway/model_slots.py), and gives it back after 2 s idle; on the split ones each pool is half the budget.
+The shared server wins where a phase needs more pages than half the budget. Defaults: SmolLM2's float16 pages take
+23,040 bytes a token, so 64 MiB holds 2,912 tokens; 16 requests of 192 tokens need 3,072. Time it on a quiet
+machine: the cores' OpenMP threads slow down many times over when another job takes a CPU.
 
 Default models: SmolLM2-135M-Instruct Q4_1 (.cache/models) served twice under two names.
 """

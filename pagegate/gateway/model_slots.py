@@ -9,9 +9,11 @@ models' entries never sum past it. Each core's pool is elastic (pagegate.engine.
 for the whole budget on CPU (memory is committed only as pages are used), with a limit of usable pages that grows
 from the ledger when its requests lack pages and shrinks back to its floor, giving the rest back, once it has been
 idle a couple of seconds. A model that loads or wakes takes its floor; when less is free, idle models are shrunk to
-their floors first, in place (a busy one never is: the load waits). The floor is half an equal share,
-`budget / (2 * capacity)` (capacity: --models-max, else the number of models), so an idle model keeps enough pages
-to answer at once and a busy one can take the rest. A sleeping or unloaded model holds nothing.
+their floors first, in place (a busy one never is: the load waits). The floor is a quarter of an equal share,
+`budget / (4 * capacity)` (capacity: --models-max, else the number of models; its core raises it to one sequence of
+max_model_len), so an idle model keeps some pages and its hottest prefixes to answer at once, and a busy one can take
+the rest: growing in place costs a lock, not a reallocation, so a small floor costs a model little when its traffic
+comes back. A sleeping or unloaded model holds nothing.
 NOTE (an earlier design): pools were fixed while their cores ran and resized (freed and allocated again, the prefix
 cache lost) only between requests, so a model whose burst began on a small pool stayed small through it; and the
 running cap tuned on one pool outlived the pool. Elastic pools move the budget within a burst, and a pool that
@@ -107,7 +109,7 @@ class PageBudget:
 
     def __init__(self, total: int, capacity: int, slots: list[ModelSlot]) -> None:
         self.total = total
-        self.floor = total // (2 * max(capacity, 1))
+        self.floor = total // (4 * max(capacity, 1))
         self.ledger = PageLedger.create(total, len(slots))
         for entry, slot in enumerate(slots):
             slot.ledger, slot.entry = self.ledger, entry

@@ -198,14 +198,14 @@ def budgets(http: httpx.Client) -> dict[str, float]:
 
 
 def test_loaded_models_start_at_their_floor_within_the_budget(client: openai.OpenAI, http: httpx.Client) -> None:
-    """64 MiB for the server, --models-max 2: a floor of 16 MiB each; short requests never need more, and an
+    """64 MiB for the server, --models-max 2: a floor of 8 MiB each; short requests never need more, and an
     idle model's pool is back at its floor (its answers unchanged)."""
     mib = 2**20
     for name in ("default_model", "tiny"):
         assert http.post("/models/load", json={"model": name}).status_code == 200
     before = greedy(client, "default_model")
     greedy(client, "tiny")
-    wait_for(lambda: budgets(http).get("default_model") == 16 * mib and budgets(http).get("tiny") == 16 * mib,
+    wait_for(lambda: budgets(http).get("default_model") == 8 * mib and budgets(http).get("tiny") == 8 * mib,
              "both models at their floors")
     assert sum(budgets(http).values()) <= 64 * mib
     assert greedy(client, "default_model") == before
@@ -230,10 +230,10 @@ def pool_pages(http: httpx.Client, model: str) -> float:
 
 
 def test_a_busy_models_pool_grows_while_the_other_idles(model_files: dict[str, str]) -> None:
-    """1 MiB of 8 KiB pages (128) for two tiny models, a floor of 32 pages each: a burst of 8 requests needing 64
+    """1 MiB of 8 KiB pages (128) for two tiny models, a floor of 16 pages each: a burst of 8 requests needing 64
     pages grows the busy model's pool from the shared budget while the idle one keeps its floor; idle again, it
     gives them back, and the other model's burst takes them. Greedy answers are unchanged by the moves."""
-    kib, floor = 1024, 256 * 1024
+    kib, floor = 1024, 128 * 1024
     args = ["--model", model_files["tiny"], "--model", model_files["tinyhf"], "--served-model-name", "tiny", "tinyhf",
             "--models-max", "2", "--max-model-len", "128", "--kv-cache-memory", f"{1024 * kib}"]
     with ServerProcess([*BASE_ARGS, *args]) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:

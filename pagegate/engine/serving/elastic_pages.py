@@ -59,8 +59,8 @@ class ElasticPages:
         self.capacity = runner.num_blocks
         self.page_bytes = runner.kv_cache.page_bytes
         cache = engine.config.cache
-        self.floor = spec.floor_bytes // self.page_bytes
-        check_fits(self.floor, cache.block_size, runner.max_model_len, self.page_bytes)
+        self.floor = max(spec.floor_bytes // self.page_bytes, -(-runner.max_model_len // cache.block_size))
+        check_fits(self.capacity, cache.block_size, runner.max_model_len, self.page_bytes)
         self.last_busy = time.monotonic()
 
     @property
@@ -72,7 +72,14 @@ class ElasticPages:
         limit, the rest back."""
         self.last_busy = time.monotonic()
         pages = min(kv_bytes // self.page_bytes, self.capacity)
-        reached = self._move(pages)
+        if pages < self.floor:  # one sequence of max_model_len must fit: the rest of the floor from the ledger
+            missing = (self.floor - pages) * self.page_bytes
+            if not self.ledger.take(self.spec.entry, missing, missing):
+                raise ValueError(f"the shared KV budget has no room for this model's floor of {self.floor} pages "
+                                 "(one sequence of max_model_len): give more --kv-cache-memory or a smaller "
+                                 "--max-model-len")
+            kv_bytes += missing
+        reached = self._move(pages if pages >= self.floor else self.floor)
         self.ledger.give(self.spec.entry, kv_bytes - reached * self.page_bytes)
         return reached
 
