@@ -96,9 +96,14 @@ class LLM:
             self.engine.add(request)
         return self._run([r.request_id for r in requests], use_tqdm)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding (`task="embed"`, or `pooling` on a generative model), in prompt order."""
-        requests = [self._make_request(prompt, SamplingParams(), 0, embed=True) for prompt in _as_prompt_list(prompts)]
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`task="embed"`, or `pooling` on a generative model), in prompt order; with
+        `lora_request` as in `generate`."""
+        prompts = _as_prompt_list(prompts)
+        loras = _loras_per_prompt(lora_request, len(prompts))
+        requests = [self._make_request(prompt, SamplingParams(), 0, embed=True, lora=lora)
+                    for prompt, lora in zip(prompts, loras, strict=True)]
         for request in requests:
             self.engine.add(request)
         self._run([r.request_id for r in requests], use_tqdm)

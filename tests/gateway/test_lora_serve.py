@@ -15,7 +15,6 @@ import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.lora import LoRARequest
-from pagegate.engine.lora.model import resolve_adapter
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.testing.launcher import ServerProcess
 from tests.gateway.conftest import SERVER_ARGS
@@ -96,16 +95,9 @@ def offline_embeddings(adapters: dict[str, Path]) -> dict[str | None, np.ndarray
     """The prompt's embedding (the last token's hidden state, as the server pools) offline: the base and "sql"."""
     llm = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64,
               max_model_len=512, pooling="last")
-    vectors: dict[str | None, np.ndarray] = {}
-    for name in (None, "sql"):
-        adapter = resolve_adapter(llm.engine.runner.lora, LoRARequest(name, 1, str(adapters[name])) if name else None)
-        request = llm.engine.intake.make_request(f"embed-{name}", PROMPT, SamplingParams(), embed=True, lora=adapter)
-        llm.engine.add(request)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-        assert request.embedding is not None
-        vectors[name] = request.embedding.numpy()
-    return vectors
+    sql = LoRARequest("sql", 1, str(adapters["sql"]))
+    base, adapted = llm.embed([PROMPT, PROMPT], use_tqdm=False, lora_request=[None, sql])
+    return {None: np.array(base.outputs.embedding), "sql": np.array(adapted.outputs.embedding)}
 
 
 def test_embeddings_naming_an_adapter_run_with_it(server, adapters) -> None:
