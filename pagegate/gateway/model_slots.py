@@ -29,8 +29,7 @@ from pathlib import Path
 
 from pagegate.config import EngineConfig, parse_bytes
 from pagegate.engine.serving.engine_client import EngineClient
-from pagegate.engine.serving.frames import ElasticSpec
-from pagegate.engine.serving.page_ledger import PageLedger
+from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.settings import ServedModel
 

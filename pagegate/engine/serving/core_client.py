@@ -40,7 +40,6 @@ from pagegate.engine.serving.frames import (
     CallName,
     CoreLoad,
     CoreSpec,
-    ElasticSpec,
     Failed,
     Frame,
     FrameReader,
@@ -54,6 +53,7 @@ from pagegate.engine.serving.frames import (
     add_frame,
     framed,
 )
+from pagegate.engine.serving.page_ledger import ElasticSpec
 
 log = logging.getLogger("pagegate.gateway")
 

@@ -14,18 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pagegate.config import EngineConfig
 from pagegate.engine.kv_cache import check_fits
 from pagegate.engine.loading.loader import resolve_device
 from pagegate.engine.prefix_tiers import spill
 from pagegate.engine.runner import ModelRunner
-from pagegate.engine.serving.frames import ElasticSpec
-from pagegate.engine.serving.page_ledger import PageLedger
-
-if TYPE_CHECKING:
-    from pagegate.engine.engine import Engine
+from pagegate.engine.scheduler import Scheduler
+from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 
 log = logging.getLogger("pagegate.core")
 
@@ -46,6 +43,20 @@ def elastic_pages(engine: Engine, spec: ElasticSpec | None) -> ElasticPages | No
     """The engine's elastic pool, or None for a fixed one (no spec, or an encoder's pool, which keeps its start
     share)."""
     return ElasticPages(engine, spec) if spec is not None and isinstance(engine.runner, ModelRunner) else None
+
+
+class Engine(Protocol):
+    """What an elastic pool uses of the engine (only the engine's faces import engine.py)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def runner(self) -> object: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def metrics(self) -> Any: ...
+    def refresh_stats(self) -> None: ...
 
 
 class ElasticPages:

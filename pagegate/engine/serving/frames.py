@@ -28,6 +28,7 @@ from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.engine.serving.page_ledger import ElasticSpec
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -198,19 +199,6 @@ class FrameReader(Generic[F]):
             start = end
         del buffer[:start]
         return frames
-
-
-@dataclass(frozen=True)
-class ElasticSpec:
-    """A core's elastic pool (several models sharing one page budget; pagegate.engine.serving.elastic_pages): its
-    pages are allocated for the whole budget (config's kv_cache_memory) and it may use `start_bytes` of them,
-    already taken for it in the ledger's `entry`; it grows from the ledger and shrinks back to `floor_bytes`."""
-
-    ledger_path: str
-    entry: int
-    floor_bytes: int
-    start_bytes: int
-    capacity_bytes: int  # the pages it allocates on CPU (the budget); on a GPU only start_bytes are allocated
 
 
 @dataclass(frozen=True)

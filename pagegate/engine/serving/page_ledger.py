@@ -20,9 +20,23 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 _SLOT = struct.Struct("<q")  # one signed 64-bit counter: the total first, then each entry's bytes held
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """A core's elastic pool (several models sharing one page budget; pagegate.engine.serving.elastic_pages): its
+    pages are allocated for the whole budget (config's kv_cache_memory) and it may use `start_bytes` of them,
+    already taken for it in the ledger's `entry`; it grows from the ledger and shrinks back to `floor_bytes`."""
+
+    ledger_path: str
+    entry: int
+    floor_bytes: int
+    start_bytes: int
+    capacity_bytes: int  # the pages it allocates on CPU (the budget); on a GPU only start_bytes are allocated
 
 
 def _folder() -> str:

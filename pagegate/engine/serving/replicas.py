@@ -27,7 +27,8 @@ from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_client import CoreClient
-from pagegate.engine.serving.frames import CPUS_ENV, ElasticSpec
+from pagegate.engine.serving.frames import CPUS_ENV
+from pagegate.engine.serving.page_ledger import ElasticSpec
 
 
 class PrefixIndex:
