@@ -28,7 +28,7 @@ extensions = [
     for name, headers, flags in (("cpu_paged", ("cpu_paged", "cpu_tiles_avx2"), ()),
                                  ("cpu_quant", ("cpu_quant", "cpu_qdot", "cpu_qdot_isa"), ("-ffp-contract=off",)),
                                  ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_tiles_avx2", "cpu_quant", "cpu_qdot",
-                                                 "cpu_qdot_isa"),
+                                                 "cpu_qdot_isa", "cpu_lora"),
                                   ("-ffp-contract=off",)))
 ]
 
