@@ -429,5 +429,6 @@ class CoreClient:
             raise
 
     async def resize(self, kv_bytes: int) -> int:
-        """An idle core's pool to `kv_bytes` of pages (its prefix cache is lost); how many pages it has now."""
+        """An idle core's pool to `kv_bytes` of pages (an elastic pool's limit moves in place, its prefix cache below
+        it kept; a fixed pool is allocated again, its prefix cache lost); how many pages it has now."""
         return int(await self._call("resize", kv_bytes))

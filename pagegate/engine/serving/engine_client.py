@@ -95,8 +95,9 @@ class EngineClient(Protocol):
         ...
 
     async def resize(self, kv_bytes: int) -> int:
-        """An idle engine's pool to `kv_bytes` of pages (sleep and wake in one; its prefix cache is lost); a
-        RuntimeError while it has requests. How many pages it has now."""
+        """An idle engine's pool to `kv_bytes` of pages: an elastic pool's limit moves in place (its prefix cache
+        below it kept, never a page in use taken); a fixed pool sleeps and wakes in one (its prefix cache lost, a
+        RuntimeError while it has requests). How many pages it has now."""
         ...
 
     async def shutdown(self) -> None:
