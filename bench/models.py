@@ -4,8 +4,10 @@
     python -m bench.models --shared-budget [--budget 64MiB] [--phases 4] [--concurrency 16] [--prompt 128] [--gen 64]
 
 Switching (the default): what a switch costs as a client sees it, the time to the first streamed token of a short
-greedy completion, for a model that is loaded, asleep (/sleep: its KV pages freed, weights kept), and unloaded
-(--models-max 1: the other model is unloaded and this one's core starts). Each round is a fresh server.
+greedy completion, for a model that is loaded, asleep (idle past --sleep-idle-seconds 2: pagegate frees its KV
+pages and keeps its weights, llama-server's child frees the model), and unloaded (--models-max 1: the other model
+is unloaded and this one starts), on pagegate and on llama-server's router (`--models-dir` with the same files,
+bench/peers/router.py). Each round starts both servers fresh.
 
 --shared-budget: two models whose traffic shifts (phases of `concurrency` requests at once to one model, then to
 the other, with an idle gap between), served by one server whose --kv-cache-memory is `budget` for both, against
@@ -32,12 +34,14 @@ from pathlib import Path
 
 import httpx
 
+from bench.peers.router import llama_router
 from pagegate.config import parse_bytes
 from pagegate.testing.launcher import ServerProcess
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 NAMES = ("first", "second")
 PROMPT = "Write one sentence about paged attention."
+SLEEP_IDLE_S = 2  # switching: both servers put a model idle this long to sleep
 IDLE_GAP_S = 2.5  # between two phases: past the 2 s after which a model asked again may take idle pages
 
 
@@ -54,17 +58,29 @@ def first_token_s(http: httpx.Client, model: str, max_tokens: int) -> float:
     return first
 
 
-def one_round(models: list[str], max_tokens: int, extra: list[str]) -> dict[str, float]:
-    args = [arg for path in models for arg in ("--model", path)]
-    args += ["--served-model-name", *NAMES, "--models-max", "1", "--disable-uvicorn-access-log", "--grpc-port", "0",
-             *extra]
-    with ServerProcess(args) as server, httpx.Client(base_url=server.base_url, timeout=600) as http:
-        first_token_s(http, NAMES[0], max_tokens)  # the default model, loaded at start and warm
+def switch_costs(base_url: str, max_tokens: int) -> dict[str, float]:
+    """First tokens of `first` warm, then asleep (idle past SLEEP_IDLE_S), then of `second`, loaded in its place
+    (--models-max 1)."""
+    with httpx.Client(base_url=base_url, timeout=600) as http:
+        first_token_s(http, NAMES[0], max_tokens)  # loads it (llama-server's router) and warms it
         loaded = first_token_s(http, NAMES[0], max_tokens)
-        http.post("/sleep", params={"model": NAMES[0]}).raise_for_status()
+        time.sleep(SLEEP_IDLE_S + 2)
         asleep = first_token_s(http, NAMES[0], max_tokens)
-        unloaded = first_token_s(http, NAMES[1], max_tokens)  # --models-max 1: `first` goes, `second` loads
+        unloaded = first_token_s(http, NAMES[1], max_tokens)
     return {"loaded": loaded, "asleep": asleep, "unloaded": unloaded}
+
+
+def one_round(models: list[str], max_tokens: int, threads: int, extra: list[str]) -> dict[str, dict[str, float]]:
+    """pagegate and llama-server's router, each fresh, with the same two files, --models-max 1 and idle sleep."""
+    args = [arg for path in models for arg in ("--model", path)]
+    args += ["--served-model-name", *NAMES, "--models-max", "1", "--sleep-idle-seconds", str(SLEEP_IDLE_S),
+             "--disable-uvicorn-access-log", "--grpc-port", "0", *extra]
+    with ServerProcess(args) as server:
+        pagegate = switch_costs(server.base_url, max_tokens)
+    files = {name: Path(path) for name, path in zip(NAMES, models, strict=True)}
+    with llama_router(files, threads, models_max=1, sleep_idle_s=SLEEP_IDLE_S) as base_url:
+        llama = switch_costs(base_url, max_tokens)
+    return {"pagegate": pagegate, "llama-server router": llama}
 
 
 def phase(base_url: str, model: str, requests: list[list[int]], gen: int) -> tuple[int, float]:
@@ -118,6 +134,7 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=None, help="two model files (default: SmolLM2 twice)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     parser.add_argument("--shared-budget", action="store_true", help="the shifting-traffic comparison instead")
     parser.add_argument("--budget", default="64MiB", help="--kv-cache-memory of the shared server")
     parser.add_argument("--phases", type=int, default=4)
@@ -138,16 +155,16 @@ def main() -> None:
         for setup, rate in rates.items():
             print(f"| {setup} | {rate:.1f} |")
         return
-    rounds = [one_round(models, args.max_tokens, args.extra) for _ in range(args.rounds)]
-    medians = {case: statistics.median(r[case] for r in rounds) for case in rounds[0]}
+    rounds = [one_round(models, args.max_tokens, args.threads, args.extra) for _ in range(args.rounds)]
+    servers = list(rounds[0])
     print(f"models: {models[0]} as `{NAMES[0]}`, {models[1]} as `{NAMES[1]}`; {args.rounds} round(s), "
-          f"{args.max_tokens} tokens each")
-    print("| the requested model was | first token (ms, median) |")
-    print("|---|---|")
-    for case, seconds in medians.items():
-        print(f"| {case} | {seconds * 1000:.0f} |")
+          f"{args.max_tokens} tokens each; first token in ms (median)")
+    print("| the requested model was | " + " | ".join(servers) + " |")
+    print("|---|" + "---|" * len(servers))
+    for case in rounds[0][servers[0]]:
+        cells = [f"{statistics.median(r[server][case] for r in rounds) * 1000:.0f}" for server in servers]
+        print(f"| {case} | " + " | ".join(cells) + " |")
     print(json.dumps({"rounds": rounds}))
-
 
 if __name__ == "__main__":
     main()
