@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,8 @@ class Scheduler:
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
+        # an elastic pool's grower: asked for pages before a pin, an adapter or a running sequence is given up
+        self.grow_pool: Callable[[int], int] | None = None
         if not 0.0 <= cache.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be within [0, 1], got {cache.max_pinned_fraction}")
         self.pins = PrefixPins(self.pool, int(cache.max_pinned_fraction * num_blocks))
@@ -150,6 +153,8 @@ class Scheduler:
     def _free_up(self, needed: int) -> bool:
         """Release pins, oldest first, then idle LoRA adapters' pages, least recently used first, until `needed`
         pages are free; whether they are."""
+        if self.pool.num_free_blocks < needed and self.grow_pool is not None:
+            self.grow_pool(needed - self.pool.num_free_blocks)
         while self.pool.num_free_blocks < needed:
             if not self.pins.release_oldest() and (self.adapters is None or not self.adapters.evict_idle()):
                 return False

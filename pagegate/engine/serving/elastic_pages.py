@@ -28,6 +28,7 @@ log = logging.getLogger("pagegate.core")
 
 REBALANCE_IDLE_S = 2.0  # a core with no request this long shrinks to its floor
 GROW_CHUNK = 16  # a pool grows by at least 1/GROW_CHUNK of its capacity at a time
+RETRY_S = 0.05  # after the ledger had nothing to give, a pool asks again no sooner than this
 
 
 def elastic_config(config: EngineConfig, spec: ElasticSpec) -> EngineConfig:
@@ -73,6 +74,7 @@ class ElasticPages:
         self.floor = max(spec.floor_bytes // self.page_bytes, -(-runner.max_model_len // cache.block_size))
         check_fits(self.capacity, cache.block_size, runner.max_model_len, self.page_bytes)
         self.last_busy = time.monotonic()
+        self.refused_at = 0.0  # when the ledger last had nothing to give
 
     @property
     def limit(self) -> int:
@@ -92,7 +94,23 @@ class ElasticPages:
             kv_bytes += missing
         reached = self._move(pages if pages >= self.floor else self.floor)
         self.ledger.give(self.spec.entry, kv_bytes - reached * self.page_bytes)
+        self.engine.scheduler.grow_pool = self.grow_now
         return reached
+
+    def grow_now(self, pages: int) -> int:
+        """The scheduler lacks `pages` now (before it preempts or leaves a request waiting): grow by a chunk at
+        least, unless the ledger refused a moment ago; the pages added.
+
+        NOTE: grown inside the step, not after it: a running sequence preempted for want of a page recomputes its
+        whole prompt later, which costs more than the lock a grow takes."""
+        now = time.monotonic()
+        if now - self.refused_at < RETRY_S:
+            return 0
+        before = self.limit
+        added = self.grow(max(pages, self.capacity // GROW_CHUNK), refresh=False) - before
+        if not added:
+            self.refused_at = now
+        return added
 
     def after_step(self, busy: bool) -> None:
         """Grow when the step lacked pages; shrink to the floor once idle a while."""
@@ -105,8 +123,9 @@ class ElasticPages:
         elif now - self.last_busy >= REBALANCE_IDLE_S and self.limit > self.floor:
             self.shrink(self.floor)
 
-    def grow(self, pages: int) -> int:
-        """Up to `pages` more from the ledger (what is free, within the capacity); the limit."""
+    def grow(self, pages: int, refresh: bool = True) -> int:
+        """Up to `pages` more from the ledger (what is free, within the capacity); the limit. `refresh`: the
+        engine's counts too (not from inside a step: the step refreshes them)."""
         wanted = min(pages, self.capacity - self.limit)
         if wanted <= 0:
             return self.limit
@@ -114,8 +133,8 @@ class ElasticPages:
         granted = taken // self.page_bytes
         self.ledger.give(self.spec.entry, taken - granted * self.page_bytes)  # a part of a page: back
         if granted:
-            log.info("KV pool grows to %d pages (+%d from the shared budget)", self._move(self.limit + granted),
-                     granted)
+            log.info("KV pool grows to %d pages (+%d from the shared budget)",
+                     self._move(self.limit + granted, refresh), granted)
         return self.limit
 
     def shrink(self, pages: int) -> int:
@@ -136,7 +155,7 @@ class ElasticPages:
         """Its pages are freed: everything it held goes back."""
         self.ledger.give(self.spec.entry, self.limit * self.page_bytes)
 
-    def _move(self, pages: int) -> int:
+    def _move(self, pages: int, refresh: bool = True) -> int:
         """The pool's limit to `pages`; a shrink writes its evicted pages down the tiers (if any) and gives the
         tail's memory back to the OS. The limit reached."""
         engine = self.engine
@@ -149,7 +168,7 @@ class ElasticPages:
             if runner.tiers is not None and engine.scheduler.tiers is not None:
                 spill(runner.kv_cache, runner.tiers, pool.take_evicted())  # before their bytes are dropped
             runner.kv_cache.release_pages(reached, old)
-        if reached != old:
+        if reached != old and refresh:
             engine.metrics.cache_config(engine.config.cache.block_size, reached)
             engine.refresh_stats()
         return reached
