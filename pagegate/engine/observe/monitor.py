@@ -30,7 +30,8 @@ class EngineMonitor:
         self.metrics.cache_config(config.cache.block_size, pool.num_blocks)
         self.pool, self.tiers, self.lora = pool, tiers, lora
         self.kv_events = start_kv_events(config.kv_events, pool)
-        self.adapter_tags = AdapterTags(pool)  # the LoRA adapter of each stored page, for the KV events
+        # the LoRA adapter of each stored page, for the KV events (none to find without adapters)
+        self.adapter_tags = AdapterTags(pool) if lora is not None else None
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.grade, self.reason = "OK", "starting"
 
@@ -66,7 +67,9 @@ class EngineMonitor:
         events = self.pool.take_events()
         if self.tiers is not None:
             events += tier_events(self.tiers.take_events())
-        if events and not self.kv_events.publish(self.adapter_tags.tag(events, lambda: self._adapter_roots(computed))):
+        if events and self.adapter_tags is not None:
+            events = self.adapter_tags.tag(events, lambda: self._adapter_roots(computed))
+        if events and not self.kv_events.publish(events):
             self.metrics.kv_events_dropped.inc()
 
     def _adapter_roots(self, seqs: Sequence[Seq]) -> dict[int, LoRATag]:
