@@ -33,6 +33,7 @@ import openai
 from bench.peers import llamacpp
 from bench.peers.served import SMOLLM2, start_llama_server
 from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.lora import save_random_adapter
 
 LORA_DIR = Path(".cache/lora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -73,14 +74,9 @@ def make_adapters(model: Path, count: int = ADAPTERS, rank: int = RANK) -> list[
 
     config = AutoConfig.from_pretrained(base_config_dir(model))
     base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # the values do not matter, the shapes do
-    lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
-    gen = torch.Generator().manual_seed(0)
-    for folder in folders:
-        with torch.no_grad():
-            for name, param in lora.named_parameters():
-                if "lora_" in name:
-                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
-        lora.save_pretrained(str(folder))
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS)
+    for seed, folder in enumerate(folders):
+        save_random_adapter(base, folder, lora, seed, scale=0.02)
     return folders
 
 

@@ -4,7 +4,6 @@ that adapter, embeddings too; /v1/models lists adapters with their parent; run-t
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from pagegate import LLM, SamplingParams
 from pagegate.engine.lora import LoRARequest
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.lora import save_random_adapter
 from tests.gateway.conftest import SERVER_ARGS
 
 peft = pytest.importorskip("peft")
@@ -31,14 +31,8 @@ def make_adapter(folder: Path, targets: list[str], rank: int, seed: int) -> Path
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=rank, lora_alpha=2 * rank,
-                                                                     target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(str(folder))
+    save_random_adapter(base, folder, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets), seed,
+                        scale=0.2)
     return folder
 
 

@@ -4,7 +4,6 @@ table, and torch's hooks); prefix-cache separation; adapter pages, eviction and 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.lora import LoRARequest
 from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.models.native import NativeDecoder
+from pagegate.testing.lora import save_random_adapter
 
 from ..conftest import TINY, SavedModel, hf, save_hf_model
 from ..loading.gguf_files import write_gguf
@@ -42,15 +42,7 @@ def make_adapter(base: torch.nn.Module, folder: Path, targets: list[str], rank: 
                  seed: int) -> torch.nn.Module:
     """A PEFT LoRA over a copy of `base` with random non-zero A and B, saved into `folder`."""
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-    model = peft.get_peft_model(copy.deepcopy(base), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    model.eval()
-    model.save_pretrained(folder)
-    return model
+    return save_random_adapter(base, folder, config, seed, scale=0.3)
 
 
 @pytest.fixture(scope="module")
