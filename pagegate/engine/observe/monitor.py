@@ -56,6 +56,14 @@ class EngineMonitor:
         if request.first_scheduled_time is not None:
             self.metrics.request_queue_time.observe(request.first_scheduled_time - request.arrival_time)
 
+    def rebind(self, pool: BlockPool) -> None:
+        """A fresh pool replaced the last (a wake, an elastic pool's start): its events are published too."""
+        self.pool = pool
+        if self.kv_events is not None:
+            pool.record_events()
+        if self.adapter_tags is not None:
+            self.adapter_tags.pool = pool
+
     def refresh(self, stats: SchedulerStats, now: float | None = None, computed: Sequence[Seq] = ()) -> None:
         """Recompute the gauges and the health grade; publish the pool's new KV events (`computed`: the sequences of
         the step that stored its pages)."""

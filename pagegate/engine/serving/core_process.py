@@ -244,7 +244,7 @@ class CoreLoop:
                                      runner.max_model_len, config.speculative, runner.draft, runner.tiers,
                                      runner.lora, limit)  # adapters are read into the fresh pool's pages on demand
         runner.bind(engine.scheduler.tables)
-        engine.monitor.pool = engine.scheduler.pool
+        engine.monitor.rebind(engine.scheduler.pool)
         engine.metrics.rebase(engine.scheduler.stats())
         engine.refresh_stats()
 

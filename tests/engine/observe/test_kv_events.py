@@ -38,6 +38,22 @@ def test_pool_logs_stores_removals_and_clears() -> None:
     assert pool.take_events() == []
 
 
+def test_a_pool_that_replaces_the_last_logs_its_events_too() -> None:
+    # a wake or an elastic pool's start gives the engine a fresh pool: the monitor must hear its pages as well
+    llm = LLM(None, device="cpu", num_kv_blocks=8, max_model_len=64)
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{free_port()}")
+    llm.engine.monitor.kv_events = start_kv_events(config, llm.engine.scheduler.pool)
+    try:
+        fresh = BlockPool(2, BLOCK)
+        llm.engine.monitor.rebind(fresh)
+        [page] = fresh.allocate(1).tolist()
+        stored = fresh.cache_block(page, 0, list(range(BLOCK)), first=True)
+        assert llm.engine.monitor.pool is fresh
+        assert fresh.take_events() == [("BlockStored", stored, None, list(range(BLOCK)))]
+    finally:
+        llm.shutdown()
+
+
 def test_batches_are_vllm_arrays_and_merge_chains() -> None:
     events = [("BlockStored", 1, None, [1] * BLOCK), ("BlockStored", 2, 1, [2] * BLOCK),
               ("BlockStored", 9, 5, [3] * BLOCK), ("BlockRemoved", 4), ("BlockRemoved", 5), ("AllBlocksCleared",)]
