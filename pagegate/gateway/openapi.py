@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -18,39 +21,104 @@ from pagegate.gateway.protocol import (
     TokenizeRequest,
 )
 
-# path -> (method, summary, request model, response model, stream chunk model)
-ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel], type[BaseModel] | None]] = {
-    "/v1/completions": ("post", "Create a text completion", CompletionRequest, schemas.CompletionResponse,
-                        schemas.CompletionResponse),
-    "/v1/chat/completions": ("post", "Create a chat completion", ChatCompletionRequest,
-                             schemas.ChatCompletionResponse, schemas.ChatCompletionChunk),
-    "/v1/embeddings": ("post", "Embed texts or token ids (an encoder, or a decoder's hidden states)", EmbeddingRequest,
-                       schemas.EmbeddingResponse, None),
-    "/v1/models": ("get", "List the served models", None, schemas.ModelList, None),
-    "/tokenize": ("post", "Tokenize a prompt or chat messages", TokenizeRequest, schemas.TokenizeResponse, None),
-    "/detokenize": ("post", "Turn token ids back into text", DetokenizeRequest, schemas.DetokenizeResponse, None),
-    "/tokenizer_info": ("get", "The served tokenizer's special tokens and chat template", None,
-                        schemas.TokenizerInfo, None),
-    "/health": ("get", "200 when serving, 503 while loading, stopping or when the engine died", None,
-                schemas.HealthResponse, None),
-    "/version": ("get", "The server version", None, schemas.VersionResponse, None),
-}
 REF = "#/components/schemas/{model}"
-ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key", "404": "Unknown model",
-                  "413": "Body too large", "429": "Too many waiting requests", "503": "Not serving"}
+UNAUTHORIZED = {"401": "Missing or wrong API key"}
+TOO_LARGE = {"413": "Body too large"}
+API_ERRORS = {"400": "Invalid request", **UNAUTHORIZED, "404": "Unknown model", **TOO_LARGE,
+              "429": "Too many waiting requests", "503": "Not serving"}
+NO_SUCH_MODEL = {"404": "No model of that name (`model_not_found`; the message names the served ones)"}
+MODEL_BUSY = {"409": "The model is serving requests (`model_busy`): retry once they are done"}
+LOAD_FAILED = {"503": "The server is not serving, or the model could not be loaded or woken (the message says why; "
+                      "Retry-After)"}
+NAME_NEEDED = "Bad parameters: no model named, a body that is neither JSON nor msgpack, or a one-model server"
+BAD_PARAMETERS = "Bad parameters (a body that is neither JSON nor msgpack, for one)"
+LORA_OFF = "run-time LoRA off (it needs --enable-lora --allow-runtime-lora)"
 SSE_DESCRIPTION = (
     "With `stream: true`: server-sent events, each a line `data: <JSON>` and a blank line. The JSON is a chunk "
     "as `x-sse-data` describes (an ErrorResponse when generation fails after the 200 went out); the last event "
     "is `data: [DONE]`. The body as a whole is text, so no JSON schema covers it."
 )
+MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "The model (instead of the body's `model`)."}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One route of the document: what it reads, what it answers, and every error status it really answers."""
+
+    method: str
+    summary: str
+    response: type[BaseModel] | None  # None: a text/plain answer
+    request: type[BaseModel] | None = None
+    chunk: type[BaseModel] | None = None  # one event of the stream `stream: true` asks for
+    errors: Mapping[str, str] = field(default_factory=dict)  # status -> when
+    body_required: bool = True
+    model_query: bool = False  # the model may be named as `?model=NAME`
+
+
+ROUTES: dict[str, Operation] = {
+    "/v1/completions": Operation("post", "Create a text completion", schemas.CompletionResponse, CompletionRequest,
+                                 schemas.CompletionResponse, API_ERRORS),
+    "/v1/chat/completions": Operation("post", "Create a chat completion", schemas.ChatCompletionResponse,
+                                      ChatCompletionRequest, schemas.ChatCompletionChunk, API_ERRORS),
+    "/v1/embeddings": Operation("post", "Embed texts or token ids (an encoder, or a decoder's hidden states)",
+                                schemas.EmbeddingResponse, EmbeddingRequest, errors=API_ERRORS),
+    "/v1/models": Operation("get", "List the served models", schemas.ModelList,
+                            errors={**UNAUTHORIZED, "503": "Not serving"}),
+    "/v1/models/{model}": Operation("get", "One served model (a LoRA adapter's card names its base as `parent`)",
+                                    schemas.ModelCard, errors={**UNAUTHORIZED, **NO_SUCH_MODEL,
+                                                               "503": "Not serving"}),
+    "/tokenize": Operation("post", "Tokenize a prompt or chat messages", schemas.TokenizeResponse, TokenizeRequest,
+                           errors=API_ERRORS),
+    "/detokenize": Operation("post", "Turn token ids back into text", schemas.DetokenizeResponse, DetokenizeRequest,
+                             errors=API_ERRORS),
+    "/tokenizer_info": Operation("get", "The served tokenizer's special tokens and chat template",
+                                 schemas.TokenizerInfo),
+    "/health": Operation("get", "200 when serving, 503 while loading, stopping or when the engine died",
+                         schemas.HealthResponse),
+    "/version": Operation("get", "The server version", schemas.VersionResponse),
+    # several models (llama.cpp's router names, vLLM's sleep routes)
+    "/models/load": Operation(
+        "post", "Load a model now (or wake it); it waits until the model serves", schemas.ModelStateResponse,
+        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE,
+                                       **LOAD_FAILED}, body_required=False, model_query=True),
+    "/models/unload": Operation(
+        "post", "Unload a model: its core ends, its pages and weights are freed", schemas.ModelStateResponse,
+        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY,
+                                       **TOO_LARGE}, body_required=False, model_query=True),
+    "/sleep": Operation(
+        "post", "Put a model to sleep (none named: the default one): its KV pages are freed, its weights kept",
+        schemas.ModelStateResponse, schemas.DefaultModelNameBody,
+        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY, **TOO_LARGE},
+        body_required=False, model_query=True),
+    "/wake_up": Operation(
+        "post", "Wake a sleeping model (none named: the default one), or load an unloaded one",
+        schemas.ModelStateResponse, schemas.DefaultModelNameBody,
+        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE, **LOAD_FAILED},
+        body_required=False, model_query=True),
+    "/is_sleeping": Operation("get", "Whether a model (none named: the default one) sleeps",
+                              schemas.IsSleepingResponse, errors={"400": "Bad parameters", **UNAUTHORIZED,
+                                                                  **NO_SUCH_MODEL}, model_query=True),
+    # LoRA adapters at run time (vLLM's names); both answer a line of text
+    "/v1/load_lora_adapter": Operation(
+        "post", "Serve a PEFT LoRA adapter under a name", None, schemas.LoadLoRAAdapterBody,
+        errors={"400": f"Bad parameters, the name taken already, an adapter that does not fit, or {LORA_OFF}",
+                **UNAUTHORIZED, **TOO_LARGE, "503": "Not serving"}),
+    "/v1/unload_lora_adapter": Operation(
+        "post", "Stop serving a LoRA adapter", None, schemas.UnloadLoRAAdapterBody,
+        errors={"400": f"Bad parameters, or {LORA_OFF}", **UNAUTHORIZED,
+                "404": "No adapter of that name (`model_not_found`)",
+                "409": "Requests use the adapter (`adapter_busy`): retry once they are done", **TOO_LARGE,
+                "503": "Not serving"}),
+}
 
 
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
-    models = {m for route in ROUTES.values() for m in route[2:] if m is not None} | {schemas.ErrorResponse}
-    _, top = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
-                                ref_template=REF)
-    paths = {path: {route[0]: _operation(*route)} for path, route in ROUTES.items()}
+    models = {m for op in ROUTES.values() for m in (op.response, op.request, op.chunk) if m is not None}
+    _, top = models_json_schema([(m, "validation") for m in sorted(models | {schemas.ErrorResponse},
+                                                                   key=lambda m: m.__name__)], ref_template=REF)
+    paths = {path: {op.method: _operation(path, op)} for path, op in ROUTES.items()}
     paths["/health"]["get"]["responses"]["503"] = {"description": "Not serving", "content": {
         "application/json": {"schema": _ref(schemas.HealthResponse)}}}
     paths["/metrics"] = {"get": {"summary": "Prometheus text of the engine's metrics",
@@ -66,25 +134,40 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
-def _operation(method: str, summary: str, request: type[BaseModel] | None, response: type[BaseModel],
-               chunk: type[BaseModel] | None) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": _ref(response)}}
-    if chunk is not None:
+def _operation(path: str, op: Operation) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": op.summary, "responses": {"200": {"description": "OK",
+                                                                              "content": _answer(op)}}}
+    parameters = _path_parameters(path) + ([MODEL_QUERY] if op.model_query else [])
+    if parameters:
+        operation["parameters"] = parameters
+    if op.request is not None:
+        body = {"schema": _ref(op.request)}
+        operation["requestBody"] = {"required": op.body_required,
+                                    "content": {"application/json": body, "application/msgpack": body}}
+    operation["responses"].update({code: {"description": text, "content": {
+        "application/json": {"schema": _ref(schemas.ErrorResponse)}}} for code, text in op.errors.items()})
+    return operation
+
+
+def _answer(op: Operation) -> dict[str, Any]:
+    """The 200's content: JSON (and the event stream where the route streams), or a line of text."""
+    if op.response is None:
+        return {"text/plain": {"schema": {"type": "string"}}}
+    content: dict[str, Any] = {"application/json": {"schema": _ref(op.response)}}
+    if op.chunk is not None:
         # OpenAPI 3.1 has no way to type the events (3.2's itemSchema does). A `type: string` here would be
         # right for the body, yet tools that read the schema as one event's (schemathesis does) would reject
         # every event; so the schema stays open and the chunk sits in an extension.
         content["text/event-stream"] = {
             "schema": {"description": SSE_DESCRIPTION},
-            "x-sse-data": {"anyOf": [_ref(chunk), _ref(schemas.ErrorResponse)]},
+            "x-sse-data": {"anyOf": [_ref(op.chunk), _ref(schemas.ErrorResponse)]},
         }
-    operation: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "OK", "content": content}}}
-    if request is not None:
-        body = {"schema": _ref(request)}
-        operation["requestBody"] = {"required": True,
-                                    "content": {"application/json": body, "application/msgpack": body}}
-        operation["responses"].update({code: {"description": text, "content": {
-            "application/json": {"schema": _ref(schemas.ErrorResponse)}}} for code, text in ERROR_STATUSES.items()})
-    return operation
+    return content
+
+
+def _path_parameters(path: str) -> list[dict[str, Any]]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+            for name in re.findall(r"{(\w+)}", path)]
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class PromptTokensDetails(BaseModel):
@@ -220,3 +220,49 @@ class HealthResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+# -- several models and LoRA adapters at run time (routes_models) ---------------------------------------
+# NOTE: these handlers read their one or two fields from the body themselves (there is no parse_request on
+# them) and ignore any other field, so the body models below describe what is read and are not strict.
+
+ServedModelState = Literal["loaded", "loading", "sleeping", "unloaded", "failed"]
+
+
+class ModelNameBody(BaseModel):
+    """POST /models/load and /models/unload (llama.cpp's router): the model, here or as `?model=NAME`."""
+
+    model: str
+
+
+class DefaultModelNameBody(BaseModel):
+    """POST /sleep and /wake_up (vLLM's): the model, here or as `?model=NAME`; none names the default model."""
+
+    model: str | None = None
+
+
+class ModelStateResponse(BaseModel):
+    """The model's state once the load, unload, sleep or wake is done."""
+
+    success: Literal[True]
+    model: str
+    state: ServedModelState
+    reason: str | None  # why it failed (None unless it did)
+
+
+class IsSleepingResponse(BaseModel):
+    model: str
+    is_sleeping: bool
+
+
+class LoadLoRAAdapterBody(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter in the folder `lora_path` as `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterBody(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
