@@ -1,7 +1,7 @@
 """Several models behind one server: each served model is a slot with its own engine core (or data-parallel cores),
 loaded on demand, unloaded least recently used first under --models-max, put to sleep when idle, and marked failed
 alone when its core dies. This module holds what a slot is and how the models and their page budgets are found;
-EngineHost (engine_host.py) drives them.
+ModelLifecycle (model_lifecycle.py) drives them.
 
 NOTE: one page budget, moved by demand while requests run. --kv-cache-memory (on CPU its default) is the whole
 server's, kept in a ledger in shared memory (pagegate.engine.serving.page_ledger) with an entry per model, and the
@@ -23,7 +23,9 @@ grows lifts its cap (Scheduler.set_limit).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,9 +33,17 @@ from pagegate.config import EngineConfig, parse_bytes
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 from pagegate.gateway.prepare import ModelContext
-from pagegate.gateway.settings import ServedModel
+from pagegate.gateway.settings import GatewayConfig, ServedModel
+
+logger = logging.getLogger("pagegate.gateway")
 
 LOADED, LOADING, SLEEPING, UNLOADED, FAILED = "loaded", "loading", "sleeping", "unloaded", "failed"
+ROOM_TIMEOUT_S = 60.0  # how long a model to load waits for room: an idle model under --models-max, or pages
+# NOTE: a model whose load failed is not loaded again by every request (a broken file would cost each one a core's
+# start): requests within the backoff get a 503 at once, and the backoff doubles with each failure in a row, up to a
+# minute, so a file that is fixed is picked up soon. A load that succeeds, or POST /models/load, forgets it.
+LOAD_BACKOFF_S = 1.0
+LOAD_BACKOFF_MAX_S = 60.0
 
 
 class ModelSlot:
@@ -53,7 +63,9 @@ class ModelSlot:
         self.loads = 0  # how many times its core was started
         self.ledger: PageLedger | None = None  # the server's page budget, where one is shared (its entry: `entry`)
         self.entry = 0
-        self.resizing = False  # its core is resizing its pool (EngineHost._resize)
+        self.resizing = False  # its core is resizing its pool (resize_pool)
+        self.load_failures = 0  # failed loads in a row (each doubles the backoff)
+        self.retry_at = 0.0  # time.monotonic() before which a request does not load it again after a failed load
 
     @property
     def name(self) -> str:
@@ -83,9 +95,34 @@ class ModelSlot:
     def used(self) -> None:
         self.last_used = time.monotonic()
 
+    def load_failed(self, reason: str) -> None:
+        """Its load failed: FAILED with the reason, and no load again for a backoff doubled from the last."""
+        self.state, self.reason = FAILED, reason
+        self.load_failures += 1
+        backoff_s = LOAD_BACKOFF_S * 2 ** min(self.load_failures - 1, 16)
+        self.retry_at = time.monotonic() + min(backoff_s, LOAD_BACKOFF_MAX_S)
+
+    def forget_failures(self) -> None:
+        self.load_failures, self.retry_at = 0, 0.0
+
+    def backoff_left(self) -> float:
+        """Seconds until a request may load it again after a failed load (0: now, or it has not failed)."""
+        if self.state != FAILED:
+            return 0.0
+        return max(self.retry_at - time.monotonic(), 0.0)
+
     def card_state(self) -> dict[str, str | None]:
         """Its /v1/models fields: the state, and why it failed (None unless it did)."""
         return {"state": self.state, "reason": self.reason if self.state == FAILED else None}
+
+
+def served_slots(engine_config: EngineConfig, config: GatewayConfig) -> list[ModelSlot]:
+    """One slot per served model; a one-model server's single slot is named as --served-model-name says (or,
+    once loaded, by its engine)."""
+    if not config.models:
+        return [ModelSlot(tuple(config.served_model_names), engine_config)]
+    return [ModelSlot((served.name,), replace(engine_config, model=served.path, served_model_name=served.name))
+            for served in config.models]
 
 
 def discover_models(folder: str) -> list[ServedModel]:
@@ -101,6 +138,10 @@ def discover_models(folder: str) -> list[ServedModel]:
     if not found:
         raise SystemExit(f"--models-dir: {folder} holds no *.gguf file and no folder with a config.json")
     return sorted(found, key=lambda model: model.name)
+
+
+# Waits until a model becomes idle or finishes loading (deadline, who is waited for); a RuntimeError past the deadline
+WaitForChange = Callable[[float, str], Awaitable[None]]
 
 
 class PageBudget:
@@ -123,6 +164,43 @@ class PageBudget:
     def elastic(self, slot: ModelSlot, start_bytes: int, cores: int) -> ElasticSpec:
         """What each of a model's `cores` is told of its elastic pool, `start_bytes` reserved for them together."""
         return ElasticSpec(self.ledger.path, slot.entry, self.floor // cores, start_bytes // cores, self.total // cores)
+
+    async def grant(self, slot: ModelSlot, slots: list[ModelSlot], wait_for_change: WaitForChange) -> int:
+        """The bytes of pages a model loading or waking starts with, reserved for it in the ledger: its floor, idle
+        models shrunk to their floors first while less is free (`wait_for_change` while they serve, up to a
+        deadline); its cores grow it from there by demand."""
+        slot.release_budget()
+        deadline, tried = time.monotonic() + ROOM_TIMEOUT_S, set()
+        while not (granted := self.ledger.take(slot.entry, self.floor, self.floor)):
+            donors = [s for s in self._donors(slot, slots) if s.name not in tried]
+            if donors:
+                donor = max(donors, key=lambda s: s.kv_bytes)
+                tried.add(donor.name)
+                await resize_pool(donor, self.floor)
+                continue
+            await wait_for_change(deadline, "the page budget: every model holding pages")
+        return granted
+
+    def _donors(self, slot: ModelSlot, slots: list[ModelSlot]) -> list[ModelSlot]:
+        """The other loaded, idle models that hold pages beyond their floors."""
+        return [s for s in slots if s is not slot and s.state == LOADED and s.idle and s.engine is not None
+                and not s.resizing and self.spare(s)]
+
+
+async def resize_pool(slot: ModelSlot, kv_bytes: int) -> None:
+    """An idle model's pool to `kv_bytes`, in place (its core moves its limit and its ledger entry, keeping its
+    prefix cache below the limit). While it resizes, a model is not taken from again."""
+    if slot.engine is None or kv_bytes == slot.kv_bytes or slot.resizing:
+        return
+    slot.resizing = True
+    try:
+        pages = await slot.engine.resize(kv_bytes)
+    except Exception as exc:
+        logger.warning("resizing the pages of %s failed (it keeps its pool): %s", slot.name, exc)
+        return
+    finally:
+        slot.resizing = False
+    logger.info("%s: %d KV pages now (%.0f MiB of the budget)", slot.name, pages, slot.kv_bytes / 2**20)
 
 
 def page_budget(engine_config: EngineConfig, capacity: int, slots: list[ModelSlot]) -> PageBudget | None:

@@ -1,6 +1,8 @@
-"""Several models by hand: POST /models/load and /models/unload (llama.cpp's router names, body {"model": NAME}),
-POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's, the model as `?model=NAME` or in the body). Behind the API
-keys, as /v1 is. A one-model server answers them with a 400 that says how to serve several.
+"""Models by hand. POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's; the model as `?model=NAME` or in the
+body, optional: the default model) on any server: a sleeping model's KV pages are freed and its weights kept, and its
+next request wakes it. POST /models/load and /models/unload (llama.cpp's router names, body {"model": NAME}) need
+several models: a one-model server answers them with a 400 that says how to serve several. Behind the API keys, as
+/v1 is.
 
 LoRA adapters at run time (vLLM's routes, behind --allow-runtime-lora as vLLM gates them): POST
 /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}."""
@@ -14,38 +16,46 @@ from starlette.responses import PlainTextResponse, Response
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.gateway.codec import read_body, render
-from pagegate.gateway.engine_host import EngineHost, ModelBusy, requested_model
+from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import APIError, BadRequest, NotFound
+from pagegate.gateway.model_lifecycle import ModelBusy
 from pagegate.gateway.model_slots import SLEEPING, ModelSlot
 
 
 async def load(request: Request) -> Response:
     host = _several(request)
-    slot = await host.load_model(await _named(request, required=True))
+    name = await _named(request, required=True)
+    host.check_serving()
+    slot = host.slot_for(name)
+    await host.lifecycle.load_model(slot)  # a model whose load failed is tried again at once
     return _answer(slot)
 
 
 async def unload(request: Request) -> Response:
     host = _several(request)
-    slot = await host.unload_model(await _named(request, required=True))
+    slot = host.slot_for(await _named(request, required=True))
+    await host.lifecycle.unload_model(slot)
     return _answer(slot)
 
 
 async def sleep(request: Request) -> Response:
-    host = _several(request)
-    slot = await host.sleep_model(await _named(request))
+    host: EngineHost = request.app.state.host
+    slot = _slot(host, await _named(request))
+    await host.lifecycle.sleep_model(slot)
     return _answer(slot)
 
 
 async def wake_up(request: Request) -> Response:
-    host = _several(request)
-    slot = await host.load_model(await _named(request))  # wakes a sleeping model, loads an unloaded one
+    host: EngineHost = request.app.state.host
+    slot = _slot(host, await _named(request))
+    host.check_serving()
+    await host.lifecycle.load_model(slot)  # wakes a sleeping model, loads an unloaded one
     return _answer(slot)
 
 
 async def is_sleeping(request: Request) -> Response:
-    host = _several(request)
-    slot = host.slot_for(request.query_params.get("model"))
+    host: EngineHost = request.app.state.host
+    slot = _slot(host, request.query_params.get("model"))
     return render({"model": slot.name, "is_sleeping": slot.state == SLEEPING}, msgpack_body=False)
 
 
@@ -104,9 +114,16 @@ def _lora_error(error: InvalidParamError) -> APIError:
 def _several(request: Request) -> EngineHost:
     host: EngineHost = request.app.state.host
     if not host.several:
-        raise BadRequest("This server serves one model: loading, unloading and sleeping need several (--model "
-                         "repeated, or --models-dir).")
+        raise BadRequest("This server serves one model: loading and unloading need several (--model repeated, or "
+                         "--models-dir).")
     return host
+
+
+def _slot(host: EngineHost, name: str | None) -> ModelSlot:
+    """The model named (None: the default); a one-model server checks the name against its own (a 404 otherwise)."""
+    if name is not None and not host.several:
+        host.listed_model().resolve(name)
+    return host.slot_for(name)
 
 
 async def _named(request: Request, required: bool = False) -> str | None:
