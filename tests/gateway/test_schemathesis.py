@@ -1,20 +1,34 @@
-"""Schemathesis over /openapi.json against the shared test server: no 5xx, every answer as documented.
+"""Schemathesis over /openapi.json against real servers: no 5xx, every answer as documented.
 
 Cases come from the document (JSON and msgpack bodies, valid and invalid ones). It is built in-process,
 since the tests are parametrized before any server runs; the first test checks the server serves that very
 document. Before a case is sent its generation is capped (max_tokens <= 4, n <= 2): the document rightly
 allows far more, and the suite cannot wait for thousands of tokens per case.
+
+The routes that change what a server serves run against servers of their own: /sleep and /models/unload against
+one that serves two models (the shared one-model server must keep its model awake for the other tests), the LoRA
+routes also against one that loads adapters at run time. Random model names rarely name a served one, so each of
+those servers is also walked through every documented answer by hand (200s, 400, 404, 409), each checked as the
+fuzzed cases are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import hypothesis
 import msgpack
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
@@ -24,13 +38,25 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+import pagegate
 from pagegate.gateway.openapi import openapi_document
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, core_pids
+from tests.gateway.conftest import SERVER_ARGS
 from tests.gateway.test_openapi_contract import sse_events, sse_validator
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2, "best_of": 2}
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+FEW = settings(SETTINGS, max_examples=30)  # the routes that only read a name or two
+
+LIFECYCLE_PATHS = ["/models/load", "/models/unload", "/sleep", "/wake_up", "/is_sleeping"]
+LORA_PATHS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+SHARED_SERVER_SPARES = ["/sleep", "/models/unload"]  # NOTE: they would take the shared server's model away
+DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
+BASE_ARGS = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0"]
+MODELS = ("first", "second")  # the embedded model twice: a server of several models that starts in seconds
 
 
 @schemathesis.serializer("application/msgpack")
@@ -69,8 +95,8 @@ def keep_generation_short(body: dict[str, Any]) -> None:
         body["best_of"] = body.get("n", 1)
 
 
-@schema.parametrize()
-@settings(max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@schema.exclude(path=SHARED_SERVER_SPARES).parametrize()
+@SETTINGS
 def test_server_answers_as_its_openapi_says(case: schemathesis.Case, server: ServerProcess) -> None:
     if case.path in GENERATION_PATHS and isinstance(case.body, dict):
         keep_generation_short(case.body)
@@ -79,3 +105,134 @@ def test_server_answers_as_its_openapi_says(case: schemathesis.Case, server: Ser
         validator = sse_validator(DOCUMENT, case.path)
         for chunk in sse_events(response.content.decode()):
             validator.validate(chunk)
+
+
+# -- several models: load, unload, sleep, wake ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def several_models() -> Iterator[ServerProcess]:
+    args = [*BASE_ARGS, "--model", DEFAULT_MODEL, "--model", DEFAULT_MODEL, "--served-model-name", *MODELS,
+            "--max-model-len", "128", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8"]
+    with ServerProcess(args) as process:
+        yield process
+
+
+@schema.include(path=LIFECYCLE_PATHS).parametrize()
+@FEW
+def test_model_routes_answer_as_documented(case: schemathesis.Case, several_models: ServerProcess) -> None:
+    case.call_and_validate(base_url=several_models.base_url, checks=CHECKS, timeout=60)
+
+
+def documented_call(base_url: str, path: str, status: int, *, body: Any = None, query: dict[str, str] | None = None,
+                    media_type: str = "application/json") -> Any:
+    """Send one request as the document describes the route, check the answer as the fuzzed ones are, and
+    require `status`; the decoded answer (a JSON body, or the text of a text/plain one)."""
+    operation = schema[path]["GET" if path == "/is_sleeping" else "POST"]
+    case = operation.Case(query=query, **({"body": body, "media_type": media_type} if body is not None else {}))
+    response = case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=60)
+    assert response.status_code == status, response.text
+    return response.json() if response.headers["content-type"][0].startswith("application/json") else response.text
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def model_serving_a_request(server: ServerProcess, model: str) -> Iterator[None]:
+    """`model` serves a request for as long as this lasts: its core is stopped (SIGSTOP) before the request is
+    sent, so the request cannot finish, and goes on (SIGCONT) after."""
+    assert server.process is not None
+    cores = core_pids(server.process.pid)
+    body = {"model": model, "prompt": [5, 17, 42], "max_tokens": 2}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            answer = pool.submit(http.post, "/v1/completions", json=body)
+            wait_for(lambda: http.get("/health").json()["models"][model]["in_flight"] == 1, f"request to {model}")
+            yield
+        finally:
+            for pid in cores:
+                os.kill(pid, signal.SIGCONT)
+        assert answer.result(timeout=60).status_code == 200
+
+
+@contextlib.contextmanager
+def adapter_serving_a_request(base_url: str, adapter: str) -> Iterator[None]:
+    """A long streamed completion with `adapter`, its first token out. NOTE: the core itself refuses to unload an
+    adapter its requests use, so it must run meanwhile: 1,000 tokens take over a second, far longer than the
+    unload asked once the first token is read."""
+    body = {"model": adapter, "prompt": [5, 17, 42], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                                          json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())
+        yield
+
+
+def test_model_routes_walk_every_documented_answer(several_models: ServerProcess) -> None:
+    url, second = several_models.base_url, {"model": MODELS[1]}
+    assert documented_call(url, "/models/load", 200, body=second) == {
+        "success": True, "model": MODELS[1], "state": "loaded", "reason": None}
+    assert documented_call(url, "/is_sleeping", 200, query=second) == {"model": MODELS[1], "is_sleeping": False}
+    assert documented_call(url, "/sleep", 200, query=second)["state"] == "sleeping"
+    assert documented_call(url, "/is_sleeping", 200, query=second)["is_sleeping"] is True
+    assert documented_call(url, "/wake_up", 200, body=second,
+                           media_type="application/msgpack")["state"] == "loaded"
+    assert documented_call(url, "/models/unload", 200, body=second)["state"] == "unloaded"
+    assert documented_call(url, "/wake_up", 200)["model"] == MODELS[0]  # none named: the default model
+    for path in ("/models/load", "/models/unload"):
+        assert documented_call(url, path, 400, body={})["error"]["param"] == "model"
+    for path in LIFECYCLE_PATHS:
+        assert documented_call(url, path, 404, query={"model": "nobody"})["error"]["code"] == "model_not_found"
+    with model_serving_a_request(several_models, MODELS[0]):
+        for path in ("/sleep", "/models/unload"):
+            assert documented_call(url, path, 409, body={"model": MODELS[0]})["error"]["code"] == "model_busy"
+
+
+# -- LoRA adapters at run time -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-4 PEFT LoRA over the embedded model (random weights: only its loading matters here)."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagegate.testing.lora import save_random_adapter
+
+    folder = tmp_path_factory.mktemp("adapter")
+    base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    save_random_adapter(base, folder, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), seed=1,
+                        scale=0.2)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_server() -> Iterator[ServerProcess]:
+    with ServerProcess([*SERVER_ARGS, "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora"]) as process:
+        yield process
+
+
+@schema.include(path=LORA_PATHS).parametrize()
+@FEW
+def test_lora_routes_answer_as_documented(case: schemathesis.Case, lora_server: ServerProcess) -> None:
+    case.call_and_validate(base_url=lora_server.base_url, checks=CHECKS, timeout=60)
+
+
+def test_lora_routes_walk_every_documented_answer(lora_server: ServerProcess, adapter_folder: Path) -> None:
+    url, adapter = lora_server.base_url, {"lora_name": "tiny", "lora_path": str(adapter_folder)}
+    assert documented_call(url, "/v1/load_lora_adapter", 200, body=adapter).startswith("Success")
+    assert documented_call(url, "/v1/load_lora_adapter", 400, body=adapter)["error"]["param"] == "lora_name"
+    missing = {"lora_name": "other", "lora_path": str(adapter_folder / "nowhere")}
+    assert documented_call(url, "/v1/load_lora_adapter", 400, body=missing)["error"]["param"] == "lora_path"
+    gone = documented_call(url, "/v1/unload_lora_adapter", 404, body={"lora_name": "nobody"})
+    assert gone["error"]["code"] == "model_not_found"
+    with adapter_serving_a_request(url, "tiny"):
+        busy = documented_call(url, "/v1/unload_lora_adapter", 409, body={"lora_name": "tiny"})
+        assert busy["error"]["code"] == "adapter_busy"
+    assert documented_call(url, "/v1/unload_lora_adapter", 200, body={"lora_name": "tiny"}).startswith("Success")
