@@ -7,6 +7,11 @@ lock and a preemption per page), as much as is free; a core with no request for 
 floor and gives the rest back, so a model whose traffic moved on leaves its pages to the busy one within seconds,
 while its prefix cache below the floor stays. Shrinking never takes a page in use (pins and LoRA pages above the
 floor keep the limit above them) and gives the tail's memory back to the OS, so the budget is the memory used.
+
+NOTE: shared fairly when contested. While another model was refused pages in the last CONTEST_S, a pool neither
+grows past its fair share (an equal part of the budget among the models that want pages) nor keeps free pages above
+it: it gives them back after each step, and the pages its sequences free as they finish follow. Uncontested, a busy
+model may hold everything the others do not.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ log = logging.getLogger("pagegate.core")
 REBALANCE_IDLE_S = 2.0  # a core with no request this long shrinks to its floor
 GROW_CHUNK = 16  # a pool grows by at least 1/GROW_CHUNK of its capacity at a time
 RETRY_S = 0.05  # after the ledger had nothing to give, a pool asks again no sooner than this
+CONTEST_S = 1.0  # another model refused pages this recently contests the budget (a pool keeps to its fair share)
 
 
 def elastic_config(config: EngineConfig, spec: ElasticSpec) -> EngineConfig:
@@ -75,6 +81,7 @@ class ElasticPages:
         check_fits(self.capacity, cache.block_size, runner.max_model_len, self.page_bytes)
         self.last_busy = time.monotonic()
         self.refused_at = 0.0  # when the ledger last had nothing to give
+        self.yielded_at = 0.0  # when a contested pool last gave back what it held above its fair share
 
     @property
     def limit(self) -> int:
@@ -117,16 +124,36 @@ class ElasticPages:
         now = time.monotonic()
         if busy:
             self.last_busy = now
+            self._yield_to_others(now)
             short = self.engine.scheduler.take_pages_short()
             if short:
                 self.grow(max(short, self.capacity // GROW_CHUNK))
         elif now - self.last_busy >= REBALANCE_IDLE_S and self.limit > self.floor:
             self.shrink(self.floor)
 
+    def fair_limit(self) -> int | None:
+        """The pages this pool may hold while other models want pages (None: nobody else does): its part of their
+        fair share, never below its floor."""
+        share = self.ledger.fair_share(self.spec.entry, CONTEST_S)
+        if share is None:
+            return None
+        return max(share * self.spec.capacity_bytes // self.ledger.total // self.page_bytes, self.floor)
+
+    def _yield_to_others(self, now: float) -> None:
+        """Contested: what it holds above its fair share back (its free pages now, the rest as they are freed)."""
+        fair = self.fair_limit()
+        if fair is not None and self.limit > fair and now - self.yielded_at >= RETRY_S:
+            self.yielded_at = now
+            self.shrink(fair)
+
     def grow(self, pages: int, refresh: bool = True) -> int:
-        """Up to `pages` more from the ledger (what is free, within the capacity); the limit. `refresh`: the
-        engine's counts too (not from inside a step: the step refreshes them)."""
+        """Up to `pages` more from the ledger (what is free, within the capacity and, contested, its fair share);
+        the limit. `refresh`: the engine's counts too (not from inside a step: the step refreshes them)."""
         wanted = min(pages, self.capacity - self.limit)
+        fair = self.fair_limit()
+        if fair is not None and wanted > fair - self.limit:
+            wanted = fair - self.limit
+            self.ledger.want(self.spec.entry)  # held to its share, it wants more: the others keep to theirs too
         if wanted <= 0:
             return self.limit
         taken = self.ledger.take(self.spec.entry, wanted * self.page_bytes, self.page_bytes)

@@ -4,7 +4,8 @@ The gateway creates it with the server's KV bytes (--kv-cache-memory) and one en
 takes bytes from it into its model's entry when its pool grows and gives them back when it shrinks or sleeps; the
 gateway reserves a model's first pages before its core starts or wakes and clears the entry when the core is gone.
 Every change is one read-modify-write under an exclusive flock of the file, so the entries never sum past the
-budget whichever processes change them at once.
+budget whichever processes change them at once. An entry refused bytes notes when (its want), so that the others
+know the budget is contested and hold no more than their fair share of it (`fair_share`).
 
 NOTE: a file in /dev/shm (tmpfs, RAM) with flock rather than multiprocessing.shared_memory with a semaphore: a core
 opens it by path from its spec without the gateway's Python objects, flock's lock dies with a killed holder (a core
@@ -18,12 +19,14 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-_SLOT = struct.Struct("<q")  # one signed 64-bit counter: the total first, then each entry's bytes held
+_SLOT = struct.Struct("<q")  # one signed 64-bit counter: the total first, then each entry's bytes held and want
+_FIELDS = 2  # an entry's counters: the bytes it holds, when it was last refused bytes (CLOCK_MONOTONIC ns, 0: never)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,14 @@ class ElasticSpec:
     capacity_bytes: int  # the pages it allocates on CPU (the budget); on a GPU only start_bytes are allocated
 
 
+def _held(entry: int) -> int:
+    return 1 + entry * _FIELDS
+
+
+def _wanted(entry: int) -> int:
+    return 2 + entry * _FIELDS
+
+
 def _folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -50,13 +61,13 @@ class PageLedger:
         self.path = path
         self._fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
-        self.num_entries = len(self._map) // _SLOT.size - 1
+        self.num_entries = (len(self._map) // _SLOT.size - 1) // _FIELDS
 
     @classmethod
     def create(cls, total: int, entries: int) -> PageLedger:
         """A fresh ledger with every byte free (the gateway's; `unlink` removes its file)."""
         fd, path = tempfile.mkstemp(prefix="pagegate-ledger-", dir=_folder())
-        os.write(fd, _SLOT.pack(total) + bytes(_SLOT.size * entries))
+        os.write(fd, _SLOT.pack(total) + bytes(_SLOT.size * _FIELDS * entries))
         os.close(fd)
         return cls(path)
 
@@ -65,31 +76,49 @@ class PageLedger:
         return self._read(0)
 
     def held(self, entry: int) -> int:
-        return self._read(entry + 1)
+        return self._read(_held(entry))
 
     def free(self) -> int:
         with self._locked():
             return self._free()
 
     def take(self, entry: int, wanted: int, at_least: int = 0) -> int:
-        """Up to `wanted` free bytes into `entry` (none when fewer than `at_least` are free); how many it took."""
+        """Up to `wanted` free bytes into `entry` (none when fewer than `at_least` are free); how many it took. An
+        entry that got less than it wanted is marked wanting (`fair_share`)."""
         with self._locked():
             granted = min(wanted, self._free())
             if granted < max(at_least, 1):
-                return 0
-            self._write(entry + 1, self.held(entry) + granted)
+                granted = 0
+            if granted < wanted:
+                self._write(_wanted(entry), time.monotonic_ns())
+            if granted:
+                self._write(_held(entry), self.held(entry) + granted)
             return granted
+
+    def want(self, entry: int) -> None:
+        """Mark `entry` wanting more than it may take now (`fair_share`)."""
+        with self._locked():
+            self._write(_wanted(entry), time.monotonic_ns())
+
+    def fair_share(self, entry: int, within_s: float) -> int | None:
+        """While other entries were refused bytes within the last `within_s`, the bytes `entry` may hold: an equal
+        part of the budget among them and it; None when nobody else wants (it may take all that is free)."""
+        since = time.monotonic_ns() - int(within_s * 1e9)
+        wanting = sum(1 for other in range(self.num_entries)
+                      if other != entry and self._read(_wanted(other)) > since)
+        return self.total // (wanting + 1) if wanting else None
 
     def give(self, entry: int, amount: int) -> None:
         """`amount` bytes of `entry` back to the budget."""
         with self._locked():
-            self._write(entry + 1, max(self.held(entry) - amount, 0))
+            self._write(_held(entry), max(self.held(entry) - amount, 0))
 
     def clear(self, entry: int) -> int:
         """Everything `entry` holds back to the budget (its cores are gone); how much that was."""
         with self._locked():
             held = self.held(entry)
-            self._write(entry + 1, 0)
+            self._write(_held(entry), 0)
+            self._write(_wanted(entry), 0)
             return held
 
     def close(self) -> None:

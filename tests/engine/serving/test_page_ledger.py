@@ -1,5 +1,6 @@
 """The shared page budget's ledger: what is taken never sums past the total, across processes."""
 
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 from pagegate.engine.serving.page_ledger import PageLedger
@@ -15,6 +16,25 @@ def test_takes_are_bounded_by_what_is_free():
         ledger.give(0, 25)
         assert (ledger.held(0), ledger.free()) == (35, 25)
         assert ledger.clear(1) == 40 and ledger.free() == 65
+    finally:
+        ledger.unlink()
+
+
+def test_an_entry_refused_bytes_contests_the_budget_while_its_want_is_recent():
+    ledger = PageLedger.create(120, 3)
+    try:
+        assert ledger.fair_share(0, 1.0) is None  # nobody wants: an entry may take all that is free
+        assert ledger.take(0, 100) == 100
+        assert ledger.take(1, 50) == 20  # refused the rest: wanting
+        assert ledger.fair_share(0, 1.0) == 60 and ledger.fair_share(2, 1.0) == 60
+        assert ledger.fair_share(1, 1.0) is None  # its own want is no contest
+        ledger.want(2)
+        assert ledger.fair_share(0, 1.0) == 40
+        time.sleep(0.02)
+        assert ledger.fair_share(0, 0.01) is None  # wants older than the window no longer count
+        ledger.clear(1)
+        ledger.clear(2)
+        assert ledger.fair_share(0, 1.0) is None  # a cleared entry (its cores gone) wants nothing
     finally:
         ledger.unlink()
 
