@@ -1,6 +1,6 @@
 """Read a GGUF file (llama.cpp's format): the model's shape from its metadata, weights dequantized.
 
-The `gguf` package parses the file and dequantizes blocks; this module maps llama.cpp's names and
+gguf_reader parses the file and the `gguf` package dequantizes blocks; this module maps llama.cpp's names and
 layouts onto the Hugging Face ones the rest of pagegate knows, so nothing above the loader sees GGUF.
 """
 
@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 from tqdm import tqdm
 
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
 from pagegate.engine.loading.layout import checkpoint_layout
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
@@ -64,11 +65,11 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path} does not exist or is not a file")
         try:
-            self.reader = GGUFReader(self.path)
-        except Exception as error:  # the gguf package raises whatever numpy hits on a bad file
+            self.reader = GGUFContents(self.path)
+        except Exception as error:  # struct, numpy or utf-8 decoding on a bad file
             raise ModelLoadError(f"cannot read {self.path} as GGUF (truncated or corrupt?): {error}") from error
-        self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
-        self.tensors: dict[str, ReaderTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.metadata: dict[str, Any] = self.reader.metadata
+        self.tensors: dict[str, GGUFTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
         self.arch = str(self.metadata.get("general.architecture"))
         self._gguf_names = {hf_name(name, self.arch): name for name in self.tensors}
         self.kept: set[str] = set()  # tensors that stay in blocks (keep_blocks)
@@ -239,7 +240,7 @@ Q8_0 = int(GGMLQuantizationType.Q8_0)
 _WIDENS_TO_Q8_0 = {Q8_0, int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q5_0)}
 
 
-def _blocks_as(tensor: ReaderTensor, qtype: int) -> np.ndarray:
+def _blocks_as(tensor: GGUFTensor, qtype: int) -> np.ndarray:
     """A tensor's blocks as bytes [rows, row bytes] of `qtype`: its own, or (Q4_0, Q5_0 -> Q8_0) widened
     without loss: each block keeps its float16 scale d first, and its integer steps (-16..15) fit int8."""
     data = np.array(tensor.data).view(np.uint8)

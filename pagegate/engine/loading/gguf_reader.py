@@ -1,0 +1,141 @@
+"""A GGUF file's metadata and tensor table, read in one pass over the mapped file.
+
+NOTE: the `gguf` package's GGUFReader makes a numpy view per value, so a tokenizer's ~100,000 vocabulary and merge
+strings cost it 2 to 4 s on a small machine (most of loading SmolLM2-135M); struct over the same mapping reads them
+in tens of milliseconds. The values match `{name: field.contents()}` of GGUFReader, and each tensor's data is the
+same read-only view of the file (tests/engine/loading/test_gguf_reader.py compares them).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
+
+SUPPORTED_VERSIONS = (2, 3)
+_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+            GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+            GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+            GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
+_PLAIN_TENSORS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+                  GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                  GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                  GGMLQuantizationType.I64: np.int64}
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor: `shape` lists its dims innermost first (as the file does); `data` maps its bytes (quantized
+    types as uint8 rows of blocks, plain ones as their dtype), in PyTorch's order."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GGUFContents:
+    """The metadata ({key: value}, arrays as flat lists) and tensors of a GGUF file; ValueError when it is not one
+    this reader knows (bad magic, an unknown version or value type, a duplicate key or tensor)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.data = np.memmap(path, mode="r")
+        self.bytes = self.data.data  # the same mapping as a memoryview, for struct
+        self.offset = 0
+        self.order: Literal["<", ">"] = "<"
+        if self._unpack("<I") != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version = self._unpack("<I")
+        if version & 0xFFFF == 0:  # a small number read in the wrong order: a big-endian file
+            self.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"GGUF version {version} is not supported")
+        tensor_count, kv_count = self._unpack("Q"), self._unpack("Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = self._string()
+            if key in self.metadata:
+                raise KeyError(f"Duplicate {key} in the metadata")
+            self.metadata[key] = self._value(GGUFValueType(self._unpack("I")))
+        infos = [self._tensor_info() for _ in range(tensor_count)]
+        self.tensors = self._tensors(infos, self._data_start())
+
+    def _unpack(self, fmt: str) -> Any:
+        fmt = fmt if fmt[0] in "<>" else self.order + fmt
+        (value,) = struct.unpack_from(fmt, self.bytes, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        size = self._unpack("Q")
+        start, self.offset = self.offset, self.offset + size
+        return str(self.bytes[start:self.offset], "utf-8")
+
+    def _value(self, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self._string()
+        if kind in _SCALARS:
+            return self._unpack(_SCALARS[kind])
+        if kind == GGUFValueType.ARRAY:
+            return self._array(GGUFValueType(self._unpack("I")), self._unpack("Q"))
+        raise ValueError(f"Unknown/unhandled field type {kind}")
+
+    def _array(self, kind: GGUFValueType, length: int) -> list[Any]:
+        """A flat list (an array of arrays is flattened, as GGUFReader's contents() does)."""
+        if kind in _SCALARS:
+            dtype = np.dtype(_SCALARS[kind]).newbyteorder(self.order)
+            values = np.frombuffer(self.data, dtype, length, self.offset)
+            self.offset += values.nbytes
+            return values.tolist()
+        if kind == GGUFValueType.STRING:
+            return self._strings(length)
+        flat: list[Any] = []
+        for _ in range(length):
+            flat.extend(self._value(kind))
+        return flat
+
+    def _strings(self, length: int) -> list[str]:
+        """`length` strings in a row: the hot loop of a tokenizer's vocabulary and merges."""
+        view, offset, strings = self.bytes, self.offset, []
+        unpack = struct.Struct(self.order + "Q").unpack_from
+        for _ in range(length):
+            (size,) = unpack(view, offset)
+            offset += 8
+            strings.append(str(view[offset:offset + size], "utf-8"))
+            offset += size
+        self.offset = offset
+        return strings
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = self._string()
+        dims = tuple(self._unpack("Q") for _ in range(self._unpack("I")))
+        return name, dims, GGMLQuantizationType(self._unpack("I")), self._unpack("Q")
+
+    def _data_start(self) -> int:
+        alignment = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError("Invalid alignment: must be a non-zero power of two")
+        return -(-self.offset // alignment) * alignment
+
+    def _tensors(self, infos: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]],
+                 start: int) -> list[GGUFTensor]:
+        tensors, names = [], set()
+        for name, dims, kind, offset in infos:
+            if name in names:
+                raise ValueError(f"Found duplicated tensor with name {name}")
+            names.add(name)
+            elements = int(np.prod(dims))
+            shape = tuple(reversed(dims))
+            if kind in _PLAIN_TENSORS:
+                dtype, count = np.dtype(_PLAIN_TENSORS[kind]).newbyteorder(self.order), elements
+            else:
+                block_values, block_bytes = GGML_QUANT_SIZES[kind]
+                dtype, count = np.dtype(np.uint8), elements * block_bytes // block_values
+                shape = quant_shape_to_byte_shape(shape, kind)
+            at = start + offset
+            data = self.data[at:at + count * dtype.itemsize].view(dtype)[:count].reshape(shape)
+            tensors.append(GGUFTensor(name, kind, dims, data))
+        return tensors
