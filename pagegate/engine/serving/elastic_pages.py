@@ -148,7 +148,7 @@ class ElasticPages:
 
     def grow(self, pages: int, refresh: bool = True) -> int:
         """Up to `pages` more from the ledger (what is free, within the capacity and, contested, its fair share);
-        the limit. `refresh`: the engine's counts too (not from inside a step: the step refreshes them)."""
+        the limit. `refresh`: the engine's stats too (not from inside a step: the step refreshes them)."""
         wanted = min(pages, self.capacity - self.limit)
         fair = self.fair_limit()
         if fair is not None and wanted > fair - self.limit:
@@ -195,7 +195,8 @@ class ElasticPages:
             if runner.tiers is not None and engine.scheduler.tiers is not None:
                 spill(runner.kv_cache, runner.tiers, pool.take_evicted())  # before their bytes are dropped
             runner.kv_cache.release_pages(reached, old)
-        if reached != old and refresh:
+        if reached != old:
             engine.metrics.cache_config(engine.config.cache.block_size, reached)
-            engine.refresh_stats()
+            if refresh:
+                engine.refresh_stats()
         return reached

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 import pagegate
 from pagegate import SamplingParams
@@ -73,6 +74,8 @@ def test_a_busy_pool_takes_the_idle_ones_pages_then_keeps_to_its_fair_share(ledg
         for _ in range(16):
             step(first, first_pages)
         assert first_pages.limit == BUDGET_PAGES - FLOOR_PAGES
+        metrics = generate_latest(first.metrics.registry).decode()
+        assert f'num_gpu_blocks="{first_pages.limit}"' in metrics  # vllm:cache_config_info follows an in-step grow
         assert ledger.free() == 0 and ledger.fair_share(0, 1.0) is None  # nobody else wants: uncontested
 
         add(second, "second", 8)  # it wants more than its floor: refused, the budget is contested
