@@ -9,10 +9,7 @@ import asyncio
 import itertools
 import logging
 import os
-import pickle
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
@@ -54,6 +51,7 @@ from pagegate.engine.serving.frames import (
     framed,
 )
 from pagegate.engine.serving.page_ledger import ElasticSpec
+from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -102,21 +100,40 @@ class CoreClient:
     async def start(self) -> None:
         """Start the core and wait until its model is loaded; ModelLoadError (or another) if it cannot start."""
         loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spec = CoreSpec(self.config, theirs.fileno(), os.getpid(), logging.getLevelName(logging.getLogger().level),
-                        self.elastic)
-        self.process = subprocess.Popen([sys.executable, "-m", "pagegate.engine.serving.core_process"], stdin=subprocess.PIPE,
-                                        env=self._env, pass_fds=(theirs.fileno(),))
-        theirs.close()
-        assert self.process.stdin is not None
-        self.process.stdin.write(pickle.dumps(spec))
-        self.process.stdin.close()
-        self._transport, _ = await loop.create_connection(lambda: _CoreProtocol(self._take), sock=ours)
         self._ready = loop.create_future()
+        core = self._launch()
+        self.process = core.process
+        self._transport, _ = await loop.create_connection(lambda: _CoreProtocol(self._take), sock=core.sock)
         self._watcher = loop.create_task(self._watch())
         self._take_ready(await self._ready)
         if self.step_timeout_s > 0:
             self._stall_watch = loop.create_task(self._watch_steps())
+
+    def _launch(self) -> CoreProcess:
+        """A core process handed its spec: the server's spare where it keeps one (several models, and this core
+        runs in the gateway's environment: spare_core's NOTE), else a new process."""
+        keeps_spare = self._env is None and self.elastic is not None
+        spare = SPARE_CORES.take(self) if keeps_spare else None
+        if spare is not None:
+            try:
+                spare.hand(self._spec(spare.core_fd))
+                return spare
+            except OSError:  # it exited between the look and the write
+                spare.discard()
+        core = spawn_core(self._env)
+        if keeps_spare:
+            SPARE_CORES.keep_one()
+        core.hand(self._spec(core.core_fd))
+        return core
+
+    def _spec(self, socket_fd: int) -> CoreSpec:
+        return CoreSpec(self.config, socket_fd, os.getpid(), logging.getLevelName(logging.getLogger().level),
+                        self.elastic)
+
+    @property
+    def busy(self) -> bool:
+        """Loading, or with requests or calls in flight (a spare waits for every core to be idle)."""
+        return self.is_running and (self._ready is None or not self._ready.done() or self._has_work())
 
     def _take_ready(self, ready: Ready) -> None:
         self.model_name = ready.model_name

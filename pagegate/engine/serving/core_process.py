@@ -3,7 +3,8 @@
 It reads its EngineConfig and the number of its socket from stdin, builds the Engine on its main thread (the
 only thread here that calls torch, so OpenMP keeps one thread team), says `ready`, then loops: take the frames
 the gateway sent, step, send what moved (a frame a step, or one per OUTPUT_INTERVAL_S when steps are faster).
-It never outlives the gateway.
+It never outlives the gateway. Started as a spare (`--spare <gateway pid>`, spare_core), it does its imports and
+waits on stdin for a spec until a core that loads a model takes it.
 
 NOTE: detokenizing and stop strings stay in the core (Engine.postprocessor), unlike vLLM V1's frontend: a stop
 string then ends its sequence in the step that produced it, so its pages are freed at once and no token past it
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import logging
 import os
 import pickle
@@ -24,6 +26,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
@@ -55,6 +58,7 @@ from pagegate.engine.serving.frames import (
     WireError,
     framed,
 )
+from pagegate.engine.serving.spare_core import SPARE_FLAG, SPARE_PROCESS_NAME
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -62,6 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagegate.core")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 OUTPUT_INTERVAL_S = 0.01  # outputs frames at most this often, except the urgent ones (CoreLoop._flush)
 IDLE_POLL_MS = 500  # an idle core wakes this often (SIGTERM sets `stopping` between two polls)
 
@@ -341,8 +346,45 @@ def _worker_died(message: str) -> None:
     os._exit(1)
 
 
+def _spec_as_spare(parent_pid: int) -> CoreSpec:
+    """A spare (spare_core.SpareCores) waits for its spec, named SPARE_PROCESS_NAME; meanwhile it dies with the
+    gateway, ignores Ctrl-C as every core does, and imports what building any model would import lazily.
+
+    NOTE: torch imports its compiler (torch._dynamo, over a second on a small machine) the first time a module is
+    initialised on the meta device (models.registry.build_empty_model); imported here, it is off the load's path."""
+    own_name = _process_name()
+    _set_process_name(SPARE_PROCESS_NAME)
+    _never_outlive(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    importlib.import_module("torch._dynamo")
+    spec = _read_spec()
+    _set_process_name(own_name)  # taken: from here on a core like any other
+    return spec
+
+
+def _read_spec() -> CoreSpec:
+    try:
+        spec: CoreSpec = pickle.load(sys.stdin.buffer)
+    except EOFError:  # a spare let go, or a gateway gone before it sent the spec: nothing to serve
+        os._exit(0)
+    return spec
+
+
+def _process_name() -> str:
+    """This process's name as `ps` shows it (/proc/<pid>/comm); "" where there is none."""
+    try:
+        return Path("/proc/self/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _set_process_name(name: str) -> None:
+    if sys.platform.startswith("linux") and name:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
+
+
 def main() -> None:
-    spec: CoreSpec = pickle.load(sys.stdin.buffer)
+    spec = _spec_as_spare(int(sys.argv[2])) if sys.argv[1:2] == [SPARE_FLAG] else _read_spec()
     _never_outlive(spec.parent_pid)
     if cpus := os.environ.get(CPUS_ENV):  # before the first parallel region: OpenMP's threads inherit it
         os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})

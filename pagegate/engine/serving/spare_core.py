@@ -1,0 +1,160 @@
+"""Engine-core processes as the gateway starts them, and the spare one a server of several models keeps.
+
+A core process imports torch and pagegate before it reads its spec from stdin, so a process started with no spec
+yet is a spare: it pays those imports (and torch's lazily imported compiler, which building any model pulls in)
+ahead of need, then blocks until a CoreClient hands it a spec. Taking it saves that much of a model's load. Nothing
+here imports torch.
+
+NOTE: a spare is kept only where models load while the server runs (several models: the cores get an elastic
+share of one page budget), and only for a core of the gateway's own environment (a data-parallel core's pinned CPUs
+and thread count are set in its environment before torch starts). The spare that replaces a taken one starts once
+every core has been idle for SPARE_IDLE_S: its imports take a CPU for seconds, and on a small machine they would
+slow the steps of the model just loaded, its warm-up and first tokens included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagegate.engine.serving.frames import CoreSpec
+
+log = logging.getLogger("pagegate.gateway")
+
+CORE_MODULE = "pagegate.engine.serving.core_process"
+SPARE_FLAG = "--spare"  # argv of a spare: `--spare <gateway pid>`
+SPARE_PROCESS_NAME = "pagegate-spare"  # a waiting spare's name (/proc/<pid>/comm); taken, it gets its own back
+SPARE_IDLE_S = 1.0  # every core idle this long before a spare replacing a taken one starts
+IDLE_CHECK_S = 0.25
+SPARE_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass
+class CoreProcess:
+    """A started engine-core process and the gateway's end of its socketpair (`core_fd`: the core's end, the same
+    number in the core as it had here)."""
+
+    process: subprocess.Popen[bytes]
+    sock: socket.socket
+    core_fd: int
+
+    def hand(self, spec: CoreSpec) -> None:
+        """Send its spec (it then loads its model); OSError (a broken pipe) if the process has exited."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(pickle.dumps(spec))
+        self.process.stdin.close()
+
+    def discard(self, timeout_s: float = SPARE_STOP_TIMEOUT_S) -> None:
+        """End a process that was never handed a spec (it holds nothing: terminated at once) and wait for it."""
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False) -> CoreProcess:
+    """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin.
+
+    NOTE: a spare gets its own process group, so a Ctrl-C at the terminal does not interrupt its imports with a
+    traceback; the gateway ends it (SpareCores.close, atexit, or its parent-death signal)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    args = [SPARE_FLAG, str(os.getpid())] if spare else []
+    with theirs:  # the core holds its own copy
+        try:
+            process = subprocess.Popen([sys.executable, "-m", CORE_MODULE, *args], stdin=subprocess.PIPE, env=env,
+                                       pass_fds=(theirs.fileno(),), process_group=0 if spare else None)
+        except BaseException:
+            ours.close()
+            raise
+        return CoreProcess(process, ours, theirs.fileno())
+
+
+class Busy(Protocol):
+    @property
+    def busy(self) -> bool:
+        """Loading, or serving requests or calls."""
+        ...
+
+
+class SpareCores:
+    """The one spare core of this gateway process: taken by a starting core, replaced once the cores are idle."""
+
+    def __init__(self) -> None:
+        self.spare: CoreProcess | None = None
+        self.cores: weakref.WeakSet[Busy] = weakref.WeakSet()  # the cores that took (or asked for) a spare
+        self._replacing: asyncio.Task[None] | None = None
+        atexit.register(self.close_now)
+
+    def take(self, core: Busy) -> CoreProcess | None:
+        """The spare, if one waits, for `core` to hand its spec; its replacement starts once every core is idle."""
+        self.cores.add(core)
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.process.poll() is not None:  # it died while it waited
+            spare.discard()
+            spare = None
+        if spare is not None:
+            self._replace_when_idle()
+        return spare
+
+    def keep_one(self) -> None:
+        """Start a spare now unless one waits or is due: after the server's first core started (its load runs
+        beside the spare's imports, each on a CPU of its own on two)."""
+        if self.spare is None and not self._replacement_pending():
+            self.spare = spawn_core(spare=True)
+
+    def _replacement_pending(self) -> bool:
+        task = self._replacing
+        return task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop()
+
+    def _replace_when_idle(self) -> None:
+        if not self._replacement_pending():
+            self._replacing = asyncio.get_running_loop().create_task(self._replace())
+
+    async def _replace(self) -> None:
+        idle_s = 0.0
+        while idle_s < SPARE_IDLE_S:
+            await asyncio.sleep(IDLE_CHECK_S)
+            idle_s = 0.0 if any(core.busy for core in self.cores) else idle_s + IDLE_CHECK_S
+        if self.spare is None:
+            self.spare = spawn_core(spare=True)
+
+    async def close(self) -> None:
+        """End the spare (the server stops); a later core that asks for one starts them again."""
+        if self._replacing is not None:
+            self._replacing.cancel()
+            self._replacing = None
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            await asyncio.to_thread(spare.discard)
+
+    def close_now(self) -> None:
+        """The same at interpreter exit, for a gateway that never called close."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.discard()
+
+
+SPARE_CORES = SpareCores()
+
+
+async def stop_spare_core() -> None:
+    """End this gateway's spare core, if it keeps one: call when the server stops (after its cores are shut
+    down, so that none takes a spare afterwards)."""
+    await SPARE_CORES.close()

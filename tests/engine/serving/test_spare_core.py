@@ -1,0 +1,111 @@
+"""The spare engine core of a server of several models, with real processes: a spare waits (imports done) under
+its own name, a model's load takes it and a new one replaces it once the cores are idle, a dead spare is passed
+over, the answers are those of a core started afresh, and nothing is left running when the server stops; a
+one-model server keeps none."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+import pagegate
+from pagegate.engine.serving.spare_core import SPARE_PROCESS_NAME, spawn_core
+from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_gone
+
+DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
+BASE_ARGS = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0",
+             "--max-model-len", "128", "--kv-cache-memory", "32MiB"]
+PROMPT_IDS = [5, 17, 42, 9, 33, 71]
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def spares(server: ServerProcess) -> list[int]:
+    """The server's waiting spare cores."""
+    assert server.process is not None
+    return [pid for pid in descendants(server.process.pid) if process_name(pid) == SPARE_PROCESS_NAME]
+
+
+def serving_cores(server: ServerProcess) -> list[int]:
+    """The server's engine cores that serve a model (a taken spare among them)."""
+    assert server.process is not None
+    return [pid for pid in descendants(server.process.pid) if process_name(pid) != SPARE_PROCESS_NAME
+            and b"pagegate.engine.serving.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def greedy(http: httpx.Client, model: str) -> list[str]:
+    """The greedy answer's tokens, as its logprobs name them."""
+    body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8
+    return [str(token) for token in tokens]
+
+
+def test_a_spare_waits_under_its_name_and_exits_cleanly_when_let_go() -> None:
+    core = spawn_core(spare=True)
+    try:
+        wait_for(lambda: process_name(core.process.pid) == SPARE_PROCESS_NAME, "the spare's imports")
+        assert core.process.poll() is None
+        assert core.process.stdin is not None
+        core.process.stdin.close()  # no spec will come: it ends by itself
+        assert core.process.wait(60) == 0
+    finally:
+        core.discard()
+
+
+def test_a_discarded_spare_ends_at_once() -> None:
+    core = spawn_core(spare=True)
+    core.discard(timeout_s=10)
+    assert not alive(core.process.pid)
+
+
+def test_a_load_takes_the_spare_and_a_new_one_replaces_it() -> None:
+    args = [*BASE_ARGS, "--model", DEFAULT_MODEL, "--model", DEFAULT_MODEL, "--served-model-name", "first", "second",
+            "--models-max", "1"]
+    with ServerProcess(args) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        wait_for(lambda: len(spares(server)) == 1, "a spare beside the first model")
+        [spare] = spares(server)
+        expected = greedy(http, "first")
+        assert greedy(http, "second") == expected  # unloads `first`, loads `second` in the spare
+        assert serving_cores(server) == [spare] and process_name(spare) != SPARE_PROCESS_NAME
+        wait_for(lambda: len(spares(server)) == 1, "a new spare once the cores are idle")
+        [replacement] = spares(server)
+        assert replacement != spare
+
+        subprocess.run(["kill", "-KILL", str(replacement)], check=True)  # a spare that died is passed over
+        wait_for(lambda: not alive(replacement), "the killed spare to go")
+        assert greedy(http, "first") == expected
+        wait_for(lambda: len(spares(server)) == 1, "a spare again")
+
+        assert server.process is not None
+        below = descendants(server.process.pid)
+        assert server.stop() == 0
+    assert wait_gone(below) == [], "processes left behind by the server"
+
+
+def test_a_one_model_server_keeps_no_spare() -> None:
+    with ServerProcess([*BASE_ARGS, "--model", DEFAULT_MODEL]) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        greedy(http, http.get("/v1/models").json()["data"][0]["id"])
+        time.sleep(2.0)  # past the idle time after which a spare would be started
+        assert len(serving_cores(server)) == 1 and spares(server) == []
