@@ -123,7 +123,7 @@ async def model_detail(request: Request) -> Response:
     if host.several:  # any model there is, loaded or not
         host.check_serving()
         return render(host.model_card(host.slot_for(requested).name), msgpack_body=wants_msgpack(request))
-    _, model = host.require_engine()
+    model = host.listed_model()  # also while it sleeps (not woken by a look)
     name = model.resolve(requested)
     return render(host.model_card(name), msgpack_body=wants_msgpack(request))
 

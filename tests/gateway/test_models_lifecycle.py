@@ -39,6 +39,7 @@ def test_one_model_sleeps_and_its_next_request_wakes_it(client: openai.OpenAI, h
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["sleeping"] is True
     (card,) = [card for card in http.get("/v1/models").json()["data"] if card["id"] == model]
     assert card["state"] == "sleeping" and card["max_model_len"] is not None
+    assert http.get(f"/v1/models/{model}").json() == card  # looked at, not woken
     assert complete(client, model) == before  # woken by the request: its pages again, the same answer
     assert http.get("/is_sleeping", params={"model": model}).json()["is_sleeping"] is False
     assert http.get("/health").json()["sleeping"] is False
