@@ -12,7 +12,8 @@ bench/peers/router.py). Each round starts both servers fresh.
 --shared-budget: two models whose traffic shifts (phases of `concurrency` requests at once to one model, then to
 the other, with an idle gap between), served by one server whose --kv-cache-memory is `budget` for both, against
 two servers given half of it each. Reported: output tokens per second within the phases (median over phases, the
-first phase of each model left out as warm-up). On the shared server the pool of the model in its phase grows in
+first phase of each model left out as warm-up), and the most pages the busy model's pool held in a phase (sampled
+from /metrics). On the shared server the pool of the model in its phase grows in
 place while its requests lack pages, up to all the budget but the idle model's floor (7/8 of it with two models;
 pagegate/gateway/model_slots.py), and gives it back after 2 s idle; on the split ones each pool is half the budget.
 The shared server wins where a phase needs more pages than half the budget. Defaults: SmolLM2's float16 pages take
@@ -27,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +46,7 @@ NAMES = ("first", "second")
 PROMPT = "Write one sentence about paged attention."
 SLEEP_IDLE_S = 2  # switching: both servers put a model idle this long to sleep
 IDLE_GAP_S = 2.5  # between two phases: past the 2 s after which a model asked again may take idle pages
+SAMPLE_S = 0.25  # how often a phase's pool size is read from /metrics
 
 
 def first_token_s(http: httpx.Client, model: str, max_tokens: int) -> float:
@@ -97,21 +101,55 @@ def phase(base_url: str, model: str, requests: list[list[int]], gen: int) -> tup
     return tokens, time.perf_counter() - started
 
 
-def shifting_traffic(urls: dict[str, str], args: argparse.Namespace) -> list[float]:
-    """Phases alternating between the two models (each preceded by an idle gap); tokens/s of each phase."""
+def pool_pages(base_url: str) -> dict[str, int]:
+    """Each model's KV pages now: a shared server's per-model pools, or a one-model server's pool."""
+    text = httpx.get(base_url + "/metrics", timeout=60).text
+    shared = re.findall(r'^pagegate:model_kv_blocks_total\{model_name="([^"]+)"\} (\S+)', text, re.M)
+    if shared:
+        return {name: int(float(pages)) for name, pages in shared}
+    return {name: int(pages) for name, pages in re.findall(r'^vllm:cache_config_info\{.*?model_name="([^"]+)".*?'
+                                                             r'num_gpu_blocks="(\d+)"', text, re.M)}
+
+
+class PeakPages:
+    """The most pages `model`'s pool held while a phase ran, sampled every SAMPLE_S."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.base_url, self.model, self.peak = base_url, model, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakPages:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._done.wait(SAMPLE_S):
+            self.peak = max(self.peak, pool_pages(self.base_url).get(self.model, 0))
+
+
+def shifting_traffic(urls: dict[str, str], args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """Phases alternating between the two models (each preceded by an idle gap); tokens/s of each phase and the
+    most pages the model in its phase held."""
     rng = random.Random(0)
-    rates = []
+    rates, peaks = [], []
     for index in range(args.phases + 2):
         time.sleep(IDLE_GAP_S)
         model = NAMES[index % 2]
         prompts = [[rng.randrange(10, 250) for _ in range(args.prompt)] for _ in range(args.concurrency)]
-        tokens, seconds = phase(urls[model], model, prompts, args.gen)
+        with PeakPages(urls[model], model) as pages:
+            tokens, seconds = phase(urls[model], model, prompts, args.gen)
         if index >= 2:  # each model's first phase warms it
             rates.append(tokens / seconds)
-    return rates
+            peaks.append(pages.peak)
+    return rates, peaks
 
 
-def shared_budget(models: list[str], args: argparse.Namespace) -> dict[str, float]:
+def shared_budget(models: list[str], args: argparse.Namespace) -> dict[str, tuple[list[float], list[int]]]:
     common = ["--disable-uvicorn-access-log", "--grpc-port", "0", "--kv-cache-dtype", "float16",
               "--max-model-len", str(args.prompt + args.gen + 16), *args.extra]
     half = str(parse_bytes(args.budget) // 2)
@@ -125,8 +163,7 @@ def shared_budget(models: list[str], args: argparse.Namespace) -> dict[str, floa
                   for path, name in zip(models, NAMES, strict=True)]
     with ServerProcess(split_args[0]) as first, ServerProcess(split_args[1]) as second:
         split = shifting_traffic({NAMES[0]: first.base_url, NAMES[1]: second.base_url}, args)
-    return {"one server, shared budget": statistics.median(shared),
-            "two servers, half each": statistics.median(split)}
+    return {"one server, shared budget": shared, "two servers, half each": split}
 
 
 def main() -> None:
@@ -147,13 +184,14 @@ def main() -> None:
     if len(models) != 2:
         raise SystemExit("give two --model (or none)")
     if args.shared_budget:
-        rates = shared_budget(models, args)
+        results = shared_budget(models, args)
         print(f"budget {args.budget}; {args.phases} phases of {args.concurrency} requests x {args.prompt} prompt + "
               f"{args.gen} output tokens")
-        print("| setup | output tok/s in a phase (median) |")
-        print("|---|---|")
-        for setup, rate in rates.items():
-            print(f"| {setup} | {rate:.1f} |")
+        print("| setup | output tok/s in a phase (median) | pages of the busy model's pool (median of peaks) |")
+        print("|---|---|---|")
+        for setup, (rates, peaks) in results.items():
+            print(f"| {setup} | {statistics.median(rates):.1f} | {statistics.median(peaks):.0f} |")
+        print(json.dumps(results))
         return
     rounds = [one_round(models, args.max_tokens, args.threads, args.extra) for _ in range(args.rounds)]
     servers = list(rounds[0])
