@@ -187,8 +187,9 @@ class GGUFFile:
             if len(tensors) != len(names) or len(kinds) != 1 or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
             qtype = kinds.pop()
-            blocks = torch.cat([self._unpermuted(name, torch.from_numpy(_blocks_as(t, qtype)))
-                                for name, t in zip(names, tensors, strict=True)])
+            shards = [self._unpermuted(name, torch.from_numpy(_blocks_as(t, qtype)))
+                      for name, t in zip(names, tensors, strict=True)]
+            blocks = shards[0] if len(shards) == 1 else torch.cat(shards)  # each shard is a copy of the file's bytes
             model.set_submodule(path, _block_module(module, blocks, qtype))
             self.kept.update(t.name for t in tensors)
         embedding = model.model.embed_tokens
