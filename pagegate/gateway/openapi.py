@@ -77,7 +77,7 @@ ROUTES: dict[str, Operation] = {
     "/health": Operation("get", "200 when serving, 503 while loading, stopping or when the engine died",
                          schemas.HealthResponse),
     "/version": Operation("get", "The server version", schemas.VersionResponse),
-    # several models (llama.cpp's router names, vLLM's sleep routes)
+    # models by hand: load and unload need several models (llama.cpp's router names); the sleep routes (vLLM's) do not
     "/models/load": Operation(
         "post", "Load a model now (or wake it); it waits until the model serves", schemas.ModelStateResponse,
         schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE,
@@ -89,16 +89,16 @@ ROUTES: dict[str, Operation] = {
     "/sleep": Operation(
         "post", "Put a model to sleep (none named: the default one): its KV pages are freed, its weights kept",
         schemas.ModelStateResponse, schemas.DefaultModelNameBody,
-        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY, **TOO_LARGE},
-        body_required=False, model_query=True),
+        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY, **TOO_LARGE,
+                "503": "Not serving"}, body_required=False, model_query=True),
     "/wake_up": Operation(
         "post", "Wake a sleeping model (none named: the default one), or load an unloaded one",
         schemas.ModelStateResponse, schemas.DefaultModelNameBody,
         errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE, **LOAD_FAILED},
         body_required=False, model_query=True),
     "/is_sleeping": Operation("get", "Whether a model (none named: the default one) sleeps",
-                              schemas.IsSleepingResponse, errors={"400": "Bad parameters", **UNAUTHORIZED,
-                                                                  **NO_SUCH_MODEL}, model_query=True),
+                              schemas.IsSleepingResponse, errors={**UNAUTHORIZED, **NO_SUCH_MODEL,
+                                                                  "503": "Not serving"}, model_query=True),
     # LoRA adapters at run time (vLLM's names); both answer a line of text
     "/v1/load_lora_adapter": Operation(
         "post", "Serve a PEFT LoRA adapter under a name", None, schemas.LoadLoRAAdapterBody,
