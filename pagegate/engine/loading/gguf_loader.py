@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models scale attenti
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style scaling stored as per-frequency divisors
 _LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE factors
 _NOT_WEIGHTS = (_ROPE_FREQS, *_LONGROPE)
+Rows = TypeVar("Rows", torch.Tensor, np.ndarray)  # a weight's rows, as a tensor or as the file's blocks
 
 
 def is_gguf(path: Path) -> bool:
@@ -187,10 +188,11 @@ class GGUFFile:
             if len(tensors) != len(names) or len(kinds) != 1 or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
             qtype = kinds.pop()
-            shards = [self._unpermuted(name, torch.from_numpy(_blocks_as(t, qtype)))
-                      for name, t in zip(names, tensors, strict=True)]
-            blocks = shards[0] if len(shards) == 1 else torch.cat(shards)  # each shard is a copy of the file's bytes
-            model.set_submodule(path, _block_module(module, blocks, qtype))
+            shards = [self._unpermuted(name, _blocks_as(t, qtype)) for name, t in zip(names, tensors, strict=True)]
+            # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
+            # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken
+            blocks = np.concatenate(shards) if len(shards) > 1 else np.array(shards[0])
+            model.set_submodule(path, _block_module(module, torch.from_numpy(blocks), qtype))
             self.kept.update(t.name for t in tensors)
         embedding = model.model.embed_tokens
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
@@ -223,7 +225,7 @@ class GGUFFile:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         return torch.from_numpy(values.reshape(shape).copy())  # the file is mapped read-only
 
-    def _unpermuted(self, name: str, values: torch.Tensor) -> torch.Tensor:
+    def _unpermuted(self, name: str, values: Rows) -> Rows:
         """Undo llama.cpp's row order for Q and K: it interleaves each head's two rotary halves."""
         if self.config.architecture != "LlamaForCausalLM":
             return values
@@ -234,7 +236,7 @@ class GGUFFile:
         else:
             return values
         rest = values.shape[1:]
-        return values.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(values.shape)
+        return values.reshape(heads, -1, 2, *rest).swapaxes(1, 2).reshape(values.shape)
 
 
 Q8_0 = int(GGMLQuantizationType.Q8_0)
@@ -242,9 +244,10 @@ _WIDENS_TO_Q8_0 = {Q8_0, int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationTyp
 
 
 def _blocks_as(tensor: GGUFTensor, qtype: int) -> np.ndarray:
-    """A tensor's blocks as bytes [rows, row bytes] of `qtype`: its own, or (Q4_0, Q5_0 -> Q8_0) widened
-    without loss: each block keeps its float16 scale d first, and its integer steps (-16..15) fit int8."""
-    data = np.array(tensor.data).view(np.uint8)
+    """A tensor's blocks as bytes [rows, row bytes] of `qtype`: its own (a view of the file), or (Q4_0, Q5_0 ->
+    Q8_0) widened without loss: each block keeps its float16 scale d first, and its integer steps (-16..15) fit
+    int8."""
+    data = tensor.data.view(np.uint8)
     if int(tensor.tensor_type) == qtype:
         return data
     assert qtype == Q8_0 and int(tensor.tensor_type) in _WIDENS_TO_Q8_0
