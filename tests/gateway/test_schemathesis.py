@@ -5,11 +5,11 @@ since the tests are parametrized before any server runs; the first test checks t
 document. Before a case is sent its generation is capped (max_tokens <= 4, n <= 2): the document rightly
 allows far more, and the suite cannot wait for thousands of tokens per case.
 
-The routes that change what a server serves run against servers of their own: /sleep and /models/unload against
-one that serves two models (the shared one-model server must keep its model awake for the other tests), the LoRA
-routes also against one that loads adapters at run time. Random model names rarely name a served one, so each of
-those servers is also walked through every documented answer by hand (200s, 400, 404, 409), each checked as the
-fuzzed cases are.
+The routes that change what a server serves run against servers of their own (the shared one-model server must
+keep its model awake for the other tests, so it is spared /sleep and /models/unload): the model routes against one
+that serves two models and against a one-model server that also loads LoRA adapters at run time, the LoRA routes
+against that one too. Random model names rarely name a served one, so each of those servers is also walked through
+every documented answer by hand (200s, 400, 404, 409), each checked as the fuzzed cases are.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def adapter_serving_a_request(base_url: str, adapter: str) -> Iterator[None]:
     with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
                                                                           json=body) as response:
         assert response.status_code == 200
-        next(response.iter_lines())
+        first = next(response.iter_lines())
+        assert '"text"' in first and '"error"' not in first, first
         yield
 
 
@@ -194,7 +195,7 @@ def test_model_routes_walk_every_documented_answer(several_models: ServerProcess
             assert documented_call(url, path, 409, body={"model": MODELS[0]})["error"]["code"] == "model_busy"
 
 
-# -- LoRA adapters at run time -------------------------------------------------------------------------
+# -- one model, LoRA adapters at run time -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -213,19 +214,30 @@ def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def lora_server() -> Iterator[ServerProcess]:
+def one_model_server() -> Iterator[ServerProcess]:
     with ServerProcess([*SERVER_ARGS, "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora"]) as process:
         yield process
 
 
-@schema.include(path=LORA_PATHS).parametrize()
+@schema.include(path=LIFECYCLE_PATHS + LORA_PATHS).parametrize()
 @FEW
-def test_lora_routes_answer_as_documented(case: schemathesis.Case, lora_server: ServerProcess) -> None:
-    case.call_and_validate(base_url=lora_server.base_url, checks=CHECKS, timeout=60)
+def test_one_model_server_answers_as_documented(case: schemathesis.Case, one_model_server: ServerProcess) -> None:
+    case.call_and_validate(base_url=one_model_server.base_url, checks=CHECKS, timeout=60)
 
 
-def test_lora_routes_walk_every_documented_answer(lora_server: ServerProcess, adapter_folder: Path) -> None:
-    url, adapter = lora_server.base_url, {"lora_name": "tiny", "lora_path": str(adapter_folder)}
+def test_one_model_server_walks_the_sleep_routes(one_model_server: ServerProcess) -> None:
+    url = one_model_server.base_url
+    named = documented_call(url, "/wake_up", 200)["model"]  # awake, whatever the fuzzed cases left
+    assert documented_call(url, "/is_sleeping", 200) == {"model": named, "is_sleeping": False}
+    assert documented_call(url, "/sleep", 200, body={"model": named})["state"] == "sleeping"
+    assert documented_call(url, "/is_sleeping", 200, query={"model": named})["is_sleeping"] is True
+    assert documented_call(url, "/wake_up", 200, query={"model": named})["state"] == "loaded"
+    for path in LIFECYCLE_PATHS:  # load and unload need several models: a 400 before the name is looked at
+        documented_call(url, path, 400 if path.startswith("/models/") else 404, query={"model": "nobody"})
+
+
+def test_lora_routes_walk_every_documented_answer(one_model_server: ServerProcess, adapter_folder: Path) -> None:
+    url, adapter = one_model_server.base_url, {"lora_name": "tiny", "lora_path": str(adapter_folder)}
     assert documented_call(url, "/v1/load_lora_adapter", 200, body=adapter).startswith("Success")
     assert documented_call(url, "/v1/load_lora_adapter", 400, body=adapter)["error"]["param"] == "lora_name"
     missing = {"lora_name": "other", "lora_path": str(adapter_folder / "nowhere")}
