@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 
 import pagegate
 from pagegate.gateway import schemas
+from pagegate.gateway.messages.protocol import CountTokensRequest
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +55,7 @@ class Operation:
     errors: Mapping[str, str] = field(default_factory=dict)  # status -> when
     body_required: bool = True
     model_query: bool = False  # the model may be named as `?model=NAME`
+    error: type[BaseModel] = schemas.ErrorResponse  # the shape of every error it answers
 
 
 ROUTES: dict[str, Operation] = {
@@ -68,6 +70,10 @@ ROUTES: dict[str, Operation] = {
     "/v1/models/{model}": Operation("get", "One served model (a LoRA adapter's card names its base as `parent`)",
                                     schemas.ModelCard, errors={**UNAUTHORIZED, **NO_SUCH_MODEL,
                                                                "503": "Not serving"}),
+    "/v1/messages/count_tokens": Operation(
+        "post", "Count the tokens of a Messages API request's prompt (Anthropic's API; its error shape)",
+        schemas.MessageTokenCount, CountTokensRequest, errors={k: v for k, v in API_ERRORS.items() if k != "429"},
+        error=schemas.AnthropicErrorResponse),
     "/tokenize": Operation("post", "Tokenize a prompt or chat messages", schemas.TokenizeResponse, TokenizeRequest,
                            errors=API_ERRORS),
     "/detokenize": Operation("post", "Turn token ids back into text", schemas.DetokenizeResponse, DetokenizeRequest,
@@ -115,9 +121,9 @@ ROUTES: dict[str, Operation] = {
 
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
-    models = {m for op in ROUTES.values() for m in (op.response, op.request, op.chunk) if m is not None}
-    _, top = models_json_schema([(m, "validation") for m in sorted(models | {schemas.ErrorResponse},
-                                                                   key=lambda m: m.__name__)], ref_template=REF)
+    models = {m for op in ROUTES.values() for m in (op.response, op.request, op.chunk, op.error) if m is not None}
+    _, top = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+                                ref_template=REF)
     paths = {path: {op.method: _operation(path, op)} for path, op in ROUTES.items()}
     paths["/health"]["get"]["responses"]["503"] = {"description": "Not serving", "content": {
         "application/json": {"schema": _ref(schemas.HealthResponse)}}}
@@ -145,7 +151,7 @@ def _operation(path: str, op: Operation) -> dict[str, Any]:
         operation["requestBody"] = {"required": op.body_required,
                                     "content": {"application/json": body, "application/msgpack": body}}
     operation["responses"].update({code: {"description": text, "content": {
-        "application/json": {"schema": _ref(schemas.ErrorResponse)}}} for code, text in op.errors.items()})
+        "application/json": {"schema": _ref(op.error)}}} for code, text in op.errors.items()})
     return operation
 
 

@@ -266,3 +266,23 @@ class UnloadLoRAAdapterBody(BaseModel):
     """POST /v1/unload_lora_adapter (vLLM's)."""
 
     lora_name: str = Field(min_length=1)
+
+
+# -- Anthropic's Messages API (/v1/messages/...) -----------------------------------------------------------
+
+class AnthropicErrorDetail(BaseModel):
+    type: str  # invalid_request_error, authentication_error, not_found_error, overloaded_error, ...
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of the Messages API's routes, in Anthropic's shape (errors.anthropic_error_body)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageTokenCount(BaseModel):
+    """POST /v1/messages/count_tokens: the prompt's tokens as /v1/messages would render it."""
+
+    input_tokens: int

@@ -73,8 +73,7 @@ LEFT_OUT = {
     ("/v1/responses/{response_id}", "get"): "the Responses API (as above)",
     ("/v1/responses/{response_id}", "delete"): "the Responses API (as above)",
     ("/v1/responses/{response_id}/input_items", "get"): "the Responses API (as above)",
-    ("/v1/messages", "post"): "Anthropic's Messages API: its answer, events and error shape are not modelled yet",
-    ("/v1/messages/count_tokens", "post"): "Anthropic's Messages API (as above)",
+    ("/v1/messages", "post"): "Anthropic's Messages API: its answer and stream events are not modelled yet",
 }
 
 
@@ -100,6 +99,23 @@ def test_model_routes_take_the_model_as_a_query_parameter_or_in_the_body(documen
     body = operation.get("requestBody")
     assert body is None if path == "/is_sleeping" else body["required"] is False
     assert {"404", "401"} <= set(operation["responses"])
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"messages": MESSAGES}, 200),
+    ({"model": "nobody", "messages": MESSAGES}, 404),
+    ({"messages": [{"role": "user"}]}, 400),
+])
+def test_count_tokens_answers_as_documented(document: dict[str, Any], server: ServerProcess, model: str,
+                                            body: dict[str, Any], status: int) -> None:
+    """Its answers and its errors in Anthropic's shape, as the document states them."""
+    operation = schemathesis.openapi.from_dict(document)["/v1/messages/count_tokens"]["POST"]
+    case = operation.Case(body={"model": model, **body}, media_type="application/json")
+    response = case.call(base_url=server.base_url)
+    assert response.status_code == status, response.text
+    case.validate_response(response, checks=[content_type_conformance, response_schema_conformance])
+    answer = response.json()
+    assert answer["input_tokens"] > 0 if status == 200 else answer["type"] == "error"
 
 
 # -- text/event-stream ---------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def model_serving_a_request(server: ServerProcess, model: str) -> Iterator[None]
 @contextlib.contextmanager
 def adapter_serving_a_request(base_url: str, adapter: str) -> Iterator[None]:
     """A long streamed completion with `adapter`, its first token out. NOTE: the core itself refuses to unload an
-    adapter its requests use, so it must run meanwhile: 1,000 tokens take over a second, far longer than the
+    adapter its requests use, so it must run meanwhile: 1,000 tokens take tens of seconds here, far longer than the
     unload asked once the first token is read."""
     body = {"model": adapter, "prompt": [5, 17, 42], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
@@ -195,7 +195,7 @@ def test_model_routes_walk_every_documented_answer(several_models: ServerProcess
             assert documented_call(url, path, 409, body={"model": MODELS[0]})["error"]["code"] == "model_busy"
 
 
-# -- one model, LoRA adapters at run time -------------------------------------------------------------------------
+# -- one model, LoRA adapters at run time ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
