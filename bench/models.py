@@ -1,7 +1,7 @@
 """Several models behind one `pagegate serve`.
 
     python -m bench.models [--model A.gguf --model B.gguf] [--rounds 3] [--max-tokens 8]
-    python -m bench.models --shared-budget [--budget 64MiB] [--phases 4] [--concurrency 16] [--prompt 128] [--gen 64]
+    python -m bench.models --shared-budget [--budget 24MiB] [--phases 4] [--concurrency 4] [--prompt 64] [--gen 128]
 
 Switching (the default): what a switch costs as a client sees it, the time to the first streamed token of a short
 greedy completion, for a model that is loaded, asleep (idle past --sleep-idle-seconds 2: pagegate frees its KV
@@ -13,12 +13,14 @@ bench/peers/router.py). Each round starts both servers fresh.
 the other, with an idle gap between), served by one server whose --kv-cache-memory is `budget` for both, against
 two servers given half of it each. Reported: output tokens per second within the phases (median over phases, the
 first phase of each model left out as warm-up), and the most pages the busy model's pool held in a phase (sampled
-from /metrics). On the shared server the pool of the model in its phase grows in
-place while its requests lack pages, up to all the budget but the idle model's floor (7/8 of it with two models;
-pagegate/gateway/model_slots.py), and gives it back after 2 s idle; on the split ones each pool is half the budget.
-The shared server wins where a phase needs more pages than half the budget. Defaults: SmolLM2's float16 pages take
-23,040 bytes a token, so 64 MiB holds 2,912 tokens; 16 requests of 192 tokens need 3,072. Time it on a quiet
-machine: the cores' OpenMP threads slow down many times over when another job takes a CPU.
+from /metrics). On the shared server the pool of the model in its phase grows in place while its requests lack
+pages, up to all the budget but the idle model's floor (pagegate/gateway/model_slots.py), and gives it back after
+2 s idle; on the split ones each pool is half the budget. The shared server wins where a phase needs more pages than
+half the budget and the CPUs could run more sequences than half of it holds. Defaults: SmolLM2's float16 pages take
+23,040 bytes a token, so 24 MiB holds 1,092 tokens (68 pages of 16); the idle model keeps a floor of 13 (one
+--max-model-len sequence), so the busy one may grow to 55 pages, where its 4 requests of 192 tokens need 48; half
+the budget (34 pages) holds two of them. Time it on a quiet machine: the cores' OpenMP threads slow down many
+times over when another job takes a CPU.
 
 Default models: SmolLM2-135M-Instruct Q4_1 (.cache/models) served twice under two names.
 """
@@ -185,11 +187,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     parser.add_argument("--shared-budget", action="store_true", help="the shifting-traffic comparison instead")
-    parser.add_argument("--budget", default="64MiB", help="--kv-cache-memory of the shared server")
+    parser.add_argument("--budget", default="24MiB", help="--kv-cache-memory of the shared server")
     parser.add_argument("--phases", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of each request")
-    parser.add_argument("--gen", type=int, default=64, help="output tokens of each request")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens of each request")
+    parser.add_argument("--gen", type=int, default=128, help="output tokens of each request")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `pagegate serve` flags")
     args = parser.parse_args()
     models = args.model or [str(SMOLLM2), str(SMOLLM2)]
