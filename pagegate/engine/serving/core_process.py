@@ -26,7 +26,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
@@ -58,7 +57,7 @@ from pagegate.engine.serving.frames import (
     WireError,
     framed,
 )
-from pagegate.engine.serving.spare_core import SPARE_FLAG, SPARE_PROCESS_NAME
+from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, SPARE_FLAG, SPARE_PROCESS_NAME
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -352,14 +351,11 @@ def _spec_as_spare(parent_pid: int) -> CoreSpec:
 
     NOTE: torch imports its compiler (torch._dynamo, over a second on a small machine) the first time a module is
     initialised on the meta device (models.registry.build_empty_model); imported here, it is off the load's path."""
-    own_name = _process_name()
     _set_process_name(SPARE_PROCESS_NAME)
     _never_outlive(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     importlib.import_module("torch._dynamo")
-    spec = _read_spec()
-    _set_process_name(own_name)  # taken: from here on a core like any other
-    return spec
+    return _read_spec()
 
 
 def _read_spec() -> CoreSpec:
@@ -370,21 +366,15 @@ def _read_spec() -> CoreSpec:
     return spec
 
 
-def _process_name() -> str:
-    """This process's name as `ps` shows it (/proc/<pid>/comm); "" where there is none."""
-    try:
-        return Path("/proc/self/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _set_process_name(name: str) -> None:
-    if sys.platform.startswith("linux") and name:
+    """The name `ps -e` and /proc/<pid>/comm show (15 bytes at most; the threads started later inherit it)."""
+    if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def main() -> None:
     spec = _spec_as_spare(int(sys.argv[2])) if sys.argv[1:2] == [SPARE_FLAG] else _read_spec()
+    _set_process_name(CORE_PROCESS_NAME)  # a spare taken is a core like any other
     _never_outlive(spec.parent_pid)
     if cpus := os.environ.get(CPUS_ENV):  # before the first parallel region: OpenMP's threads inherit it
         os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})

@@ -33,7 +33,8 @@ log = logging.getLogger("pagegate.gateway")
 
 CORE_MODULE = "pagegate.engine.serving.core_process"
 SPARE_FLAG = "--spare"  # argv of a spare: `--spare <gateway pid>`
-SPARE_PROCESS_NAME = "pagegate-spare"  # a waiting spare's name (/proc/<pid>/comm); taken, it gets its own back
+SPARE_PROCESS_NAME = "pagegate-spare"  # a waiting spare's name (/proc/<pid>/comm)
+CORE_PROCESS_NAME = "pagegate-core"  # a core's once it has its spec, a taken spare's too
 SPARE_IDLE_S = 1.0  # every core idle this long before a spare replacing a taken one starts
 IDLE_CHECK_S = 0.25
 SPARE_STOP_TIMEOUT_S = 5.0
@@ -70,16 +71,14 @@ class CoreProcess:
 
 
 def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False) -> CoreProcess:
-    """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin.
-
-    NOTE: a spare gets its own process group, so a Ctrl-C at the terminal does not interrupt its imports with a
-    traceback; the gateway ends it (SpareCores.close, atexit, or its parent-death signal)."""
+    """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin (a spare: as long as
+    it takes a core to load a model; ended by SpareCores.close, at exit, or by its parent-death signal)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     args = [SPARE_FLAG, str(os.getpid())] if spare else []
     with theirs:  # the core holds its own copy
         try:
             process = subprocess.Popen([sys.executable, "-m", CORE_MODULE, *args], stdin=subprocess.PIPE, env=env,
-                                       pass_fds=(theirs.fileno(),), process_group=0 if spare else None)
+                                       pass_fds=(theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
@@ -117,7 +116,7 @@ class SpareCores:
         """Start a spare now unless one waits or is due: after the server's first core started (its load runs
         beside the spare's imports, each on a CPU of its own on two)."""
         if self.spare is None and not self._replacement_pending():
-            self.spare = spawn_core(spare=True)
+            self._start_spare()
 
     def _replacement_pending(self) -> bool:
         task = self._replacing
@@ -133,7 +132,13 @@ class SpareCores:
             await asyncio.sleep(IDLE_CHECK_S)
             idle_s = 0.0 if any(core.busy for core in self.cores) else idle_s + IDLE_CHECK_S
         if self.spare is None:
+            self._start_spare()
+
+    def _start_spare(self) -> None:
+        try:
             self.spare = spawn_core(spare=True)
+        except OSError as error:  # out of processes or memory: the next load starts its core afresh
+            log.warning("could not start a spare engine core: %s", error)
 
     async def close(self) -> None:
         """End the spare (the server stops); a later core that asks for one starts them again."""
@@ -155,6 +160,6 @@ SPARE_CORES = SpareCores()
 
 
 async def stop_spare_core() -> None:
-    """End this gateway's spare core, if it keeps one: call when the server stops (after its cores are shut
-    down, so that none takes a spare afterwards)."""
+    """End this gateway's spare core, if it keeps one: call when the server stops, once no core can start any
+    more (the loads in progress done)."""
     await SPARE_CORES.close()

@@ -5,6 +5,7 @@ one-model server keeps none."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,7 +14,13 @@ from pathlib import Path
 import httpx
 
 import pagegate
-from pagegate.engine.serving.spare_core import SPARE_PROCESS_NAME, spawn_core
+from pagegate.engine.serving.spare_core import (
+    CORE_PROCESS_NAME,
+    SPARE_IDLE_S,
+    SPARE_PROCESS_NAME,
+    SpareCores,
+    spawn_core,
+)
 from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_gone
 
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
@@ -38,8 +45,7 @@ def spares(server: ServerProcess) -> list[int]:
 def serving_cores(server: ServerProcess) -> list[int]:
     """The server's engine cores that serve a model (a taken spare among them)."""
     assert server.process is not None
-    return [pid for pid in descendants(server.process.pid) if process_name(pid) != SPARE_PROCESS_NAME
-            and b"pagegate.engine.serving.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return [pid for pid in descendants(server.process.pid) if process_name(pid) == CORE_PROCESS_NAME]
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -79,6 +85,34 @@ def test_a_discarded_spare_ends_at_once() -> None:
     assert not alive(core.process.pid)
 
 
+class IdleCore:
+    busy = False
+
+
+def test_a_taken_spare_is_replaced_when_idle_a_dead_one_passed_over_and_close_ends_it() -> None:
+    async def scenario() -> None:
+        spares, core = SpareCores(), IdleCore()
+        assert spares.take(core) is None  # none yet
+        spares.keep_one()
+        assert spares.spare is not None
+        taken = spares.take(core)
+        assert taken is not None and spares.spare is None
+        taken.discard()
+        await asyncio.sleep(SPARE_IDLE_S + 1.0)
+        assert spares.spare is not None  # the cores are idle: a replacement
+        dead = spares.spare.process
+        dead.kill()
+        dead.wait()
+        assert spares.take(core) is None  # a spare that died is not handed out
+        spares.keep_one()
+        assert spares.spare is not None
+        last = spares.spare.process
+        await spares.close()
+        assert spares.spare is None and not alive(last.pid)
+
+    asyncio.run(scenario())
+
+
 def test_a_load_takes_the_spare_and_a_new_one_replaces_it() -> None:
     args = [*BASE_ARGS, "--model", DEFAULT_MODEL, "--model", DEFAULT_MODEL, "--served-model-name", "first", "second",
             "--models-max", "1"]
@@ -87,7 +121,7 @@ def test_a_load_takes_the_spare_and_a_new_one_replaces_it() -> None:
         [spare] = spares(server)
         expected = greedy(http, "first")
         assert greedy(http, "second") == expected  # unloads `first`, loads `second` in the spare
-        assert serving_cores(server) == [spare] and process_name(spare) != SPARE_PROCESS_NAME
+        assert serving_cores(server) == [spare]  # renamed pagegate-core once taken
         wait_for(lambda: len(spares(server)) == 1, "a new spare once the cores are idle")
         [replacement] = spares(server)
         assert replacement != spare
