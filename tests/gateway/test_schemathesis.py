@@ -170,7 +170,8 @@ def adapter_serving_a_request(base_url: str, adapter: str) -> Iterator[None]:
     with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
                                                                           json=body) as response:
         assert response.status_code == 200
-        first = next(response.iter_lines())
+        lines = response.iter_lines()  # NOTE: held until the end: a dropped iterator closes the connection
+        first = next(lines)
         assert '"text"' in first and '"error"' not in first, first
         yield
 
