@@ -40,7 +40,7 @@ SSE_DESCRIPTION = (
     "is `data: [DONE]`. The body as a whole is text, so no JSON schema covers it."
 )
 MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
-               "description": "The model (instead of the body's `model`)."}
+               "description": "Which model (a route with a body also reads the body's `model`)."}
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ ROUTES: dict[str, Operation] = {
     "/detokenize": Operation("post", "Turn token ids back into text", schemas.DetokenizeResponse, DetokenizeRequest,
                              errors=API_ERRORS),
     "/tokenizer_info": Operation("get", "The served tokenizer's special tokens and chat template",
-                                 schemas.TokenizerInfo),
+                                 schemas.TokenizerInfo, errors={"400": "The model has no tokenizer", **UNAUTHORIZED,
+                                                                **NO_SUCH_MODEL, **LOAD_FAILED}, model_query=True),
     "/health": Operation("get", "200 when serving, 503 while loading, stopping or when the engine died",
                          schemas.HealthResponse),
     "/version": Operation("get", "The server version", schemas.VersionResponse),
