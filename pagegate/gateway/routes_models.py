@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.gateway.codec import read_body, render
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, BadRequest, NotFound
 from pagegate.gateway.model_lifecycle import ModelBusy
 from pagegate.gateway.model_slots import SLEEPING, ModelSlot
@@ -127,11 +127,17 @@ def _slot(host: EngineHost, name: str | None) -> ModelSlot:
 
 
 async def _named(request: Request, required: bool = False) -> str | None:
-    """The model named by `?model=` or the JSON body's `model` (None: the default model)."""
+    """The model named by `?model=` or the JSON body's `model` (None: the default model); a 400 for a `model`
+    that is not a name or that names another model than the query."""
     name = request.query_params.get("model")
-    if name is None and request.headers.get("content-length", "0") != "0":
+    if request.headers.get("content-length", "0") != "0":
         body: Any = await read_body(request, request.app.state.host.config.max_request_bytes)
-        name = requested_model(body)
+        named = body.get("model") if isinstance(body, dict) else None
+        if named is not None and not isinstance(named, str):
+            raise BadRequest("`model` must be a model's name (a string).", param="model")
+        if named is not None and name is not None and named != name:
+            raise BadRequest(f"?model={name} and the body's model {named!r} differ: name one model.", param="model")
+        name = name if name is not None else named
     if name is None and required:
         raise BadRequest("Name the model: {\"model\": NAME}.", param="model")
     return name

@@ -148,6 +148,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     state: Literal["loaded", "loading", "sleeping", "unloaded", "failed"] | None = None  # several models: each's
     reason: str | None = None  # why it failed

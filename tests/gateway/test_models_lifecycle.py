@@ -45,6 +45,13 @@ def test_one_model_sleeps_and_its_next_request_wakes_it(client: openai.OpenAI, h
     assert http.get("/health").json()["sleeping"] is False
 
 
+def test_a_model_named_twice_or_not_by_name_is_a_400(http: httpx.Client, model: str) -> None:
+    for params, body in (({}, {"model": 5}), ({"model": model}, {"model": "another"})):
+        answer = http.post("/sleep", params=params, json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "model", answer.text
+    assert http.get("/is_sleeping").json()["is_sleeping"] is False  # nothing was put to sleep
+
+
 def test_one_model_wakes_up_by_hand_and_checks_the_name(http: httpx.Client, model: str) -> None:
     assert http.post("/sleep", json={"model": model}).json()["state"] == "sleeping"
     woken = http.post("/wake_up", params={"model": model})
