@@ -10,8 +10,9 @@ floor keep the limit above them) and gives the tail's memory back to the OS, so 
 
 NOTE: shared fairly when contested. While another model was refused pages in the last CONTEST_S, a pool neither
 grows past its fair share (an equal part of the budget among the models that want pages) nor keeps free pages above
-it: it gives them back after each step, and the pages its sequences free as they finish follow. Uncontested, a busy
-model may hold everything the others do not.
+it: after each step it gives back those above its highest page in use, so the rest follow as its sequences free
+them (a long sequence holding a high page holds the pages below it until it ends: pages are not moved). Uncontested,
+a busy model may hold everything the others do not.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class ElasticPages:
         check_fits(self.capacity, cache.block_size, runner.max_model_len, self.page_bytes)
         self.last_busy = time.monotonic()
         self.refused_at = 0.0  # when the ledger last had nothing to give
-        self.yielded_at = 0.0  # when a contested pool last gave back what it held above its fair share
 
     @property
     def limit(self) -> int:
@@ -120,11 +120,12 @@ class ElasticPages:
         return added
 
     def after_step(self, busy: bool) -> None:
-        """Grow when the step lacked pages; shrink to the floor once idle a while."""
+        """Contested, keep to the fair share; grow when the step lacked pages; shrink to the floor once idle a
+        while."""
         now = time.monotonic()
+        self._yield_to_others()
         if busy:
             self.last_busy = now
-            self._yield_to_others(now)
             short = self.engine.scheduler.take_pages_short()
             if short:
                 self.grow(max(short, self.capacity // GROW_CHUNK))
@@ -139,11 +140,11 @@ class ElasticPages:
             return None
         return max(share * self.spec.capacity_bytes // self.ledger.total // self.page_bytes, self.floor)
 
-    def _yield_to_others(self, now: float) -> None:
-        """Contested: what it holds above its fair share back (its free pages now, the rest as they are freed)."""
+    def _yield_to_others(self) -> None:
+        """Contested: what it holds above its fair share back, down to its highest page in use (the pages above
+        that now, the rest as its sequences free them)."""
         fair = self.fair_limit()
-        if fair is not None and self.limit > fair and now - self.yielded_at >= RETRY_S:
-            self.yielded_at = now
+        if fair is not None and self.limit > fair:
             self.shrink(fair)
 
     def grow(self, pages: int, refresh: bool = True) -> int:

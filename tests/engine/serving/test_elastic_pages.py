@@ -70,7 +70,8 @@ def test_a_busy_pool_takes_the_idle_ones_pages_then_keeps_to_its_fair_share(ledg
     first, first_pages = elastic_engine(ledger, 0, page_bytes)
     second, second_pages = elastic_engine(ledger, 1, page_bytes)
     try:
-        add(first, "first", 8)  # 64 pages wanted: all the budget but the other's floor is free
+        add(first, "first", 8)  # 64 pages wanted, 56 free (all but the other's floor): one is preempted and
+        # runs again after the others, holding some of the pages it had (its prefix, cached)
         for _ in range(16):
             step(first, first_pages)
         assert first_pages.limit == BUDGET_PAGES - FLOOR_PAGES
@@ -83,7 +84,7 @@ def test_a_busy_pool_takes_the_idle_ones_pages_then_keeps_to_its_fair_share(ledg
         assert ledger.fair_share(0, 1.0) == BUDGET_PAGES * page_bytes // 2
         high = first_pages.limit
         while first.has_unfinished() and second_pages.limit <= FLOOR_PAGES:
-            step(first, first_pages)  # what it frees above its share goes back; it does not grow past it
+            step(first, first_pages)  # free pages above its share and its highest page in use go back
             step(second, second_pages)
             assert first_pages.limit <= high
             high = first_pages.limit
