@@ -21,6 +21,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import sum_stats
+from pagegate.engine.serving.spare_core import stop_spare_core
 from pagegate.gateway.admission import Admission
 from pagegate.gateway.engine_requests import EngineRequests
 from pagegate.gateway.errors import NotFound, ServiceUnavailable
@@ -201,6 +202,7 @@ class EngineHost:
         if self._load_task is not None and not self._load_task.done():
             await asyncio.shield(self._load_task)  # a starting core still owns a process and pages
         await self.lifecycle.settle()
+        await stop_spare_core()  # no core starts any more: a waiting spare would outlive an in-process app
         engines = [slot.engine for slot in self.slots if slot.engine is not None]
         if not engines:
             return

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+CORE_PROCESS_NAME = "pagegate-core"  # what a taken spare renames itself (pagegate.engine.serving.spare_core)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -58,14 +60,18 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def core_pids(server_pid: int) -> list[int]:
-    """A server's engine-core processes (`python -m pagegate.engine.serving.core_process`)."""
+    """A server's engine-core processes (`python -m pagegate.engine.serving.core_process`), a spare waiting for its
+    spec left out (pagegate.engine.serving.spare_core: it renames itself once it is a core)."""
     found = []
     for pid in descendants(server_pid):
         try:
-            if b"pagegate.engine.serving.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
+        if b"pagegate.engine.serving.core_process" in command and (b"--spare" not in command
+                                                                    or name == CORE_PROCESS_NAME):
+            found.append(pid)
     return found
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 import pagegate
+from pagegate.engine.serving import spare_core
 from pagegate.engine.serving.spare_core import (
     CORE_PROCESS_NAME,
     SPARE_IDLE_S,
@@ -21,6 +22,7 @@ from pagegate.engine.serving.spare_core import (
     SpareCores,
     spawn_core,
 )
+from pagegate.testing import launcher
 from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_gone
 
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
@@ -143,3 +145,7 @@ def test_a_one_model_server_keeps_no_spare() -> None:
         greedy(http, http.get("/v1/models").json()["data"][0]["id"])
         time.sleep(2.0)  # past the idle time after which a spare would be started
         assert len(serving_cores(server)) == 1 and spares(server) == []
+
+
+def test_the_launcher_knows_a_taken_spare_by_its_name() -> None:
+    assert launcher.CORE_PROCESS_NAME == spare_core.CORE_PROCESS_NAME  # core_pids counts taken spares by it
