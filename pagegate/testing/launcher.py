@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -49,6 +49,15 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0, poll_s: float = 0.1) -> None:
+    """Return once `condition()` holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
 
 
 def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:

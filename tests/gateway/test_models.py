@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from pagegate.clients.grpc_client import GrpcClient
 from pagegate.clients.msgpack_client import MsgpackClient
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.settings import ServedModel
-from pagegate.testing.launcher import ServerProcess, core_pids, free_port
+from pagegate.testing.launcher import ServerProcess, core_pids, free_port, wait_for
 
 from ..engine.conftest import TINY, hf, save_hf_model
 from ..engine.loading.gguf_files import write_gguf
@@ -81,14 +80,6 @@ def greedy(client: openai.OpenAI, model: str) -> list[str]:
     assert reply.usage.completion_tokens == 8
     assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens is not None
     return list(reply.choices[0].logprobs.tokens)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_flags_make_one_entry_per_model(tmp_path: Path) -> None:

@@ -134,6 +134,13 @@ def documented_call(base_url: str, path: str, status: int, *, body: Any = None, 
     return response.json() if response.headers["content-type"][0].startswith("application/json") else response.text
 
 
+def nothing_running(base_url: str) -> bool:
+    """No request runs in the server's engine (vllm:num_requests_running 0)."""
+    metrics = httpx.get(base_url + "/metrics", timeout=30).text.splitlines()
+    running = [line for line in metrics if line.startswith("vllm:num_requests_running{")]
+    return bool(running) and all(float(line.rsplit(" ", 1)[1]) == 0 for line in running)
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -248,4 +255,5 @@ def test_lora_routes_walk_every_documented_answer(one_model_server: ServerProces
     with adapter_serving_a_request(url, "tiny"):
         busy = documented_call(url, "/v1/unload_lora_adapter", 409, body={"lora_name": "tiny"})
         assert busy["error"]["code"] == "adapter_busy"
+    wait_for(lambda: nothing_running(url), "the closed stream's request to be aborted")
     assert documented_call(url, "/v1/unload_lora_adapter", 200, body={"lora_name": "tiny"}).startswith("Success")

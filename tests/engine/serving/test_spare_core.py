@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ from pagegate.engine.serving.spare_core import (
     spawn_core,
 )
 from pagegate.testing import launcher
-from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_gone
+from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_for, wait_gone
 
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
 BASE_ARGS = ["--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0",
@@ -48,14 +47,6 @@ def serving_cores(server: ServerProcess) -> list[int]:
     """The server's engine cores that serve a model (a taken spare among them)."""
     assert server.process is not None
     return [pid for pid in descendants(server.process.pid) if process_name(pid) == CORE_PROCESS_NAME]
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def greedy(http: httpx.Client, model: str) -> list[str]:
