@@ -19,8 +19,7 @@ import copy
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from schemathesis.specs.openapi.checks import (
 
 import pagegate
 from pagegate.gateway.openapi import openapi_document
-from pagegate.testing.launcher import ServerProcess, core_pids
+from pagegate.testing.launcher import ServerProcess, core_pids, wait_for
 from tests.gateway.conftest import SERVER_ARGS
 from tests.gateway.test_openapi_contract import sse_events, sse_validator
 
@@ -139,13 +138,6 @@ def nothing_running(base_url: str) -> bool:
     metrics = httpx.get(base_url + "/metrics", timeout=30).text.splitlines()
     running = [line for line in metrics if line.startswith("vllm:num_requests_running{")]
     return bool(running) and all(float(line.rsplit(" ", 1)[1]) == 0 for line in running)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager
