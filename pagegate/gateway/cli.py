@@ -41,6 +41,7 @@ from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.gateway.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGEGATE_API_KEY"
+ADMIN_API_KEY_ENV = "PAGEGATE_ADMIN_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +149,9 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
                        help="gRPC port on --host, same engine (0: no gRPC server)")
     group.add_argument("--api-key", action="append", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 (repeatable; also ${API_KEY_ENV})")
+    group.add_argument("--admin-api-key", action="append", default=None,
+                       help="a key that may also load, unload, sleep and wake models and LoRA adapters (repeatable; "
+                            f"also ${ADMIN_API_KEY_ENV}); with --api-key and none, nobody may")
     group.add_argument("--prefix-cache-scope", choices=["shared", "key"], default=defaults.prefix_cache_scope,
                        help="key: salt every request's prefix cache with its API key, so no key hits (or learns "
                             "of) another's cached prefixes; needs --api-key")
@@ -332,13 +336,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
+    admin_keys = list(args.admin_api_key or [])
+    if os.environ.get(ADMIN_API_KEY_ENV):
+        admin_keys.append(os.environ[ADMIN_API_KEY_ENV])
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise SystemExit("--data-parallel-size with --tensor-parallel-size is not supported: pick one")
-    if args.prefix_cache_scope == "key" and not keys:
+    if args.prefix_cache_scope == "key" and not keys + admin_keys:
         raise SystemExit("--prefix-cache-scope key needs --api-key (or $PAGEGATE_API_KEY): without keys there is "
                          "one tenant")
     gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys,
+                            admin_api_keys=admin_keys,
                             served_model_names=list(names), prefix_cache_scope=args.prefix_cache_scope,
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),

@@ -19,6 +19,8 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int = 50051  # pagegate.v1.Generation on host:grpc_port; 0: no gRPC server
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
+    # Keys that may also manage the server (models and adapters in and out, sleep, wake): pagegate.gateway.auth
+    admin_api_keys: list[str] = field(default_factory=list)
     prefix_cache_scope: str = "shared"  # "key": each API key its own prefix cache (needs api_keys)
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     max_queue: int | None = 1024  # waiting requests before 429; None: unbounded
