@@ -40,6 +40,14 @@ class Unauthorized(APIError):
     default_code = "invalid_api_key"
 
 
+class Forbidden(APIError):
+    """A valid key that may not do this (an ordinary key on a management route: pagegate.gateway.auth)."""
+
+    status_code = 403
+    error_type = "permission_error"
+    default_code = "admin_key_required"
+
+
 class NotFound(APIError):
     status_code = 404
     default_code = "not_found"
