@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagegate.engine.kv_tiers.disk_slot import take_slot
+from pagegate.engine.kv_tiers.disk_slot import UnsafeDirectory, take_slot
 from pagegate.engine.kv_tiers.page_file import (
     BadPage,
     PageFormat,
     file_name,
     read_page,
+    remove_page,
     scan_directory,
     write_page,
 )
@@ -55,7 +56,9 @@ class DiskTier:
 
     The fingerprint (any bytes naming model, weights, tokenizer, block size and KV format) is kept as its
     SHA-256 in every header: a file of another model is never served. Any OSError while setting up or
-    writing (unwritable directory, full disk) turns the tier off with one warning; serving goes on.
+    writing (unwritable directory, full disk) turns the tier off with one warning; serving goes on. A directory
+    that fails disk_slot's checks (a link, another user's, writable by others) is refused with one error and
+    the tier stays off; only files the tier wrote (page magic, or its `.tmp`) are ever deleted.
     """
 
     def __init__(self, directory: str | Path, max_bytes: int, fingerprint: bytes, page_bytes: int,
@@ -71,9 +74,10 @@ class DiskTier:
         self._pending: dict[int, bytes] = {}  # copied pages not yet on disk, served from memory meanwhile
         self._mutex = threading.Lock()
         self._lock_fd: int | None = None
+        self._dir_fd: int | None = None
         try:
-            self.directory, self._lock_fd = take_slot(self.root)
-            self._index_files(self.directory)
+            self.directory, self._dir_fd, self._lock_fd = take_slot(Path(directory), self.root.name)
+            self._index_files(self._dir_fd)
         except OSError as error:
             self._disable(error)
         self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -85,13 +89,14 @@ class DiskTier:
         for thread in self._threads:
             thread.start()
 
-    def _index_files(self, directory: Path) -> None:
-        """Index the sane page files, least recently used first; the rest are deleted with one warning."""
-        keys, dropped = scan_directory(directory, self.format)
-        if dropped:
+    def _index_files(self, dir_fd: int) -> None:
+        """Index the sane page files, least recently used first; the tier's other files are deleted and what it
+        did not write is left alone, with one warning for both."""
+        keys, dropped, left = scan_directory(dir_fd, self.format)
+        if dropped or left:
             reasons = ", ".join(f"{count} {reason}" for reason, count in dropped.most_common())
-            log.warning("kv disk tier %s: deleted %d files that will not be served (%s)", directory,
-                        dropped.total(), reasons)
+            log.warning("kv disk tier %s: deleted %d files that will not be served (%s); left alone %d entries "
+                        "it did not write", self.directory, dropped.total(), reasons or "none", left)
         self._index.update((key.hash, key) for key in keys)
         self._record("BlockStored", keys)
         for hash in self._evict_over_capacity():
@@ -171,9 +176,10 @@ class DiskTier:
         for thread in self._threads:
             thread.join()
         self._threads = []
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in (self._dir_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._dir_fd = self._lock_fd = None
 
     def take_events(self) -> list[TierEvent]:
         with self._mutex:
@@ -188,8 +194,8 @@ class DiskTier:
 
     def _write(self, key: PageKey, payload: bytes) -> None:
         try:
-            if self.enabled and self.directory is not None and key.hash in self._index:
-                write_page(self.directory / file_name(key.hash), self.format.encode_head(key, payload), payload)
+            if self.enabled and self._dir_fd is not None and key.hash in self._index:
+                write_page(self._dir_fd, file_name(key.hash), self.format.encode_head(key, payload), payload)
         except OSError as error:
             self._disable(error)
         finally:
@@ -198,9 +204,9 @@ class DiskTier:
                     del self._pending[key.hash]
 
     def _delete(self, hash: int) -> None:
-        if self.directory is not None:
+        if self._dir_fd is not None:
             with suppress(OSError):
-                os.unlink(self.directory / file_name(hash))
+                remove_page(self._dir_fd, file_name(hash))
 
     def _read_into(self, load: DiskLoad) -> None:
         start, count = time.perf_counter(), 0
@@ -221,29 +227,29 @@ class DiskTier:
         with self._mutex:
             key = self._index.get(hash) if self.enabled else None
             payload = self._pending.get(hash)
-        if key is None or self.directory is None or (expected is not None and key != expected):
+        dir_fd = self._dir_fd
+        if key is None or dir_fd is None or (expected is not None and key != expected):
             return None
         if payload is not None:
             out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
             return key
-        path = self.directory / file_name(hash)
         try:
-            read_page(path, self.format, key, out.numpy().data)
-            os.utime(path)  # NOTE: mtime is the last use, so a restart rebuilds the LRU order
+            read_page(dir_fd, file_name(hash), self.format, key, out.numpy().data)  # its mtime: the last use
             return key
         except (BadPage, OSError) as bad:
-            self._drop(hash, path, bad)
+            self._drop(hash, dir_fd, bad)
             return None
 
-    def _drop(self, hash: int, path: Path, reason: BaseException) -> None:
+    def _drop(self, hash: int, dir_fd: int, reason: BaseException) -> None:
         """A page that fails its checks is forgotten and deleted (logged once: it is gone after)."""
         with self._mutex:
             key = self._index.pop(hash, None)
             self._record("BlockRemoved", [] if key is None else [key])
         if not isinstance(reason, FileNotFoundError):
-            log.warning("kv disk tier: page %s not served (%s); its prefix is recomputed", path, reason)
+            log.warning("kv disk tier: page %s/%s not served (%s); its prefix is recomputed", self.directory,
+                        file_name(hash), reason)
         with suppress(OSError):
-            os.unlink(path)
+            remove_page(dir_fd, file_name(hash))
 
     def _disable(self, error: OSError) -> None:
         with self._mutex:
@@ -253,6 +259,12 @@ class DiskTier:
             self._record("BlockRemoved", list(self._index.values()))
             self._index.clear()
             self._pending.clear()
+        if isinstance(error, UnsafeDirectory):
+            # NOTE: refused, not fatal: the tier is a cache, so serving without it loses only warm restarts,
+            # while failing start-up would let whoever planted the directory keep the server from starting
+            log.error("kv disk tier refused: %s is %s; serving goes on WITHOUT the disk tier", error.filename,
+                      error.strerror)
+            return
         log.warning("kv disk tier off (%s: %s); serving goes on without it", self.root, error)
 
     def _record(self, name: str, keys: list[PageKey]) -> None:

@@ -1,7 +1,10 @@
 import logging
 import os
+import resource
 import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -136,12 +139,13 @@ def test_bad_files_are_dropped_at_start_with_one_warning(tmp_path: Path, caplog:
     (page_path(tier, 3).parent / "junk").write_bytes(b"not a page")
     with caplog.at_level(logging.WARNING, DISK_LOG):
         restarted = open_tier(tmp_path / "kv")
-    assert len(warnings(caplog)) == 1 and "2 files" in warnings(caplog)[0]
+    assert len(warnings(caplog)) == 1 and "deleted 1 files" in warnings(caplog)[0]
+    assert "left alone 1 entries" in warnings(caplog)[0]  # the junk: no page magic, not the tier's to delete
     assert [found(restarted, key) for key in keys] == [True, False, True]
     assert restarted.read(2) is None  # a miss: the prefix is recomputed
     assert restarted.directory is not None
     assert sorted(path.name for path in restarted.directory.iterdir()) == ["0000000000000001",
-                                                                           "0000000000000003", "lock"]
+                                                                           "0000000000000003", "junk", "lock"]
     restarted.close()
 
 
@@ -173,14 +177,145 @@ def test_an_unwritable_directory_turns_the_tier_off(tmp_path: Path, caplog: pyte
     tier.close()
 
 
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes fail with EFBIG (Python ignores SIGXFSZ): a full disk, as the writer sees it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def test_a_full_disk_turns_the_tier_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tier = open_tier(tmp_path)
     kept = store(tier, [1])
-    page_path(tier, 2).with_suffix(".tmp").symlink_to("/dev/full")  # every write there fails with ENOSPC
-    with caplog.at_level(logging.WARNING, DISK_LOG):
+    with caplog.at_level(logging.WARNING, DISK_LOG), file_size_limit(16):
         store(tier, [2])
     assert not tier.enabled
-    assert len(warnings(caplog)) == 1 and "No space left" in warnings(caplog)[0]
+    assert len(warnings(caplog)) == 1 and "File too large" in warnings(caplog)[0]
+    assert tier.directory is not None and not [p for p in tier.directory.iterdir() if p.name.endswith(".tmp")]
     assert not found(tier, kept[0]) and tier.read(1) is None  # off: finds miss, serving goes on
     assert ("BlockRemoved", (1, 2)) in [(e.name, e.hashes) for e in tier.take_events()]
     tier.close()
+
+
+# Directories and files the tier does not own (issue 64, finding 2): refused, never followed, never deleted.
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == DISK_LOG and r.levelno == logging.ERROR]
+
+
+def victim_files(directory: Path) -> dict[str, bytes]:
+    """Files someone else owns: a note and one named like a page (no page magic)."""
+    directory.mkdir()
+    (directory / "notes.txt").write_bytes(b"keep me")
+    (directory / "0000000000000009").write_bytes(b"not a page, not yours")
+    return contents(directory)
+
+
+def contents(directory: Path) -> dict[str, bytes]:
+    return {path.name: b"<dir>" if path.is_dir() else path.read_bytes() for path in directory.iterdir()}
+
+
+def tier_dirs(tmp_path: Path) -> dict[str, Path]:
+    """The three directories a tier under `tmp_path / 'kv'` uses, made by a first tier holding page 1."""
+    tier = open_tier(tmp_path / "kv")
+    store(tier, [1])
+    tier.close()
+    assert tier.directory is not None
+    return {"configured": tmp_path / "kv", "fingerprint": tier.root, "slot": tier.directory}
+
+
+def open_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> DiskTier:
+    with caplog.at_level(logging.WARNING, DISK_LOG):
+        return open_tier(tmp_path / "kv")
+
+
+def assert_refused(tier: DiskTier, caplog: pytest.LogCaptureFixture, why: str) -> None:
+    assert not tier.enabled and not tier.current_stats().enabled and tier.directory is None
+    assert len(errors(caplog)) == 1 and why in errors(caplog)[0] and "WITHOUT the disk tier" in errors(caplog)[0]
+    key = page_key(2)
+    tier.put(key, page_data(2))
+    tier.flush()
+    assert not found(tier, key)
+    tier.close()
+
+
+@pytest.mark.parametrize("level", ["configured", "fingerprint", "slot"])
+def test_a_symlinked_tier_directory_is_refused_and_its_target_untouched(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str) -> None:
+    directory = tier_dirs(tmp_path)[level]
+    before = victim_files(tmp_path / "victim")
+    shutil.rmtree(directory)
+    directory.symlink_to(tmp_path / "victim")
+    tier = open_logged(tmp_path, caplog)
+    assert contents(tmp_path / "victim") == before
+    assert_refused(tier, caplog, "symbolic link")
+
+
+@pytest.mark.parametrize("level", ["configured", "fingerprint", "slot"])
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777], ids=["group", "others", "sticky-world"])
+def test_a_group_or_world_writable_tier_directory_is_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str, mode: int) -> None:
+    directory = tier_dirs(tmp_path)[level]
+    directory.chmod(mode)
+    assert_refused(open_logged(tmp_path, caplog), caplog, "writable by group or others")
+    directory.chmod(0o700)
+    tier = open_tier(tmp_path / "kv")
+    assert found(tier, page_key(1))  # nothing was deleted meanwhile
+    tier.close()
+
+
+@pytest.mark.parametrize("level", ["configured", "fingerprint", "slot"])
+def test_a_tier_directory_of_another_user_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                     level: str) -> None:
+    directory = tier_dirs(tmp_path)[level]
+    other = os.geteuid() + 4242
+    os.chown(directory, other, -1)  # NOTE: tests run as root, who may give a directory away
+    assert_refused(open_logged(tmp_path, caplog), caplog, f"owned by uid {other}")
+    assert (tmp_path / "kv").exists() and any(tmp_path.joinpath("kv").rglob("0000000000000001"))
+
+
+def test_a_planted_tmp_link_is_not_written_through(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in ("0000000000000002.tmp", "0000000000000002"):
+        (page_path(tier, 2).parent / name).unlink(missing_ok=True)
+    page_path(tier, 2).with_name("0000000000000002.tmp").symlink_to(victim)
+    page_path(tier, 3).symlink_to(victim)  # a link where a page will be written: replaced, not followed
+    keys = store(tier, [2, 3])
+    tier.close()
+    assert victim.read_bytes() == b"precious"
+    restarted = open_tier(tmp_path)
+    assert all(found(restarted, key) for key in keys)
+    assert restarted.read(3) == (keys[1], page_data(3).numpy().tobytes())
+    assert victim.read_bytes() == b"precious"
+    assert page_path(tier, 2).with_name("0000000000000002.tmp").is_symlink()  # not the tier's: left alone
+    restarted.close()
+
+
+def test_foreign_files_are_left_alone_and_links_never_followed(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    tier = open_tier(tmp_path)
+    keys = store(tier, [1, 2])
+    tier.close()
+    assert tier.directory is not None
+    before = victim_files(tmp_path / "victim")
+    shutil.copy(page_path(tier, 1), tmp_path / "victim" / "0000000000000005")  # a page, but behind a link
+    for name in before:
+        shutil.copy(tmp_path / "victim" / name, tier.directory / name)  # no page magic: not the tier's
+    (tier.directory / "0000000000000005").symlink_to(tmp_path / "victim" / "0000000000000005")
+    (tier.directory / "0000000000000006.tmp").symlink_to(tmp_path / "victim" / "notes.txt")
+    (tier.directory / "a-page-copy").write_bytes(page_path(tier, 2).read_bytes())  # the tier's magic: deleted
+    with caplog.at_level(logging.WARNING, DISK_LOG):
+        restarted = open_tier(tmp_path)
+    assert [found(restarted, key) for key in keys] == [True, True] and 5 not in restarted
+    assert "deleted 1 files" in warnings(caplog)[0] and "left alone 4 entries" in warnings(caplog)[0]
+    assert sorted(path.name for path in tier.directory.iterdir()) == sorted(
+        ["0000000000000001", "0000000000000002", "0000000000000005", "0000000000000006.tmp", "lock", *before])
+    for name, data in before.items():
+        assert (tier.directory / name).read_bytes() == data and (tmp_path / "victim" / name).read_bytes() == data
+    restarted.close()
