@@ -9,6 +9,7 @@ extensions = [
         f"pagegate.core.{name}",
         [f"pagegate/core/{name.replace('.', '/')}.pyx"],
         include_dirs=[numpy.get_include()],
+        depends=["pagegate/core/page_hash.h"],
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

@@ -38,23 +38,13 @@ cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
     return x
 
 
-cdef inline uint64_t rotl(uint64_t x, int r) noexcept nogil:
-    return (x << r) | (x >> (64 - r))
+cdef extern from "page_hash.h":
+    uint64_t pg_page_hash(uint64_t parent, const int32_t* tokens, int n) noexcept nogil
 
 
 cdef inline uint64_t hash_tokens(uint64_t parent, const int32_t* tokens, int n) noexcept nogil:
-    # murmur3-style: two tokens per 64-bit word, so the dependent chain is n / 2 short rounds
-    cdef uint64_t h = parent ^ (<uint64_t>n * <uint64_t>0x9e3779b97f4a7c15), k
-    cdef int i = 0
-    while i < n:
-        k = <uint64_t>(<uint32_t>tokens[i])
-        if i + 1 < n:
-            k |= (<uint64_t>(<uint32_t>tokens[i + 1])) << 32
-        k *= <uint64_t>0x87c37b91114253d5
-        k = rotl(k, 31) * <uint64_t>0x4cf5ad432745937f
-        h = rotl(h ^ k, 27) * 5 + <uint64_t>0x52dce729
-        i += 2
-    return mix64(h)
+    # SHA-256 of a length-prefixed (parent, tokens) record, cut to 64 bits (page_hash.h's NOTE)
+    return pg_page_hash(parent, tokens, n)
 
 
 cdef inline cnp.ndarray as_int32_array(object ids):
@@ -76,7 +66,8 @@ cdef inline cnp.ndarray as_int32_array(object ids):
 
 
 def compute_block_hash(parent_hash: int, token_ids) -> int:
-    """The prefix-cache identity of one full page: hash(parent page's hash, its token ids)."""
+    """The prefix-cache identity of one full page: the first 8 bytes (little-endian) of SHA-256 over
+    b"PGPAGE1\\0" + parent (u64) + len(token_ids) (u32) + token ids (u32 each), all little-endian."""
     cdef cnp.ndarray tokens = as_int32_array(token_ids)
     return hash_tokens(<uint64_t>parent_hash, <int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0])
 

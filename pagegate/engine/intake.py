@@ -8,7 +8,7 @@ import torch
 from llguidance import LLMatcher
 
 from pagegate.config import SchedulerConfig
-from pagegate.core import compute_block_hash
+from pagegate.core.chain_root import chain_root
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import (
     check_choices,
@@ -31,8 +31,9 @@ from pagegate.engine.sequence import Request, Sequence
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: list[int],
                  max_model_len: int, scheduler: SchedulerConfig, device: torch.device,
-                 serves: Serves | None = None) -> None:
+                 serves: Serves | None = None, model_identity: str = "") -> None:
         self.tokenizer = tokenizer
+        self.model_identity = model_identity  # the model's part of every chain root (chain_root.py)
         self.serves = serves or Serves()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -42,10 +43,11 @@ class RequestIntake:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
-                     embed: bool = False, lora: Registered | None = None) -> Request:
+                     embed: bool = False, lora: Registered | None = None, tenant: str | None = None) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
         prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled. `lora`: the
-        adapter it runs with (lora.model.resolve_adapter)."""
+        adapter it runs with (lora.model.resolve_adapter); `tenant`: the identity of the API key that sent it, when
+        each key keeps its own prefix cache (--prefix-cache-scope key)."""
         check_task(self.serves.generate, self.serves.pooling is not None, embed)
         if embed and params.n != 1:
             raise InvalidParamError("an embedding request has one choice", "n")
@@ -56,10 +58,9 @@ class RequestIntake:
             check_context(len(token_ids), params.max_tokens, self.max_model_len)
         check_priority(priority, self.scheduler.scheduling_policy)
         check_choices(params.n, self.scheduler.max_num_seqs)
-        # NOTE: the adapter's identity (name and weights digest) salts the chain root: a page computed under one
-        # adapter (or the base model) is never a prefix hit for another.
-        salt = (cache_salt or "") + (f"\0lora:{lora.identity}" if lora else "")
-        root = hash_salt(salt) if salt else 0
+        # NOTE: the adapter's identity (name and weights digest), the salt and the tenant root the chain as separate
+        # fields: a page computed under one adapter (or the base model), salt or key is never a hit for another.
+        root = chain_root(self.model_identity, lora.identity if lora else None, cache_salt or None, tenant)
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
@@ -101,9 +102,3 @@ class RequestIntake:
             raise InvalidParamError("the prompt is empty", "prompt")
         return text, token_ids
 
-
-def hash_salt(salt: str) -> int:
-    """A 64-bit chain root from a cache salt."""
-    data = salt.encode()
-    words = [int.from_bytes(data[i:i + 4], "little") & 0x7FFFFFFF for i in range(0, len(data), 4)]
-    return compute_block_hash(0x5A17, words or [0])

@@ -86,7 +86,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     order: int = 0  # admission counter: ties on arrival time keep submission order
     effective_priority: float = 0.0  # priority less the urgency gained while waiting (aging)
-    root_hash: int = 0  # prefix-cache chain root: the salt's and adapter's hash, so tenants never share pages
+    root_hash: int = 0  # prefix-cache chain root: core/chain_root.py of model, adapter, salt and tenant
     lora_name: str | None = None  # the LoRA adapter it runs with (pagegate/engine/lora/); None: the base model
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: the prompt's sequence has been forked into n choices

@@ -73,14 +73,13 @@ class EngineRequests:
         return min(len(self._active) / rate, MAX_STREAM_PACE_S) if rate > 0 else 0.0
 
     # -- what an engine request carries ----------------------------------------------------------
-    def cache_salt(self, prepared: PreparedRequest) -> str | None:
-        """The prefix-cache salt: the client's, under --prefix-cache-scope key also the key's identity.
+    def cache_tenant(self, prepared: PreparedRequest) -> str | None:
+        """The key identity that roots the request's prefix chain under --prefix-cache-scope key, else None.
 
-        NOTE: salted per key, one key's prefix pages are never another's hits, so `cached_tokens` tells a key
-        nothing about what other keys sent; the key part is a prefix no client-chosen salt can reproduce."""
-        if self.config.prefix_cache_scope != "key" or prepared.tenant is None:
-            return prepared.cache_salt
-        return f"key:{prepared.tenant}:{prepared.cache_salt or ''}"
+        NOTE: rooted per key, one key's prefix pages are never another's hits, so `cached_tokens` tells a key
+        nothing about what other keys sent; the tenant is its own field of the root (core/chain_root.py), so no
+        client-chosen salt can stand for it."""
+        return prepared.tenant if self.config.prefix_cache_scope == "key" else None
 
     def pin_for(self, key: str) -> Pin:
         """What keeps a stored response's conversation in the KV cache for a while (its pages pinned)."""
@@ -101,9 +100,10 @@ class EngineRequests:
         started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
-        salt = self.cache_salt(prepared)
-        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority, cache_salt=salt,
-                                   pin=prepared.pin, lora_name=lora_name)  # a pin: one prompt only (a stored response)
+        tenant = self.cache_tenant(prepared)
+        streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
+                                   cache_salt=prepared.cache_salt, pin=prepared.pin, lora_name=lora_name,
+                                   tenant=tenant)  # a pin: one prompt only (a stored response)
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

@@ -307,14 +307,14 @@ class CoreClient:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        pin: Pin | None = None, token_ids: list[int] | None = None,
-                       lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       lora_name: str | None = None, tenant: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
         request. The core checks the request (InvalidParamError from its first delta when it breaks a rule).
         `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
         async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin,
-                                                  lora_name=lora_name), params.n):
+                                                  lora_name=lora_name, tenant=tenant), params.n):
             yield delta.output(text, token_ids)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,

@@ -177,7 +177,8 @@ class CoreLoop:
             self.seqs_taken += sampling.n
             adapter = resolve_adapter(self.engine.runner.lora, frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
-                                                      frame.cache_salt, frame.pin, frame.embed, adapter)
+                                                      frame.cache_salt, frame.pin, frame.embed, adapter,
+                                                      frame.tenant)
             request.prompt = frame.prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core

@@ -49,7 +49,8 @@ class Frame(msgspec.Struct, array_like=True, tag=True):
 class Add(Frame, tag="add"):
     """A request: its prompt (the text, when it came as text, for the outputs), sampling parameters as
     `params_to_wire` writes them, and `embed` for an embedding request (its prompt pooled, not continued);
-    `lora_name`: the registered LoRA adapter it runs with (None: the base model)."""
+    `lora_name`: the registered LoRA adapter it runs with (None: the base model); `tenant`: the identity of the API
+    key that sent it where each key keeps its own prefix cache (a field of the chain root, never joined to the salt)."""
 
     request_id: str
     prompt: str | None
@@ -60,6 +61,7 @@ class Add(Frame, tag="add"):
     pin: Pin | None = None
     embed: bool = False
     lora_name: str | None = None
+    tenant: str | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -232,8 +234,9 @@ def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
               cache_salt: str | None = None, pin: Pin | None = None, embed: bool = False,
-              lora_name: str | None = None) -> Add:
-    return Add(request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, pin, embed, lora_name)
+              lora_name: str | None = None, tenant: str | None = None) -> Add:
+    return Add(request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, pin, embed, lora_name,
+               tenant)
 
 
 # ---- the core's counts ---------------------------------------------------------------------------------

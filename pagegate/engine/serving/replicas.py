@@ -42,8 +42,9 @@ class PrefixIndex:
         self.block_size, self.capacity = block_size, capacity
         self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_cores)]
 
-    def chain(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
-        size, parent, chain = self.block_size, hash(salt), []
+    def chain(self, token_ids: Sequence[int], root: tuple[str | None, ...]) -> list[int]:
+        """`root`: what keeps chains apart in the cores (the salt, the tenant); a routing guess, so Python's hash."""
+        size, parent, chain = self.block_size, hash(root), []
         for start in range(0, len(token_ids) - size + 1, size):
             parent = hash((parent, tuple(token_ids[start:start + size])))
             chain.append(parent)
@@ -103,10 +104,10 @@ class Replicas:
 
     # ---- routing -----------------------------------------------------------------------------------
 
-    def route(self, token_ids: list[int], cache_salt: str | None) -> int:
+    def route(self, token_ids: list[int], root: tuple[str | None, ...]) -> int:
         """The core with the longest prefix hit, then the fewest pages in use (counting prefills on their way),
         among those that step (a core taken for hung is passed over)."""
-        chain = self.prefixes.chain(token_ids, cache_salt)
+        chain = self.prefixes.chain(token_ids, root)
         index = max(self._accepting_cores(),
                     key=lambda i: (self.prefixes.hits(i, chain), -self._pages_in_use(i), -i))
         self.prefixes.record(index, chain)
@@ -124,16 +125,18 @@ class Replicas:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None, lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       pin: Pin | None = None, lora_name: str | None = None,
+                       tenant: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
-        index = self.route(token_ids, cache_salt)
+        index = self.route(token_ids, (cache_salt, tenant))
         core = self.cores[index]
         pages = -(-len(token_ids) // self.prefixes.block_size)
         self._unstarted_pages[index] += pages
         self._owner[request_id] = core
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                              pin=pin, token_ids=token_ids, lora_name=lora_name)) as outputs:  # leaving early aborts at once, not at GC
+                                              pin=pin, token_ids=token_ids, lora_name=lora_name,
+                                              tenant=tenant)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:
                         self._unstarted_pages[index] -= pages
