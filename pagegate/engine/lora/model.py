@@ -14,7 +14,7 @@ adds them with one C call per projection from the hook, every adapter of the ste
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +28,10 @@ from pagegate.engine.lora.adapter import (
     TARGET_PATHS,
     AdapterWeights,
     TargetModule,
-    adapter_digest,
     model_heads,
     model_targets,
     read_adapter,
+    to_device,
 )
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.models.base import CausalLM
@@ -47,11 +47,14 @@ Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class Registered:
-    """A known adapter: what names it, its identity (name and weights digest) and its size in bytes."""
+    """A known adapter: what names it, its identity (name and weights digest), its size in bytes on the model's
+    device, and its weights as read and checked when it was registered (host memory: a load into a slot copies
+    them from there, never from its files again)."""
 
     request: LoRARequest
     identity: str
     nbytes: int
+    weights: AdapterWeights = field(compare=False, repr=False)
 
 
 class LoRAModel:
@@ -63,6 +66,7 @@ class LoRAModel:
             raise ValueError("--enable-lora does not combine with tensor parallelism yet")
         self.config, self.page_bytes, self.max_loras = config, page_bytes, config.max_loras
         self.dtype, self.device = model.dtype, model.device
+        self.value_limit = float(torch.finfo(model.dtype).max)  # a scaled B past it is refused when it is read
         self.targets: dict[str, TargetModule] = model_targets(model)
         self.heads = model_heads(model)
         self.registered: dict[str, Registered] = {}
@@ -85,18 +89,34 @@ class LoRAModel:
     # ---- the adapters known -------------------------------------------------------------------------
 
     def register(self, lora: LoRARequest) -> Registered:
-        """Check an adapter against the model and the limits (read whole once) and remember it; the same
+        """Check an adapter against the model and the limits (read whole once, here) and remember it; the same
         request again is a no-op. ValueError naming what does not fit; nothing is held after it."""
         known = self.registered.get(lora.lora_name)
         if known is not None:
             if known.request != lora:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r} is already loaded as {known.request}")
             return known
+        return self.install(lora, self.read(lora.lora_name, lora.lora_path))
+
+    def read(self, name: str, path: str, lora_dir: str | None = None) -> AdapterWeights:
+        """An adapter's weights read and checked into host tensors; ValueError naming what does not fit. Touches no
+        state of this model and runs no torch op: the engine core calls it on its loader thread (loader.py)."""
+        return read_adapter(name, path, self.targets, self.config.max_lora_rank, self.heads, lora_dir,
+                            self.value_limit)
+
+    def install(self, lora: LoRARequest, weights: AdapterWeights) -> Registered:
+        """Remember an adapter read by `read`: ValueError when its name or id is another's. The same name, path and
+        weights again is the adapter already there (a retried load)."""
+        identity = f"{lora.lora_name}:{weights.digest}"
+        known = self.registered.get(lora.lora_name)
+        if known is not None:
+            if known.request.lora_path == lora.lora_path and known.identity == identity:
+                return known
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is already loaded as {known.request}")
         clash = next((r for r in self.registered.values() if r.request.lora_int_id == lora.lora_int_id), None)
         if clash is not None:
             raise ValueError(f"lora_int_id {lora.lora_int_id} is already {clash.request.lora_name!r}'s")
-        weights = self._read(lora)
-        registered = Registered(lora, f"{lora.lora_name}:{adapter_digest(lora.lora_path)}", weights.nbytes)
+        registered = Registered(lora, identity, weights.numel * self.dtype.itemsize, weights)
         self.registered[lora.lora_name] = registered
         return registered
 
@@ -116,9 +136,10 @@ class LoRAModel:
         return self.registered[name].nbytes
 
     def load(self, name: str) -> None:
-        """Read a registered adapter's weights onto the model's device, and into a free slot (its pages were just
-        taken; pages.py keeps at most max_loras adapters loaded)."""
-        weights = self._read(self.registered[name].request)
+        """A registered adapter's weights onto the model's device, from the host copy checked when it was registered
+        (never its files again), and into a free slot (its pages were just taken; pages.py keeps at most max_loras
+        adapters loaded)."""
+        weights = to_device(self.registered[name].weights, self.dtype, self.device)
         slot = next((s for s in range(self.max_loras) if s not in self.table_slot.values()), None)
         if slot is None:
             raise RuntimeError(f"all {self.max_loras} LoRA slots are taken; {name!r} cannot load")
@@ -133,15 +154,12 @@ class LoRAModel:
         self.table_slot[name] = slot
 
     def drop(self, name: str) -> None:
-        """Its pages went back: the weights and its slot go too (read again from its folder on demand)."""
+        """Its pages went back: the device weights and its slot go too (the host copy stays until it is
+        unregistered)."""
         self.loaded.pop(name, None)
         slot = self.table_slot.pop(name, None)
         if slot is not None and self.table is not None:
             self.table.clear(slot)
-
-    def _read(self, lora: LoRARequest) -> AdapterWeights:
-        return read_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank, self.dtype,
-                            self.device, self.heads)
 
     # ---- one step -----------------------------------------------------------------------------------
 
