@@ -52,6 +52,13 @@ class ModelBusy(APIError):
     default_code = "model_busy"
 
 
+class ModelNotLoaded(APIError):
+    """A sleep or unload asked of a model that is not loaded (its load failed, or it was never loaded)."""
+
+    status_code = 409
+    default_code = "model_not_loaded"
+
+
 class ModelLifecycle:
     """Every served model's slot, and what brings each up and down. With several models (--model repeated,
     --models-dir) they share one page budget; `on_fatal` ends a one-model server whose engine died."""
@@ -263,14 +270,19 @@ class ModelLifecycle:
         await self.ensure_loaded(slot)
 
     async def unload_model(self, slot: ModelSlot) -> None:
-        """POST /models/unload: free a model's core now (a 409 while it serves requests)."""
+        """POST /models/unload: free a model's core now (a 409 while it serves requests, or when its load failed);
+        a model already unloaded stays so."""
         await self._settled_idle(slot, "unloaded")
+        if slot.state == FAILED:
+            raise self._not_loaded(slot, "unloaded")
         if slot.holds_memory:
             await self._unload(slot)
 
     async def sleep_model(self, slot: ModelSlot) -> None:
         """/sleep: free the model's KV pages, keep its weights (its prefix cache is lost unless KV tiers keep it)."""
         await self._settled_idle(slot, "put to sleep")
+        if slot.state not in (LOADED, SLEEPING):
+            raise self._not_loaded(slot, "put to sleep")
         if slot.state == LOADED and slot.engine is not None:
             # NOTE: asleep before the core is told: a request arriving meanwhile wakes it, and the core takes the
             # wake after the sleep and the request after the wake (one socket, frames in order).
@@ -292,6 +304,16 @@ class ModelLifecycle:
             raise ModelBusy(f"The model `{slot.name}` is serving {slot.in_flight} request(s): it cannot be {what} "
                             "now. Retry when they are done.", param="model")
 
+    @staticmethod
+    def _not_loaded(slot: ModelSlot, what: str) -> ModelNotLoaded:
+        """The 409 for a sleep or an unload of a model that is not loaded.
+
+        NOTE: a 409, not a 200 that reports the state: the model is not in the state the call asks for, and a client
+        reading only the status would believe it was (a failed model stays failed: an unload does not forget its
+        failure, which its next load or POST /models/load retries)."""
+        return ModelNotLoaded(f"The model `{slot.name}` is not loaded ({slot.state}: {slot.reason}): it cannot be "
+                              f"{what}.", param="model")
+
     # -- idle models sleep (--sleep-idle-seconds) ------------------------------------------------
     def start_idle_sleeper(self) -> None:
         """With several models and --sleep-idle-seconds, look for idle models to put to sleep from now on."""
@@ -311,14 +333,12 @@ class ModelLifecycle:
                         logger.exception("putting %s to sleep failed", slot.name)
 
     async def settle(self) -> None:
-        """The server stops: no model sleeps any more, the loads under way finish (a starting core owns a process
-        and pages), and the ledger is unlinked (the cores still running keep their mapping)."""
+        """The server stops: no model sleeps any more, and the loads under way finish (a starting core owns a
+        process and pages). The ledger has no name to remove: it goes with the last process that holds it."""
         if self._sleeper is not None:
             self._sleeper.cancel()
         loading = [slot.loading for slot in self.slots if slot.loading is not None]
         await asyncio.gather(*loading, return_exceptions=True)
-        if self.budget is not None:
-            self.budget.ledger.unlink()
 
 
 def describe_pages(slot: ModelSlot, block_size: int) -> str:

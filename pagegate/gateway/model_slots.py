@@ -163,7 +163,7 @@ class PageBudget:
 
     def elastic(self, slot: ModelSlot, start_bytes: int, cores: int) -> ElasticSpec:
         """What each of a model's `cores` is told of its elastic pool, `start_bytes` reserved for them together."""
-        return ElasticSpec(self.ledger.path, slot.entry, self.floor // cores, start_bytes // cores, self.total // cores)
+        return ElasticSpec(self.ledger.fileno(), slot.entry, self.floor // cores, start_bytes // cores, self.total // cores)
 
     async def grant(self, slot: ModelSlot, slots: list[ModelSlot], wait_for_change: WaitForChange) -> int:
         """The bytes of pages a model loading or waking starts with, reserved for it in the ledger: its floor, idle

@@ -1,10 +1,12 @@
 """A model's lifecycle at its edges: /sleep, /wake_up and /is_sleeping on a one-model server (the shared server of
 conftest.py: a request to the sleeping model wakes it, /health and /v1/models stay sensible), and the backoff after a
 failed load (a model whose file is garbage is not loaded again by every request: 503 with Retry-After at once, the
-window doubling per failure, reset by POST /models/load or a load that succeeds)."""
+window doubling per failure, reset by POST /models/load or a load that succeeds); a model that is not loaded cannot
+be put to sleep or unloaded (409); the shared page budget's ledger has no name a cleaner could remove."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 
 from pagegate.config import EngineConfig
 from pagegate.gateway.model_slots import ModelSlot
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, core_pids, descendants
 
 from .test_models import BASE_ARGS, DEFAULT_MODEL
 
@@ -161,3 +163,49 @@ def test_a_load_that_succeeds_forgets_the_backoff(flaky_server: ServerProcess, f
     point(flaky_link, garbage_gguf)
     again = ask_flaky(flaky_http)
     assert again.status_code == 503 and again.headers["retry-after"] == "1"  # the count started afresh
+
+
+def test_a_model_that_is_not_loaded_cannot_sleep_nor_be_unloaded(flaky_http: httpx.Client) -> None:
+    assert ask_flaky(flaky_http).status_code == 503  # its load fails (or failed): FAILED
+    for route in ("/sleep", "/models/unload"):
+        refused = flaky_http.post(route, json={"model": "flaky"})
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "model_not_loaded" and error["param"] == "model" and "failed" in error["message"]
+    card = {card["id"]: card for card in flaky_http.get("/v1/models").json()["data"]}["flaky"]
+    assert card["state"] == "failed"  # an unload does not forget the failure
+
+
+def ledger_files(pid: int) -> list[str]:
+    """What the server's processes hold open of page ledgers: a path, or a memory file's name (`/memfd:...`)."""
+    found = []
+    for process in (pid, *descendants(pid)):
+        for fd in Path(f"/proc/{process}/fd").iterdir() if Path(f"/proc/{process}/fd").is_dir() else ():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if "pagegate-ledger" in target:
+                found.append(target)
+    return found
+
+
+def test_a_load_needs_no_name_of_the_page_ledger(flaky_server: ServerProcess, flaky_http: httpx.Client,
+                                                 flaky_client: openai.OpenAI) -> None:
+    """systemd's RemoveIPC=yes and tmp cleaners remove files from /dev/shm while a server runs: every file of a
+    page ledger the server's processes hold is removed, and a model still unloads, loads and serves."""
+    assert flaky_server.process is not None
+    pid = flaky_server.process.pid
+    for held in ledger_files(pid):
+        if held.startswith("/") and not held.startswith("/memfd:"):
+            Path(held.removesuffix(" (deleted)")).unlink(missing_ok=True)
+    assert flaky_http.post("/models/unload", json={"model": "good"}).json()["state"] == "unloaded"
+    unloaded = flaky_http.post("/sleep", json={"model": "good"})  # not loaded: nothing to put to sleep
+    assert unloaded.status_code == 409 and unloaded.json()["error"]["code"] == "model_not_loaded"
+    loaded = flaky_http.post("/models/load", json={"model": "good"})
+    assert loaded.status_code == 200 and loaded.json()["state"] == "loaded", loaded.text
+    assert complete(flaky_client, "good")
+    held = ledger_files(pid)
+    assert held and all(name.startswith("/memfd:pagegate-ledger") for name in held), held  # no name on disk
+    cores = set(core_pids(pid))
+    assert any(name.startswith("/memfd:") for core in cores for name in ledger_files(core)), "no core holds it"

@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
@@ -57,6 +58,7 @@ from pagegate.engine.serving.frames import (
     WireError,
     framed,
 )
+from pagegate.engine.serving.page_ledger import receive_ledger
 from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, SPARE_FLAG, SPARE_PROCESS_NAME
 
 if TYPE_CHECKING:
@@ -322,6 +324,8 @@ def _never_outlive(parent_pid: int) -> None:
 def serve(spec: CoreSpec) -> int:
     sock = socket.socket(fileno=spec.socket_fd)
     try:
+        if spec.elastic is not None:  # the gateway's descriptor number means nothing here: ours came on the socket
+            spec = replace(spec, elastic=replace(spec.elastic, ledger_fd=receive_ledger(sock)))
         config = elastic_config(spec.config, spec.elastic) if spec.elastic is not None else spec.config
         engine = Engine(config)
         elastic = elastic_pages(engine, spec.elastic)

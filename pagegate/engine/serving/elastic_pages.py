@@ -74,7 +74,7 @@ class ElasticPages:
         runner = engine.runner
         assert isinstance(runner, ModelRunner)
         self.engine, self.spec = engine, spec
-        self.ledger = PageLedger(spec.ledger_path)
+        self.ledger = PageLedger.attach(spec.ledger_fd)
         self.capacity = runner.num_blocks
         self.page_bytes = runner.kv_cache.page_bytes
         cache = engine.config.cache

@@ -7,9 +7,12 @@ Every change is one read-modify-write under an exclusive flock of the file, so t
 budget whichever processes change them at once. An entry refused bytes notes when (its want), so that the others
 know the budget is contested and hold no more than their fair share of it (`fair_share`).
 
-NOTE: a file in /dev/shm (tmpfs, RAM) with flock rather than multiprocessing.shared_memory with a semaphore: a core
-opens it by path from its spec without the gateway's Python objects, flock's lock dies with a killed holder (a core
-SIGKILLed mid-change never blocks the others), and the counters can be read with `od` while debugging.
+NOTE: a memory file (memfd; tmpfs in RAM) with flock rather than multiprocessing.shared_memory with a semaphore:
+flock's lock dies with a killed holder (a core SIGKILLed mid-change never blocks the others), and no Python object
+of the gateway's is needed to use it. The file has no name: a core gets its own descriptor of it over its socket
+(`send_ledger`, `receive_ledger`), never a path, so nothing that cleans /dev/shm or /tmp (systemd's RemoveIPC=yes,
+tmp cleaners) can take the budget away from later loads, and nothing is left behind by a killed server. While
+debugging, the counters can still be read with `od /proc/<gateway pid>/fd/<n>`.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import socket
 import struct
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 _SLOT = struct.Struct("<q")  # one signed 64-bit counter: the total first, then each entry's bytes held and want
 _FIELDS = 2  # an entry's counters: the bytes it holds, when it was last refused bytes (CLOCK_MONOTONIC ns, 0: never)
@@ -35,7 +39,7 @@ class ElasticSpec:
     pages are allocated for the whole budget (config's kv_cache_memory) and it may use `start_bytes` of them,
     already taken for it in the ledger's `entry`; it grows from the ledger and shrinks back to `floor_bytes`."""
 
-    ledger_path: str
+    ledger_fd: int  # the ledger's descriptor in the process that holds the spec (the gateway's, then the core's)
     entry: int
     floor_bytes: int
     start_bytes: int
@@ -50,26 +54,39 @@ def _wanted(entry: int) -> int:
     return 2 + entry * _FIELDS
 
 
-def _folder() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _memory_file() -> int:
+    """A fresh file in memory, with no name (where memfd is missing: a temporary file, unlinked at once)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("pagegate-ledger", os.MFD_CLOEXEC)
+    fd, path = tempfile.mkstemp(prefix="pagegate-ledger-")
+    os.unlink(path)
+    return fd
 
 
 class PageLedger:
-    """`total` bytes of KV pages and `entries` counters of the bytes each model holds, in the file at `path`."""
+    """`total` bytes of KV pages and `entries` counters of the bytes each model holds, in the file open as `fd`
+    (the ledger owns that descriptor and closes it in `close`)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR)
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
         self._map = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
         self.num_entries = (len(self._map) // _SLOT.size - 1) // _FIELDS
+        self._closer = weakref.finalize(self, os.close, fd)  # a ledger dropped unclosed gives its descriptor back
 
     @classmethod
     def create(cls, total: int, entries: int) -> PageLedger:
-        """A fresh ledger with every byte free (the gateway's; `unlink` removes its file)."""
-        fd, path = tempfile.mkstemp(prefix="pagegate-ledger-", dir=_folder())
+        """A fresh ledger with every byte free (the gateway's): a file with no name (the module's NOTE)."""
+        fd = _memory_file()
         os.write(fd, _SLOT.pack(total) + bytes(_SLOT.size * _FIELDS * entries))
-        os.close(fd)
-        return cls(path)
+        return cls(fd)
+
+    @classmethod
+    def attach(cls, fd: int) -> PageLedger:
+        """The ledger open as `fd` (a core's, received by `receive_ledger`), on a descriptor of its own."""
+        return cls(os.dup(fd))
+
+    def fileno(self) -> int:
+        return self._fd
 
     @property
     def total(self) -> int:
@@ -122,12 +139,9 @@ class PageLedger:
             return held
 
     def close(self) -> None:
+        """This process's mapping and descriptor; the file goes once every process that holds it has closed it."""
         self._map.close()
-        os.close(self._fd)
-
-    def unlink(self) -> None:
-        """Remove its file (the gateway's, at shutdown); the processes that opened it keep using their mapping."""
-        Path(self.path).unlink(missing_ok=True)
+        self._closer()
 
     def _free(self) -> int:
         return self.total - sum(self.held(entry) for entry in range(self.num_entries))
@@ -145,3 +159,17 @@ class PageLedger:
             yield
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def send_ledger(sock: socket.socket, ledger_fd: int) -> None:
+    """Hand a core the ledger over its socket, before anything else is sent on it (SCM_RIGHTS: it gets a descriptor
+    of its own, which no name on disk backs)."""
+    socket.send_fds(sock, [b"L"], [ledger_fd])
+
+
+def receive_ledger(sock: socket.socket) -> int:
+    """The ledger's descriptor a core is handed on its socket (`send_ledger`), before any frame."""
+    data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if data != b"L" or len(fds) != 1:
+        raise RuntimeError("the gateway sent no page ledger before its frames")
+    return fds[0]

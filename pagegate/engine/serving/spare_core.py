@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagegate.engine.serving.frames import CoreSpec
+from pagegate.engine.serving.page_ledger import send_ledger
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -50,7 +51,10 @@ class CoreProcess:
     core_fd: int
 
     def hand(self, spec: CoreSpec) -> None:
-        """Send its spec (it then loads its model); OSError (a broken pipe) if the process has exited."""
+        """Send its spec (it then loads its model), and first over its socket the page ledger its elastic pool
+        uses (page_ledger's NOTE: a descriptor, never a path); OSError (a broken pipe) if the process has exited."""
+        if spec.elastic is not None:
+            send_ledger(self.sock, spec.elastic.ledger_fd)
         assert self.process.stdin is not None
         self.process.stdin.write(pickle.dumps(spec))
         self.process.stdin.close()

@@ -34,7 +34,7 @@ def page_bytes() -> int:
 def ledger(page_bytes: int) -> Iterator[PageLedger]:
     ledger = PageLedger.create(BUDGET_PAGES * page_bytes, 2)
     yield ledger
-    ledger.unlink()
+    ledger.close()
 
 
 def config(cache: CacheConfig) -> EngineConfig:
@@ -45,7 +45,7 @@ def elastic_engine(ledger: PageLedger, entry: int, page_bytes: int) -> tuple[Eng
     """An engine whose pool may use the ledger's whole budget, started at its floor (as a core starts)."""
     floor = FLOOR_PAGES * page_bytes
     assert ledger.take(entry, floor, floor) == floor
-    spec = ElasticSpec(ledger.path, entry, floor, floor, BUDGET_PAGES * page_bytes)
+    spec = ElasticSpec(ledger.fileno(), entry, floor, floor, BUDGET_PAGES * page_bytes)
     engine = Engine(elastic_config(config(CacheConfig(block_size=16)), spec))
     pages = elastic_pages(engine, spec)
     assert pages is not None

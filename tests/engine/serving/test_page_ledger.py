@@ -1,9 +1,16 @@
-"""The shared page budget's ledger: what is taken never sums past the total, across processes."""
+"""The shared page budget's ledger: what is taken never sums past the total, across processes; it has no name
+and crosses to a core over a socket."""
 
+import multiprocessing
+import os
+import socket
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from pagegate.engine.serving.page_ledger import PageLedger
+import pytest
+
+from pagegate.engine.serving.page_ledger import PageLedger, receive_ledger, send_ledger
 
 
 def test_takes_are_bounded_by_what_is_free():
@@ -17,7 +24,7 @@ def test_takes_are_bounded_by_what_is_free():
         assert (ledger.held(0), ledger.free()) == (35, 25)
         assert ledger.clear(1) == 40 and ledger.free() == 65
     finally:
-        ledger.unlink()
+        ledger.close()
 
 
 def test_an_entry_refused_bytes_contests_the_budget_while_its_want_is_recent():
@@ -36,11 +43,11 @@ def test_an_entry_refused_bytes_contests_the_budget_while_its_want_is_recent():
         ledger.clear(2)
         assert ledger.fair_share(0, 1.0) is None  # a cleared entry (its cores gone) wants nothing
     finally:
-        ledger.unlink()
+        ledger.close()
 
 
-def _hammer(path: str, entry: int) -> int:
-    ledger = PageLedger(path)
+def _hammer(fd: int, entry: int) -> int:
+    ledger = PageLedger.attach(fd)  # a forked worker inherits the descriptor: the ledger has no name to open
     taken = 0
     for _ in range(300):
         got = ledger.take(entry, 7)
@@ -55,9 +62,32 @@ def _hammer(path: str, entry: int) -> int:
 def test_processes_changing_it_at_once_never_overcommit():
     ledger = PageLedger.create(1000, 4)
     try:
-        with ProcessPoolExecutor(4) as pool:
-            taken = list(pool.map(_hammer, [ledger.path] * 4, range(4)))
+        with ProcessPoolExecutor(4, mp_context=multiprocessing.get_context("fork")) as pool:
+            taken = list(pool.map(_hammer, [ledger.fileno()] * 4, range(4)))
         assert [ledger.held(entry) for entry in range(4)] == taken
         assert sum(taken) + ledger.free() == 1000 and ledger.free() >= 0
     finally:
-        ledger.unlink()
+        ledger.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd names the file on Linux")
+def test_the_ledger_has_no_name_and_crosses_a_socket_as_a_descriptor():
+    """Nothing that cleans /dev/shm or /tmp can take the budget away: there is no path, and a core gets its own
+    descriptor over its socket, the same memory behind it."""
+    ledger = PageLedger.create(100, 2)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert os.readlink(f"/proc/self/fd/{ledger.fileno()}").startswith("/memfd:pagegate-ledger")
+        send_ledger(ours, ledger.fileno())
+        ours.sendall(b"a frame")  # what follows on the socket stays the core's to read
+        received = receive_ledger(theirs)
+        assert received != ledger.fileno() and theirs.recv(16) == b"a frame"
+        core = PageLedger.attach(received)
+        os.close(received)
+        assert core.take(1, 30) == 30 and ledger.held(1) == 30 and ledger.free() == 70
+        core.close()
+        assert ledger.take(0, 80) == 70  # the gateway's copy is untouched by the core's close
+    finally:
+        ours.close()
+        theirs.close()
+        ledger.close()
