@@ -70,8 +70,11 @@ class GGUFFile:
         except Exception as error:  # struct, numpy or utf-8 decoding on a bad file
             raise ModelLoadError(f"cannot read {self.path} as GGUF (truncated or corrupt?): {error}") from error
         self.metadata: dict[str, Any] = self.reader.metadata
-        self.tensors: dict[str, GGUFTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
         self.arch = str(self.metadata.get("general.architecture"))
+        if self.arch not in ARCHITECTURES:  # NOTE: first, before any tensor is looked at
+            raise ModelLoadError(f"GGUF architecture {self.arch!r} is not supported; supported: "
+                                 f"{', '.join(ARCHITECTURES)}")
+        self.tensors: dict[str, GGUFTensor] = {tensor.name: tensor for tensor in self.reader.tensors}
         self._gguf_names = {hf_name(name, self.arch): name for name in self.tensors}
         self.kept: set[str] = set()  # tensors that stay in blocks (keep_blocks)
         self._check_tensor_types()
@@ -86,9 +89,6 @@ class GGUFFile:
 
     def _config(self) -> ModelConfig:
         arch = self.arch
-        if arch not in ARCHITECTURES:
-            raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
-                                 f"{', '.join(ARCHITECTURES)}")
         config = ModelConfig.from_dict(self._hf_config(arch))
         if _ROPE_FREQS in self.tensors:
             factors = tuple(float(f) for f in self._array(_ROPE_FREQS))
@@ -100,7 +100,10 @@ class GGUFFile:
         meta = self.metadata
 
         def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"{arch}.{key}", default)
+            value = meta.get(f"{arch}.{key}", default)
+            if isinstance(value, (list, np.ndarray)):  # one value per layer: no supported family has it
+                raise TypeError(f"{arch}.{key} is an array, not one value")
+            return value
 
         try:
             hidden, heads = get("embedding_length"), get("attention.head_count")
@@ -141,7 +144,7 @@ class GGUFFile:
         GeGLU activation, and Gemma 3's RoPE base on sliding-window layers."""
         pattern = self.metadata.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERN[arch])
         layers = raw["num_hidden_layers"]
-        if isinstance(pattern, list):  # one flag per layer
+        if isinstance(pattern, (list, np.ndarray)):  # one flag per layer
             sliding = [bool(flag) for flag in pattern]
         else:
             sliding = [i % pattern < pattern - 1 for i in range(layers)]

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -87,7 +88,7 @@ PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
-    """The tokenizer described by a GGUF's metadata (`{name: field.contents()}` of gguf.GGUFReader).
+    """The tokenizer described by a GGUF's metadata (GGUFContents' own, or `{name: field.contents()}` of GGUFReader).
 
     Raises ValueError for a vocabulary kind other than `gpt2` / `llama`, or an unknown `tokenizer.ggml.pre`.
     A missing `tokenizer.ggml.pre` means llama.cpp's `default` pre-tokenizer, as in llama.cpp.
@@ -95,7 +96,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     model = metadata.get("tokenizer.ggml.model")
     # llama.cpp renames empty tokens so every id has a distinct text
     tokens = [token or f"[EMPTY_{index}]" for index, token in enumerate(metadata["tokenizer.ggml.tokens"])]
-    types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = _numbers(metadata, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
     named = {name: metadata.get(f"tokenizer.ggml.{name}_token_id")
@@ -178,7 +179,7 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[i
     if "tokenizer.ggml.merges" in metadata:
         merges = _split_merges(metadata["tokenizer.ggml.merges"])
     else:
-        scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        scores = _numbers(metadata, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         merges = _merges_from_scores(tokens, types, scores)
     unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
     backend = HFTokenizer(BPE(_vocab(tokens), merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
@@ -190,6 +191,14 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[i
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
     return backend
+
+
+def _numbers(metadata: Mapping[str, Any], key: str) -> list[Any]:
+    """A numeric array as a list ([] when missing): gguf_reader keeps them as numpy views of the file."""
+    value = metadata.get(key)
+    if value is None:
+        return []
+    return value.tolist() if isinstance(value, np.ndarray) else list(value)
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
