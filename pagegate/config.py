@@ -88,6 +88,7 @@ class LoRAConfig:
     max_loras: int = 4  # adapters resident at once (their pages held); more registered ones wait or are evicted
     max_lora_rank: int = 16  # an adapter of a larger rank is refused when it is registered
     modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, folder) registered at start, ids 1, 2, ...
+    lora_dir: str | None = None  # --lora-dir: adapters loaded at run time must resolve inside it (None: anywhere)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:

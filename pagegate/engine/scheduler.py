@@ -462,8 +462,15 @@ class Scheduler:
             limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
         tokens = seq.token_ids[:limit] if not seq.pools else []
-        if not self._acquire_adapter(seq):
-            return 0
+        try:
+            if not self._acquire_adapter(seq):
+                return 0
+        except Exception as error:  # NOTE: an adapter that cannot be loaded fails its request, never the engine
+            log.exception("request %s: its LoRA adapter could not be loaded", request.request_id)
+            request.error = f"its LoRA adapter {request.lora_name!r} could not be loaded: {error}"
+            self.free(seq)
+            batch.failed.append(seq)
+            return WAIT  # the ones behind it are admitted as if it had never waited
         hits, num_hit = self.pool.match_prefix(tokens, request.root_hash)
         found = None
         if self.tiers is not None and tokens:

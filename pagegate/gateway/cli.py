@@ -238,6 +238,9 @@ def _lora_flags(group: argparse._ArgumentGroup) -> None:
                        help="the largest adapter rank accepted")
     group.add_argument("--allow-runtime-lora", action="store_true",
                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    group.add_argument("--lora-dir", default=None, metavar="DIR",
+                       help="a load_lora_adapter's lora_path must resolve (symlinks followed) inside DIR; default: "
+                            "any path the server can read")
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -256,12 +259,12 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 def _lora_config(args: argparse.Namespace) -> LoRAConfig | None:
     if not args.enable_lora:
-        if args.lora_modules or args.allow_runtime_lora:
-            raise SystemExit("--lora-modules and --allow-runtime-lora need --enable-lora")
+        if args.lora_modules or args.allow_runtime_lora or args.lora_dir:
+            raise SystemExit("--lora-modules, --allow-runtime-lora and --lora-dir need --enable-lora")
         return None
     if args.model and len(args.model) > 1 or args.models_dir:
         raise SystemExit("--enable-lora serves adapters over one model: it does not combine with several models yet")
-    return LoRAConfig(args.max_loras, args.max_lora_rank, tuple(args.lora_modules))
+    return LoRAConfig(args.max_loras, args.max_lora_rank, tuple(args.lora_modules), args.lora_dir)
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:

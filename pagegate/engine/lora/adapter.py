@@ -130,6 +130,8 @@ def max_adapter_bytes(targets: dict[str, TargetModule], max_rank: int) -> int:
 
 def resolve_path(path: str, lora_dir: str | None) -> Path:
     """`path` with its symlinks resolved; ValueError when `lora_dir` (--lora-dir) is set and it is not inside it."""
+    if "\0" in path:
+        raise ValueError("the path holds a NUL character")
     real = os.path.realpath(path)
     if lora_dir is not None:
         root = os.path.realpath(lora_dir)
@@ -181,7 +183,7 @@ def _read_files(name: str, file: Path, targets: dict[str, TargetModule], max_ran
     """(config, {tensor name: float32 array}) of a GGUF LoRA file or a PEFT folder, sizes bounded before reading."""
     bound = max_adapter_bytes(targets, max_rank)
     if file.is_file() and is_gguf(file):
-        check_gguf_header(file)  # a model's GGUF (or anything else) is refused by its header, before it is read
+        check_gguf_header(file, 2 * len(targets))  # a model's GGUF is refused by its header, before it is read
         _check_size(name, file, bound, max_rank)
         config, arrays = read_gguf_adapter(file, heads)
         return config, {key: _finite(name, key, values) for key, values in arrays.items()}
@@ -204,7 +206,7 @@ def _rank_and_scale(name: str, config: dict[str, Any], max_rank: int) -> tuple[i
     """The config's rank r and its updates' scale; ValueError naming the field that is not sane."""
     rank = config.get("r", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"adapter {name!r}: its config's r (the LoRA rank) must be a positive integer, got {rank!r}")
+        raise ValueError(f"adapter {name!r}: its config's r (the LoRA rank) must be a positive integer, got {_shown(rank)}")
     if rank > max_rank:
         raise ValueError(f"adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", 8)
@@ -213,13 +215,18 @@ def _rank_and_scale(name: str, config: dict[str, Any], max_rank: int) -> tuple[i
     except OverflowError:  # an integer too large for a float
         finite = False
     if not finite:
-        raise ValueError(f"adapter {name!r}: its config's lora_alpha must be a finite number, got {alpha!r}")
+        raise ValueError(f"adapter {name!r}: its config's lora_alpha must be a finite number, got {_shown(alpha)}")
     # NOTE: rsLoRA scales by alpha / sqrt(r) (PEFT's use_rslora), plain LoRA by alpha / r.
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     if abs(scale) > MAX_SCALE:
-        raise ValueError(f"adapter {name!r}: its config's lora_alpha {alpha!r} over r {rank} scales its updates by "
+        raise ValueError(f"adapter {name!r}: its config's lora_alpha {_shown(alpha)} over r {rank} scales its updates by "
                          f"{scale:g}; at most {MAX_SCALE:g} is accepted")
     return rank, scale
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

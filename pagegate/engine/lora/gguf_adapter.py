@@ -28,33 +28,42 @@ _SCALAR_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UI
                  GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1,
                  GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
 _MAX_KEY_BYTES = 1 << 16  # a header string longer than this is a corrupt file
+# NOTE: llama.cpp writes a dozen keys into an adapter's header; thousands are a bogus file that would take seconds
+# of parsing (gguf's reader makes Python objects per key), so such a header is refused before it is read whole.
+MAX_HEADER_KEYS = 256
 
 
-def check_gguf_header(path: Path) -> None:
-    """ValueError unless the GGUF file's header says `general.type = "adapter"`: only the key-value header is read
-    (arrays skipped by seeking), so a model's GGUF named as an adapter is refused before its tensors are touched."""
+def check_gguf_header(path: Path, max_tensors: int) -> None:
+    """ValueError unless the GGUF file's header says `general.type = "adapter"` and holds no more keys and tensors
+    than an adapter has (`max_tensors`: A and B of every module the model takes adapters on): only the key-value
+    header is read (arrays skipped by seeking), so a model's GGUF named as an adapter is refused before its tensors
+    are touched."""
     try:
         with path.open("rb") as stream:
-            kind = _header_type(stream)
+            kind, tensors, keys = _header_type(stream)
     except (struct.error, ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {path} as GGUF (truncated or corrupt?): {error}") from None
     if kind != "adapter":
         raise ValueError(f"{path} is a GGUF file but not a LoRA adapter (general.type {kind!r}); it is not read")
+    if tensors > max_tensors or keys > MAX_HEADER_KEYS:
+        raise ValueError(f"{path} says it holds {tensors} tensors and {keys} header keys; a LoRA adapter over this "
+                         f"model holds at most {max_tensors} and {MAX_HEADER_KEYS}: it is not read")
 
 
-def _header_type(stream: BinaryIO) -> str | None:
+def _header_type(stream: BinaryIO) -> tuple[str | None, int, int]:
+    """(general.type, the tensor count, the key count) of a GGUF header."""
     if stream.read(4) != b"GGUF":
         raise ValueError("no GGUF magic")
-    version, _, count = struct.unpack("<IQQ", _exactly(stream, 20))
+    version, tensors, count = struct.unpack("<IQQ", _exactly(stream, 20))
     if version < 2:
         raise ValueError(f"GGUF version {version} is not supported")
-    for _ in range(count):
+    for _ in range(min(count, MAX_HEADER_KEYS)):
         key = _string(stream)
         value_type = GGUFValueType(struct.unpack("<I", _exactly(stream, 4))[0])
         if key == "general.type" and value_type == GGUFValueType.STRING:
-            return _string(stream)
+            return _string(stream), tensors, count
         _skip(stream, value_type)
-    return None
+    return None, tensors, count
 
 
 def _exactly(stream: BinaryIO, size: int) -> bytes:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pagegate.engine.engine import Engine
 from pagegate.engine.kv_cache import bytes_per_block, check_fits
 from pagegate.engine.lora import LoRARequest
+from pagegate.engine.lora.loader import AdapterLoader, LoadJob
 from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.runner import ModelRunner
@@ -83,6 +84,7 @@ class CoreLoop:
             elastic.adopt(elastic.spec.start_bytes)
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
+        self.loader = self._adapter_loader()  # adapters loaded at run time are read off this loop
         self.reader: FrameReader[ToCore] = FrameReader(ToCore)
         self.deltas = DeltaWriter()
         self.seqs_taken = self.seqs_aborted = 0
@@ -109,6 +111,8 @@ class CoreLoop:
                 self._rebalance(busy)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+        if self.loader is not None:
+            self.loader.close()
         self._last_counts()
 
     def _last_counts(self) -> None:
@@ -144,7 +148,12 @@ class CoreLoop:
 
     def _take_frames(self, timeout_ms: int) -> bool:
         took = False
-        while self.poller.poll(timeout_ms):
+        while events := self.poller.poll(timeout_ms):
+            if self.loader is not None and any(fd == self.loader.wake_fd for fd, _ in events):
+                self._finish_loads()
+                if all(fd == self.loader.wake_fd for fd, _ in events):
+                    timeout_ms = 0
+                    continue
             data = self.sock.recv(1 << 20)
             if not data:
                 log.error("the gateway is gone: the engine core stops")
@@ -189,7 +198,10 @@ class CoreLoop:
     def _answer(self, call_id: int, name: str, arg: Any = None) -> None:
         try:
             with_arg: dict[str, Callable[[Any], Any]] = {"wake": self._wake, "resize": self._resize,
-                                                         "load_lora": self._load_lora, "unload_lora": self._unload_lora}
+                                                         "unload_lora": self._unload_lora}
+            if name == "load_lora":
+                self._load_lora(call_id, arg)
+                return  # answered once the loader has read it (_finish_loads)
             if name in with_arg:
                 result: Any = with_arg[name](arg)
             else:
@@ -265,14 +277,37 @@ class CoreLoop:
         self._sleep()
         return self._wake(kv_bytes)
 
-    def _load_lora(self, name_and_path: list[str]) -> int:
-        """Register an adapter at run time (its weights are read and checked now, paged in on first use); its id.
-        ValueError naming what does not fit."""
+    def _adapter_loader(self) -> AdapterLoader | None:
         lora = self.engine.runner.lora
         if lora is None:
+            return None
+        loader = AdapterLoader(lambda name, path: lora.read(name, path, lora.config.lora_dir))
+        self.poller.register(loader.wake_fd, select.POLLIN)
+        return loader
+
+    def _load_lora(self, call_id: int, name_and_path: list[str]) -> None:
+        """Register an adapter at run time: its files are read and checked on the loader's thread (this loop keeps
+        stepping), then _finish_loads installs it and answers with its id. ValueError naming what does not fit."""
+        if self.loader is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
         name, path = name_and_path
-        return lora.register(LoRARequest(name, lora.next_id, path)).request.lora_int_id
+        self.loader.submit(LoadJob(call_id, name, path))
+
+    def _finish_loads(self) -> None:
+        """Install the adapters the loader has read (weights in host memory, paged in on first use) and answer
+        their calls; a refused one answers its ValueError."""
+        assert self.loader is not None
+        lora = self.engine.runner.lora
+        for done in self.loader.finished():
+            try:
+                if isinstance(done.result, Exception):
+                    raise done.result
+                assert lora is not None
+                registered = lora.install(LoRARequest(done.job.name, lora.next_id, done.job.path), done.result)
+                self._send(Reply(done.job.call_id, True, registered.request.lora_int_id))
+            except Exception as error:
+                log.warning("loading LoRA adapter %r failed: %s", done.job.name, error)
+                self._send(Reply(done.job.call_id, False, f"{type(error).__name__}: {error}"))
 
     def _unload_lora(self, name: str) -> None:
         """Forget an adapter: InvalidParamError (model_not_found) for an unknown one, ValueError while requests use
