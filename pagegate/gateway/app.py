@@ -18,7 +18,7 @@ from starlette.routing import Route
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from pagegate.gateway import embeddings, routes_api, routes_models, routes_ops
-from pagegate.gateway.auth import APIKeyMiddleware
+from pagegate.gateway.auth import APIKeyMiddleware, log_management_access
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
@@ -85,7 +85,8 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
                 await grpc_server.stop()
             await host.stop()
 
-    middleware = [Middleware(APIKeyMiddleware, api_keys=config.api_keys)]
+    middleware = [Middleware(APIKeyMiddleware, api_keys=config.api_keys, admin_keys=config.admin_api_keys)]
+    log_management_access(config.api_keys, config.admin_api_keys)
     if config.allowed_origins:
         cors = Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)

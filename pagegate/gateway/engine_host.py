@@ -213,21 +213,22 @@ class EngineHost:
         logger.log(level, "engine stopped: %s", self.pages_summary())  # final counts: the loop is gone
 
     # -- state -----------------------------------------------------------------------------------
-    def model_cards(self) -> list[dict[str, Any]]:
+    def model_cards(self, paths: bool = True) -> list[dict[str, Any]]:
         """The /v1/models entries (REST and gRPC list the same): a one-model server's names once it serves (also
-        asleep); with several, every model and its state (loaded, loading, sleeping, unloaded, failed)."""
+        asleep); with several, every model and its state (loaded, loading, sleeping, unloaded, failed). `paths`:
+        an adapter's `root` is its path on the server (an admin's view: pagegate.gateway.auth), else its name."""
         if not self.several:
             model = self.listed_model()
-            return [self.model_card(name) for name in (*model.names, *self.adapters)]
+            return [self.model_card(name, paths) for name in (*model.names, *self.adapters)]
         self.check_serving()
-        return [self.model_card(slot.name) for slot in self.slots]
+        return [self.model_card(slot.name, paths) for slot in self.slots]
 
-    def model_card(self, name: str) -> dict[str, Any]:
+    def model_card(self, name: str, paths: bool = True) -> dict[str, Any]:
         """One /v1/models entry; a LoRA adapter's names its base model as `parent` and its path as `root`."""
         if name in self.adapters and not self.several:
             slot = self.slots[0]
             return {"id": name, "object": "model", "created": self.started_at, "owned_by": "pagegate",
-                    "root": self.adapters[name], "parent": slot.model.name if slot.model else None,
+                    "root": self.adapters[name] if paths else name, "parent": slot.model.name if slot.model else None,
                     "max_model_len": slot.model.max_model_len if slot.model else None}
         slot = self.slot_for(name)
         root = slot.engine_config.model or "pagegate/engine/default_model"

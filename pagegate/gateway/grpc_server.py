@@ -94,11 +94,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ModelList:
         try:
-            self._authorize(context)
-            cards = self.host.model_cards()
+            key = self._key(context)
+            admin = key is None or matching_key(key, self.host.config.admin_api_keys) is not None
+            cards = self.host.model_cards(paths=admin)
         except Exception as exc:
             await _abort(context, exc)
-        return pb.ModelList(object="list", data=cards)
+        fields = pb.ModelCard.DESCRIPTOR.fields_by_name  # REST's card has more (an adapter's parent): left out
+        return pb.ModelList(object="list", data=[{k: v for k, v in card.items() if k in fields} for card in cards])
 
     # -- the two shapes of a generation ----------------------------------------------------------
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
@@ -153,7 +155,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
         """The identity of the call's API key (None when the server has no keys); Unauthorized without one."""
-        keys = self.host.config.api_keys
+        key = self._key(context)
+        return key_identity(key) if key is not None else None
+
+    def _key(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The configured key (ordinary or admin) the call presents; None when the server has no keys; Unauthorized
+        without one. The service has no management calls: an admin key matters only to ListModels' paths."""
+        keys = self.host.config.every_api_key
         if not keys:
             return None
         header = next((value for key, value in context.invocation_metadata() or () if key == "authorization"), None)
@@ -161,7 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         key = matching_key(token, keys) if token is not None else None
         if key is None:
             raise Unauthorized(UNAUTHORIZED_MESSAGE)
-        return key_identity(key)
+        return key
 
 
 Prepare = Callable[[dict[str, Any], ModelContext], PreparedRequest]

@@ -28,7 +28,9 @@ TOO_LARGE = {"413": "Body too large"}
 API_ERRORS = {"400": "Invalid request", **UNAUTHORIZED, "404": "Unknown model", **TOO_LARGE,
               "429": "Too many waiting requests", "503": "Not serving"}
 NO_SUCH_MODEL = {"404": "No model of that name (`model_not_found`; the message names the served ones)"}
-MODEL_BUSY = {"409": "The model is serving requests (`model_busy`): retry once they are done"}
+NOT_LOADED_OR_BUSY = {"409": "The model is serving requests (`model_busy`: retry once they are done), or is not loaded "
+                             "(`model_not_loaded`: its load failed, or it was never loaded)"}
+ADMIN_ONLY = {"403": "The key is not an admin key (`admin_key_required`): managing the server needs --admin-api-key"}
 LOAD_FAILED = {"503": "The server is not serving, or the model could not be loaded or woken (the message says why; "
                       "Retry-After)"}
 NAME_NEEDED = "Bad parameters: no model named, a body that is neither JSON nor msgpack, or a one-model server"
@@ -87,21 +89,21 @@ ROUTES: dict[str, Operation] = {
     # models by hand: load and unload need several models (llama.cpp's router names); the sleep routes (vLLM's) do not
     "/models/load": Operation(
         "post", "Load a model now (or wake it); it waits until the model serves", schemas.ModelStateResponse,
-        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE,
-                                       **LOAD_FAILED}, body_required=False, model_query=True),
+        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **ADMIN_ONLY, **NO_SUCH_MODEL,
+                                       **TOO_LARGE, **LOAD_FAILED}, body_required=False, model_query=True),
     "/models/unload": Operation(
         "post", "Unload a model: its core ends, its pages and weights are freed", schemas.ModelStateResponse,
-        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY,
-                                       **TOO_LARGE}, body_required=False, model_query=True),
+        schemas.ModelNameBody, errors={"400": NAME_NEEDED, **UNAUTHORIZED, **ADMIN_ONLY, **NO_SUCH_MODEL,
+                                       **NOT_LOADED_OR_BUSY, **TOO_LARGE}, body_required=False, model_query=True),
     "/sleep": Operation(
         "post", "Put a model to sleep (none named: the default one): its KV pages are freed, its weights kept",
         schemas.ModelStateResponse, schemas.DefaultModelNameBody,
-        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **MODEL_BUSY, **TOO_LARGE,
-                "503": "Not serving"}, body_required=False, model_query=True),
+        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **ADMIN_ONLY, **NO_SUCH_MODEL, **NOT_LOADED_OR_BUSY,
+                **TOO_LARGE, "503": "Not serving"}, body_required=False, model_query=True),
     "/wake_up": Operation(
         "post", "Wake a sleeping model (none named: the default one), or load an unloaded one",
         schemas.ModelStateResponse, schemas.DefaultModelNameBody,
-        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **NO_SUCH_MODEL, **TOO_LARGE, **LOAD_FAILED},
+        errors={"400": BAD_PARAMETERS, **UNAUTHORIZED, **ADMIN_ONLY, **NO_SUCH_MODEL, **TOO_LARGE, **LOAD_FAILED},
         body_required=False, model_query=True),
     "/is_sleeping": Operation("get", "Whether a model (none named: the default one) sleeps",
                               schemas.IsSleepingResponse, errors={**UNAUTHORIZED, **NO_SUCH_MODEL,
@@ -110,10 +112,10 @@ ROUTES: dict[str, Operation] = {
     "/v1/load_lora_adapter": Operation(
         "post", "Serve a PEFT LoRA adapter under a name", None, schemas.LoadLoRAAdapterBody,
         errors={"400": f"Bad parameters, the name taken already, an adapter that does not fit, or {LORA_OFF}",
-                **UNAUTHORIZED, **TOO_LARGE, "503": "Not serving"}),
+                **UNAUTHORIZED, **ADMIN_ONLY, **TOO_LARGE, "503": "Not serving"}),
     "/v1/unload_lora_adapter": Operation(
         "post", "Stop serving a LoRA adapter", None, schemas.UnloadLoRAAdapterBody,
-        errors={"400": f"Bad parameters, or {LORA_OFF}", **UNAUTHORIZED,
+        errors={"400": f"Bad parameters, or {LORA_OFF}", **UNAUTHORIZED, **ADMIN_ONLY,
                 "404": "No adapter of that name (`model_not_found`)",
                 "409": "Requests use the adapter (`adapter_busy`): retry once they are done", **TOO_LARGE,
                 "503": "Not serving"}),

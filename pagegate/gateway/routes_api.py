@@ -11,7 +11,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagegate.engine.outputs import RequestOutput
-from pagegate.gateway.auth import request_key_identity
+from pagegate.gateway.auth import request_is_admin, request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, render_in_pieces, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import to_api_error
@@ -114,7 +114,8 @@ async def _disconnected(request: Request) -> None:
 
 async def models(request: Request) -> Response:
     host: EngineHost = request.app.state.host
-    return render({"object": "list", "data": host.model_cards()}, msgpack_body=wants_msgpack(request))
+    cards = host.model_cards(paths=request_is_admin(request.scope))
+    return render({"object": "list", "data": cards}, msgpack_body=wants_msgpack(request))
 
 
 async def model_detail(request: Request) -> Response:
@@ -122,8 +123,9 @@ async def model_detail(request: Request) -> Response:
     requested = request.path_params["model"]
     if host.several:  # any model there is, loaded or not
         host.check_serving()
-        return render(host.model_card(host.slot_for(requested).name), msgpack_body=wants_msgpack(request))
+        return render(host.model_card(host.slot_for(requested).name, request_is_admin(request.scope)),
+                      msgpack_body=wants_msgpack(request))
     model = host.listed_model()  # also while it sleeps (not woken by a look)
     name = model.resolve(requested)
-    return render(host.model_card(name), msgpack_body=wants_msgpack(request))
+    return render(host.model_card(name, request_is_admin(request.scope)), msgpack_body=wants_msgpack(request))
 

@@ -2,7 +2,7 @@
 body, optional: the default model) on any server: a sleeping model's KV pages are freed and its weights kept, and its
 next request wakes it. POST /models/load and /models/unload (llama.cpp's router names, body {"model": NAME}) need
 several models: a one-model server answers them with a 400 that says how to serve several. Behind the API keys, as
-/v1 is.
+/v1 is; every route here but GET /is_sleeping needs an admin key (pagegate.gateway.auth's NOTE).
 
 LoRA adapters at run time (vLLM's routes, behind --allow-runtime-lora as vLLM gates them): POST
 /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}."""

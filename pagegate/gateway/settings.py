@@ -70,3 +70,8 @@ class GatewayConfig:
     responses_store_path: str | None = None  # a SQLite file that keeps the store across restarts
     responses_max_input_items: int = 16384  # items in one request's input (OpenAI's bound)
     responses_pin_ttl_s: float = 600.0  # how long a stored response's pages stay pinned (within the pin budget)
+
+    @property
+    def every_api_key(self) -> list[str]:
+        """The keys that open the API: the ordinary and the admin ones (an admin key works wherever another does)."""
+        return [*self.api_keys, *self.admin_api_keys]

@@ -42,6 +42,17 @@ def test_api_key_required_on_v1(guarded: ServerProcess) -> None:
     assert httpx.post(guarded.base_url + "/tokenize", json={"prompt": "hi"}).status_code == 401
 
 
+def test_without_an_admin_key_nobody_may_manage_the_server(guarded: ServerProcess) -> None:
+    """--api-key and no --admin-api-key: every key reads the state, none changes it (pagegate.gateway.auth's NOTE)."""
+    for key in KEYS:
+        refused = httpx.post(guarded.base_url + "/sleep", headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        assert "no admin key" in refused.json()["error"]["message"]
+        asleep = httpx.get(guarded.base_url + "/is_sleeping", headers={"Authorization": f"Bearer {key}"})
+        assert asleep.status_code == 200 and asleep.json()["is_sleeping"] is False
+    assert "no --admin-api-key: the management routes" in guarded.log()
+
+
 def test_health_and_metrics_stay_open(guarded: ServerProcess) -> None:
     assert httpx.get(guarded.base_url + "/health").status_code == 200
     assert httpx.get(guarded.base_url + "/metrics").status_code == 200

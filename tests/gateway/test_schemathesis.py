@@ -185,6 +185,7 @@ def test_model_routes_walk_every_documented_answer(several_models: ServerProcess
     assert documented_call(url, "/wake_up", 200, body=second,
                            media_type="application/msgpack")["state"] == "loaded"
     assert documented_call(url, "/models/unload", 200, body=second)["state"] == "unloaded"
+    assert documented_call(url, "/sleep", 409, query=second)["error"]["code"] == "model_not_loaded"
     assert documented_call(url, "/wake_up", 200)["model"] == MODELS[0]  # none named: the default model
     for path in ("/models/load", "/models/unload"):
         assert documented_call(url, path, 400, body={})["error"]["param"] == "model"

@@ -39,7 +39,7 @@ def dashboard_routes() -> list[BaseRoute]:
 async def page(request: Request) -> Response:
     """The page itself holds no data, so it needs no key; it asks for one when the server has keys."""
     html = (STATIC / "index.html").read_text()
-    needs_key = "true" if request.app.state.host.config.api_keys else "false"
+    needs_key = "true" if request.app.state.host.config.every_api_key else "false"
     return HTMLResponse(html.replace("{{auth_required}}", needs_key), headers={"Cache-Control": "no-store"})
 
 
@@ -72,7 +72,7 @@ def _connection_abort(scope: Scope) -> Callable[[], None] | None:
 
 def audience(request: Request) -> Audience:
     """Whose request ids this viewer may see: with several API keys only its own key's, else every one."""
-    if len(set(request.app.state.host.config.api_keys)) <= 1:
+    if len(set(request.app.state.host.config.every_api_key)) <= 1:
         return EVERY_ID
     return request_key_identity(request.scope) or NOBODY
 
