@@ -22,7 +22,6 @@ from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
 from pagegate.engine.prefix_tiers import keep_asleep, move_tier_pages, write_down
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
-from pagegate.engine.sequence import Sequence
 from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import resolve_format
@@ -156,17 +155,15 @@ class ModelRunner:
                           batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
         if self.workers is not None:
             self.workers.channel.send(step)
-        # NOTE: a step holding prompt tokens runs the torch forward even where the native decoder could take it.
-        # A long prompt's prefill runs there (float32 activations over the dequantized weights), so the few prompt
-        # tokens left after a prefix hit, or a short chunk, must too: on the native step a GGUF's integer blocks
-        # take Q8-rounded activations, and a hit's tail would then write other K/V than a cold prefill did (a
-        # cached prefix changed greedy answers). Decode steps keep the native decoder.
+        # NOTE: every step runs on the native decoder where there is one, prefill included: its arithmetic is the
+        # same for a token whatever step it rides in (cpu_decode.h), so a prefix hit's tail writes the K/V a cold
+        # prefill did, and warm = cold needs no torch path.
         if self.tiers is not None:  # before anything writes the step's new pages
             move_tier_pages(self.kv_cache, self.tiers, batch.evicted, batch.tier_loads)
         # NOTE: a step with LoRA adapters' rows stays on the native decoder where the adapters sit in its C table
         # (lora/model.py); elsewhere the torch forward's hooks add their updates.
         lora_groups = self.lora.set_step([s.request.lora_name for s in seqs], starts) if self.lora else None
-        native = None if holds_prompt_tokens(seqs, counts) else self.native
+        native = self.native
         if native is not None:
             native = native.take_adapters(self.lora.table if self.lora else None, lora_groups)
         hidden = forward(self.model, self.kv_cache, step, native)
@@ -192,7 +189,3 @@ class ModelRunner:
             self.workers.close(graceful=graceful)
             self.workers = None
 
-
-def holds_prompt_tokens(seqs: list[Sequence], counts: list[int]) -> bool:
-    """Whether the step computes a prompt token of any sequence (its first new position is within the prompt)."""
-    return any(s.num_computed - n + len(s.draft) < s.num_prompt_tokens for s, n in zip(seqs, counts, strict=True))

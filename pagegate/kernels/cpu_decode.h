@@ -4,7 +4,13 @@
    logits, a second RoPE table on the sliding layers): each difference is a branch per layer or op,
    never per element, so the Llama path runs as before. The threads walk the layers together;
    each op is split over them with `omp for` (its implied barrier is the only synchronisation), so a
-   step costs no Python, no tensor allocation and no thread start per op. */
+   step costs no Python, no tensor allocation and no thread start per op.
+
+   NOTE: deterministic by construction. A token's arithmetic never depends on the tokens beside it, the
+   step's size or the thread count: activations are quantized per row, matmuls split the output rows (never
+   the sum) and take the step's rows 16 at a time through one kernel whose per-row order of addition is
+   fixed, and attention walks a token's keys in parts of a fixed span aligned to key 0, merged in order. So
+   prefill, chunked prefill, decode and any batch give a request the same bits. */
 #ifndef PAGEGATE_CPU_DECODE_H
 #define PAGEGATE_CPU_DECODE_H
 
@@ -15,12 +21,15 @@
 #include "cpu_paged.h"
 #include "cpu_qdot.h"
 
-#define PGD_MAX_TOKENS PGQ_MAX_M  /* tokens a step may hold */
+#define PGD_MAX_TOKENS 256         /* tokens one call takes (a longer step is cut into calls: cpu_decode.pyx) */
 #define PGD_MAX_GROUP 16          /* query heads per KV head */
 #define PGD_MAX_HEAD_DIM 256
 #define PGD_KEY_TILE 128          /* keys per online-softmax step */
 #define PGD_PREFETCH_BYTES 2048
-#define PGD_MAX_PARTS 8           /* key parts of one (token, KV head) of attention */
+#define PGD_PART_KEYS 256         /* keys of one attention part: a fixed span, aligned to key 0 */
+#define PGD_SPLIT_STATES 2048     /* part states a step may keep to split few (token, KV head) items over threads */
+#define PGD_TILE_GROUPS 4         /* weight row groups a thread takes together in a step of many tokens */
+#define PGD_GEMM_MIN_TOKENS 8     /* from this many tokens, integer blocks go through pgq_gemm8 where the CPU has it */
 
 /* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias. */
 typedef struct {
@@ -75,7 +84,7 @@ typedef struct {
     float *qkv;     /* [T, q + 2 kv] */
     float *gate_up; /* [T, 2 intermediate] */
     float *branch;  /* [T, hidden]: an attention / MLP output before its post-norm */
-    float *attn_parts; /* [T, kv_heads, PGD_MAX_PARTS, group * (head_dim + 2)]: attention's part states */
+    float *attn_parts; /* [PGD_SPLIT_STATES, group * (head_dim + 2)]: attention's part states */
     pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, max K / 16] */
     int token_seq[PGD_MAX_TOKENS];
 } pgd_buffers;
@@ -113,28 +122,88 @@ static void pgd_rows4_one(const pgd_linear *l, const uint8_t *w, const float *x,
     }
 }
 
-/* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, rows split over the threads:
-   x (T rows of l->k floats) for float weights, its Q8 act (filled by the caller) for integer blocks. */
+/* part[r * PGQ_GROUP + i] = x_(t0 + r) . row (first + i) for `count` (<= PGQ_MAX_M) tokens from t0: x (rows of
+   l->k floats) for float weights, its Q8 act for integer blocks. */
+static void pgd_group_dot(const pgd_model *m, const pgd_linear *l, int64_t first, int rows, const float *x,
+                          const pgq_act *act, int t0, int count, float *part) {
+    const uint8_t *w = l->data + first * l->row_bytes;
+    if (pgd_q8(m, l)) {
+        const int64_t nb = act->k / 32;
+        const pgq_act chunk = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        pgq_qdot(l->qtype, w, l->row_bytes, rows, &chunk, part, PGQ_GROUP);
+    } else if (count == 1 && rows == PGQ_GROUP) {
+        pgd_rows4_one(l, w, x + t0 * l->k, part);
+    } else {
+        for (int i = 0; i < rows; i++) pgd_row(l, w + i * l->row_bytes, x + t0 * l->k, count, part + i, PGQ_GROUP);
+    }
+}
+
+/* out[r * out_stride + first + i] (+)= part[r * part_stride + i] + bias for `count` rows from t0 and `rows` outputs. */
+static void pgd_store(const pgd_linear *l, const float *part, int64_t part_stride, int t0, int count, int64_t first,
+                      int rows, float *out, int64_t out_stride, int accumulate) {
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < rows; i++) {
+            float *o = out + (t0 + r) * out_stride + first + i;
+            const float v = part[r * part_stride + i] + (l->bias ? l->bias[first + i] : 0.0f);
+            *o = accumulate ? *o + v : v;
+        }
+}
+
+/* pgd_matmul for many tokens on integer blocks: eight weight rows at a time through pgq_gemm8 (a row's bits as the
+   few-row kernels give them), the tokens in chunks whose Q8 stays in L2 beside the tile. */
+static void pgd_matmul_gemm(const pgd_model *m, const pgd_linear *l, const pgq_act *act, int tokens, float *out,
+                            int64_t out_stride, int accumulate) {
+    const int64_t nb = act->k / 32, tiles = (l->n + PGQ_TILE_ROWS - 1) / PGQ_TILE_ROWS;
+    int chunk = (int)((256 << 10) / act->k) & ~3;
+    chunk = chunk < 16 ? 16 : chunk > PGD_MAX_TOKENS ? PGD_MAX_TOKENS : chunk;
+    for (int t0 = 0; t0 < tokens; t0 += chunk) {
+        const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
+        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        #pragma omp for schedule(static) nowait
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t first = tile * PGQ_TILE_ROWS;
+            const int rows = (int)(l->n - first < PGQ_TILE_ROWS ? l->n - first : PGQ_TILE_ROWS);
+            float part[PGD_MAX_TOKENS * PGQ_TILE_ROWS];
+            if (rows == PGQ_TILE_ROWS
+                && pgq_gemm8(l->qtype, l->data + first * l->row_bytes, l->row_bytes, &part_act, part, PGQ_TILE_ROWS)) {
+                pgd_store(l, part, PGQ_TILE_ROWS, t0, count, first, rows, out, out_stride, accumulate);
+                continue;
+            }
+            for (int g = 0; g < rows; g += PGQ_GROUP)
+                for (int c0 = 0; c0 < count; c0 += PGQ_MAX_M) {
+                    const int n = count - c0 < PGQ_MAX_M ? count - c0 : PGQ_MAX_M;
+                    const int group_rows = rows - g < PGQ_GROUP ? rows - g : PGQ_GROUP;
+                    pgd_group_dot(m, l, first + g, group_rows, NULL, act, t0 + c0, n, part);
+                    pgd_store(l, part, PGQ_GROUP, t0 + c0, n, first + g, group_rows, out, out_stride, accumulate);
+                }
+        }
+    }
+    #pragma omp barrier
+}
+
+/* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, the weight rows split over the threads
+   in tiles (one group a tile for a few tokens, PGD_TILE_GROUPS for many, so a tile's weights stay in cache while
+   the tokens pass 16 at a time). */
 static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
                        int64_t out_stride, int accumulate) {
-    const int64_t groups = (l->n + PGQ_GROUP - 1) / PGQ_GROUP;
+    if (pgd_q8(m, l) && pgq_gemm8 != NULL && tokens >= PGD_GEMM_MIN_TOKENS) {
+        pgd_matmul_gemm(m, l, act, tokens, out, out_stride, accumulate);
+        return;
+    }
+    const int64_t groups = (l->n + PGQ_GROUP - 1) / PGQ_GROUP, per_tile = tokens > PGQ_MAX_M ? PGD_TILE_GROUPS : 1;
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * PGQ_GROUP;
-        const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
-        const uint8_t *w = l->data + first * l->row_bytes;
-        float part[PGD_MAX_TOKENS * PGQ_GROUP];
-        if (pgd_q8(m, l)) pgq_qdot(l->qtype, w, l->row_bytes, rows, act, part, PGQ_GROUP);
-        else if (tokens == 1 && rows == PGQ_GROUP) pgd_rows4_one(l, w, x, part);
-        else
-            for (int i = 0; i < rows; i++)
-                pgd_row(l, w + i * l->row_bytes, x, tokens, part + i, PGQ_GROUP);
-        for (int r = 0; r < tokens; r++)
-            for (int i = 0; i < rows; i++) {
-                float *o = out + r * out_stride + first + i;
-                const float v = part[r * PGQ_GROUP + i] + (l->bias ? l->bias[first + i] : 0.0f);
-                *o = accumulate ? *o + v : v;
+    for (int64_t tile = 0; tile < (groups + per_tile - 1) / per_tile; tile++) {
+        const int64_t last_group = (tile + 1) * per_tile < groups ? (tile + 1) * per_tile : groups;
+        for (int t0 = 0; t0 < tokens; t0 += PGQ_MAX_M) {
+            const int count = tokens - t0 < PGQ_MAX_M ? tokens - t0 : PGQ_MAX_M;
+            for (int64_t g = tile * per_tile; g < last_group; g++) {
+                const int64_t first = g * PGQ_GROUP;
+                const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
+                float part[PGQ_MAX_M * PGQ_GROUP];
+                pgd_group_dot(m, l, first, rows, x, act, t0, count, part);
+                pgd_store(l, part, PGQ_GROUP, t0, count, first, rows, out, out_stride, accumulate);
             }
+        }
     }
 }
 
@@ -243,68 +312,112 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
     }
 }
 
-/* How many parts each (token, KV head) splits its keys into: one, unless the step has fewer of them than
-   four per thread (one stream of a model with few KV heads) and keys enough that each part keeps 256. */
-static int pgd_key_parts(const pgd_model *m, const pgd_step *s, int threads) {
-    const int items = s->tokens * m->num_kv_heads;
-    int longest = 0;
-    for (int seq = 0; seq < s->seqs; seq++) longest = s->seq_lens[seq] > longest ? s->seq_lens[seq] : longest;
-    int parts = (4 * threads + items - 1) / items;
-    if (parts > longest / 256) parts = longest / 256;
-    if (parts > PGD_MAX_PARTS) parts = PGD_MAX_PARTS;
-    return parts > 1 ? parts : 1;
+/* The parts of token t's keys: part p holds keys [p * PGD_PART_KEYS, (p + 1) * PGD_PART_KEYS) of those it sees. */
+static void pgd_parts(const pgd_layer *layer, const pgd_step *s, int t, int seq, int *first_part, int *parts) {
+    int first, last;
+    pgd_visible(layer, s, t, seq, &first, &last);
+    *first_part = first / PGD_PART_KEYS;
+    *parts = last / PGD_PART_KEYS - *first_part + 1;
 }
 
-/* Part `part` of `parts` of token t's keys for KV head g: its state (acc [group, d], then the rows' max and
-   sum) goes to state. */
+/* Part p of token t's keys for KV head g: its state (acc [group, d], then the rows' max and sum) into state. */
 static void pgd_attend_part(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int t, int seq, int g,
-                            int part, int parts, const float *qkv_t, float *state) {
+                            int p, const float *qkv_t, float *state) {
     const int group = m->num_heads / m->num_kv_heads;
     int first, last;
     pgd_visible(layer, s, t, seq, &first, &last);
-    const int count = last + 1 - first, lo = first + (int)((int64_t)count * part / parts);
-    const int hi = first + (int)((int64_t)count * (part + 1) / parts) - 1;
-    float *acc = state, *row_max = acc + group * m->head_dim;
-    pgd_attend_keys(m, layer, s, seq, g, qkv_t, lo, hi, acc, row_max, row_max + group);
+    const int lo = p * PGD_PART_KEYS > first ? p * PGD_PART_KEYS : first;
+    const int hi = (p + 1) * PGD_PART_KEYS - 1 < last ? (p + 1) * PGD_PART_KEYS - 1 : last;
+    float *row_max = state + group * m->head_dim;
+    pgd_attend_keys(m, layer, s, seq, g, qkv_t, lo, hi, state, row_max, row_max + group);
 }
 
-/* Token t's rows of KV head g from its parts' states: each part's sum and output rescaled to the largest max
-   (flash-decoding's merge), then normalised into out_t's heads. */
-static void pgd_merge_parts(const pgd_model *m, int g, int parts, const float *states, float *out_t) {
-    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
-    const int64_t state_size = (int64_t)group * (d + 2);
+/* total (a running state) then `part`, as one state: both rescaled to the larger max (flash-decoding's merge). The
+   parts of a token are merged into the first in key order, whoever computed them. */
+static void pgd_merge_state(int group, int d, float *total, const float *part) {
+    float *max = total + group * d, *sum = max + group;
+    const float *part_max = part + group * d, *part_sum = part_max + group;
     for (int r = 0; r < group; r++) {
-        float top = -INFINITY, sum = 0.0f;
-        float *dst = out_t + (int64_t)(g * group + r) * d;
-        for (int p = 0; p < parts; p++) top = fmaxf(top, states[p * state_size + group * d + r]);
-        memset(dst, 0, sizeof(float) * d);
-        for (int p = 0; p < parts; p++) {
-            const float *state = states + p * state_size, part_max = state[group * d + r];
-            if (part_max == -INFINITY) continue;
-            const float weight = expf(part_max - top);
-            sum += state[group * d + group + r] * weight;
-            for (int i = 0; i < d; i++) dst[i] += state[r * d + i] * weight;
-        }
-        pg_scale(dst, 1.0f / sum, d);
+        if (part_max[r] == -INFINITY) continue;
+        const float top = fmaxf(max[r], part_max[r]), a = expf(max[r] - top), b = expf(part_max[r] - top);
+        for (int i = 0; i < d; i++) total[r * d + i] = total[r * d + i] * a + part[r * d + i] * b;
+        sum[r] = sum[r] * a + part_sum[r] * b;
+        max[r] = top;
     }
 }
 
-/* Attention of every token of the step into out [T, heads * d]: (token, KV head) items on the threads, each
-   split over its keys in parts when there are too few items to keep the threads busy. */
+/* A merged state's rows, normalised, into token t's heads of KV head g. */
+static void pgd_finish_state(const pgd_model *m, int g, const float *state, float *out_t) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    for (int r = 0; r < group; r++)
+        for (int i = 0; i < d; i++)
+            out_t[(int64_t)(g * group + r) * d + i] = state[r * d + i] / state[group * d + group + r];
+}
+
+/* Token t's attention for KV head g, its parts computed and merged here, one after the other. */
+static void pgd_attend_item(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int t, int seq, int g,
+                            const float *qkv_t, float *out_t) {
+    const int group = m->num_heads / m->num_kv_heads;
+    float total[PGD_MAX_GROUP * (PGD_MAX_HEAD_DIM + 2)], part[PGD_MAX_GROUP * (PGD_MAX_HEAD_DIM + 2)];
+    int first_part, parts;
+    pgd_parts(layer, s, t, seq, &first_part, &parts);
+    pgd_attend_part(m, layer, s, t, seq, g, first_part, qkv_t, total);
+    for (int p = first_part + 1; p < first_part + parts; p++) {
+        pgd_attend_part(m, layer, s, t, seq, g, p, qkv_t, part);
+        pgd_merge_state(group, m->head_dim, total, part);
+    }
+    pgd_finish_state(m, g, total, out_t);
+}
+
+/* Whether the step's (token, KV head) items are too few to keep the threads busy, and their parts few enough to
+   keep every part's state (PGD_SPLIT_STATES): then the threads take parts, not items. */
+static int pgd_split_parts(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, const pgd_buffers *b,
+                           int threads, int *most_parts) {
+    int most = 1;
+    for (int t = 0; t < s->tokens; t++) {
+        int first_part, parts;
+        pgd_parts(layer, s, t, b->token_seq[t], &first_part, &parts);
+        most = parts > most ? parts : most;
+    }
+    *most_parts = most;
+    const int items = s->tokens * m->num_kv_heads;
+    return most > 1 && items < 4 * threads && items * most <= PGD_SPLIT_STATES;
+}
+
+/* Attention of every token of the step into out [T, heads * d]: (token, KV head) items on the threads, or, when
+   they are few, (item, part) pairs whose states are then merged in order. Either way each token's parts are the
+   same and merge in the same order, so the threads change only who computes them. */
 static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, const pgd_buffers *b,
                           const float *qkv, int64_t qkv_width, float *out, int64_t out_width) {
-    const int parts = pgd_key_parts(m, s, omp_get_num_threads()), kv_heads = m->num_kv_heads;
-    const int64_t state_size = (int64_t)(m->num_heads / kv_heads) * (m->head_dim + 2);
+    const int kv_heads = m->num_kv_heads, group = m->num_heads / kv_heads;
+    const int64_t state_size = (int64_t)group * (m->head_dim + 2);
+    int most;
+    if (!pgd_split_parts(m, layer, s, b, omp_get_num_threads(), &most)) {
+        #pragma omp for schedule(dynamic)
+        for (int item = 0; item < s->tokens * kv_heads; item++) {
+            const int t = item / kv_heads;
+            pgd_attend_item(m, layer, s, t, b->token_seq[t], item % kv_heads, qkv + t * qkv_width, out + t * out_width);
+        }
+        return;
+    }
     #pragma omp for schedule(dynamic)
-    for (int item = 0; item < s->tokens * kv_heads * parts; item++) {
-        const int t = item / (kv_heads * parts), g = item / parts % kv_heads;
-        pgd_attend_part(m, layer, s, t, b->token_seq[t], g, item % parts, parts, qkv + t * qkv_width,
-                        b->attn_parts + item * state_size);
+    for (int pair = 0; pair < s->tokens * kv_heads * most; pair++) {
+        const int item = pair / most, t = item / kv_heads, seq = b->token_seq[t];
+        int first_part, parts;
+        pgd_parts(layer, s, t, seq, &first_part, &parts);
+        if (pair % most < parts)
+            pgd_attend_part(m, layer, s, t, seq, item % kv_heads, first_part + pair % most, qkv + t * qkv_width,
+                            b->attn_parts + pair * state_size);
     }
     #pragma omp for schedule(static)
-    for (int item = 0; item < s->tokens * kv_heads; item++)
-        pgd_merge_parts(m, item % kv_heads, parts, b->attn_parts + (int64_t)item * parts * state_size,
-                        out + item / kv_heads * out_width);
+    for (int item = 0; item < s->tokens * kv_heads; item++) {
+        const int t = item / kv_heads;
+        int first_part, parts;
+        pgd_parts(layer, s, t, b->token_seq[t], &first_part, &parts);
+        float *total = b->attn_parts + (int64_t)item * most * state_size;
+        for (int p = 1; p < parts; p++) pgd_merge_state(group, m->head_dim, total, total + p * state_size);
+        pgd_finish_state(m, item % kv_heads, total, out + t * out_width);
+    }
 }
 
 /* act(gate) * up of every token into out [T, intermediate]: silu (SwiGLU) or tanh-approximated GELU

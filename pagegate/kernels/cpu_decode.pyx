@@ -107,7 +107,7 @@ cdef extern from "cpu_decode.h":
         PGD_MAX_TOKENS
         PGD_MAX_GROUP
         PGD_MAX_HEAD_DIM
-        PGD_MAX_PARTS
+        PGD_SPLIT_STATES
     void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *ids, float *x, pgd_buffers *b,
                      int threads) noexcept nogil
     void pgd_logits(const pgd_model *m, const float *x, int rows, float *logits, pgd_buffers *b,
@@ -117,7 +117,7 @@ cdef extern from "cpu_decode.h":
 
 pgq_init()
 
-MAX_TOKENS = PGD_MAX_TOKENS  # tokens one forward takes
+MAX_TOKENS = PGD_MAX_TOKENS  # tokens one forward takes (NativeDecoder cuts longer steps)
 _STEP_ERRORS = {1: "the step needs 1 to {} tokens in sequences that cover them".format(PGD_MAX_TOKENS),
                 2: "a token id, position or cache slot is out of range",
                 3: "a sequence's length or page count does not fit its block table",
@@ -386,7 +386,7 @@ cdef class DecodeModel:
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
         buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),
                    torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3), torch.empty(t * hidden),
-                   torch.empty(t * PGD_MAX_PARTS * heads * (head_dim + 2)))
+                   torch.empty(PGD_SPLIT_STATES * (heads // kv_heads) * (head_dim + 2)))
         self.buffers.normed = <float *><size_t>buffers[0].data_ptr()
         self.buffers.qkv = <float *><size_t>buffers[1].data_ptr()
         self.buffers.gate_up = <float *><size_t>buffers[2].data_ptr()

@@ -3,8 +3,15 @@
    sub-block is unpacked to 32 unsigned bytes u with w = d * u + c (d per 16 values for Q6_K), and
        w . x = d * dx * sum(u * q) + c * dx * sum(q),
    so a sub-block costs one integer dot product and one float multiply-add. The integer sums are
-   exact; only the float scales and their order of addition round. Four weight rows go through
-   together so each loaded activation block serves all four.
+   exact; only the float scales and their order of addition round.
+
+   NOTE: one order of float operations for every kernel, so a row's result never depends on the rows
+   computed with it (batch invariance): per row, f = 0, then for each 32-block b in order
+       f = fma(float(isum), d * dx, f),  f = fma(c, s0 + s1, f)
+   with isum the block's exact integer sum (Q6_K: its two halves, each with its own d and c:
+   fma(isum0, d0 dx), fma(isum1, d1 dx), fma(c0, s0), fma(c1, s1); Q8_0: isum = sum(w q), no c).
+   The few-row kernels take four weight rows at once; the VNNI GEMM (many rows) puts eight weight
+   rows in the lanes of a vector; the portable C is scalar: all three give the same bits.
 
    Three builds of the kernels: AVX-512 VNNI on 256-bit vectors (vpdpbusd), AVX2 (vpmaddubsw)
    and portable C; the CPU picks one when
@@ -105,28 +112,39 @@ static inline void pgq_unpack(int qtype, const uint8_t *row, int64_t b, uint8_t 
     c[1] = c[0];
 }
 
+/* Row i's block b against activation block x of row r, in the canonical order (the NOTE above) into f. */
+static inline float pgq_block_plain(int qtype, const uint8_t *w, int64_t b, const pgq_act *a, int64_t x, float f) {
+    uint8_t u[32];
+    float d[2], c[2];
+    pgq_unpack(qtype, w, b, u, d, c);
+    const int8_t *q = a->q + x * 32;
+    int sum[2] = {0, 0}, qsum = 0;
+    for (int l = 0; l < 32; l++) {
+        sum[l / 16] += u[l] * q[l];
+        qsum += q[l];
+    }
+    const float dx = a->d[x], s0 = a->s[2 * x], s1 = a->s[2 * x + 1];
+    if (qtype == PGQ_Q6_K) {
+        f = fmaf((float)sum[0], d[0] * dx, f);
+        f = fmaf((float)sum[1], d[1] * dx, f);
+        f = fmaf(c[0], s0, f);
+        return fmaf(c[1], s1, f);
+    }
+    if (qtype == PGQ_Q8_0) return fmaf((float)(sum[0] + sum[1] - 128 * qsum), d[0] * dx, f);  /* u = w + 128 */
+    f = fmaf((float)(sum[0] + sum[1]), d[0] * dx, f);
+    return fmaf(c[0], s0 + s1, f);
+}
+
 /* out[r * out_stride + i] = row i . x_r for the `rows` (<= PGQ_GROUP) weight rows at w, w + row_bytes, ... */
 static void pgq_qdot_plain(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
                            float *out, int64_t out_stride) {
     const int64_t nb = a->k / 32;
-    float acc[PGQ_MAX_M * PGQ_GROUP] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        for (int i = 0; i < rows; i++) {
-            uint8_t u[32];
-            float d[2], c[2];
-            pgq_unpack(qtype, w + i * row_bytes, b, u, d, c);
-            for (int r = 0; r < a->m; r++) {
-                const int8_t *q = a->q + r * a->k + b * 32;
-                const int64_t x = r * nb + b;
-                int sum[2] = {0, 0};
-                for (int l = 0; l < 32; l++) sum[l / 16] += u[l] * q[l];
-                acc[r * PGQ_GROUP + i] += a->d[x] * (d[0] * (float)sum[0] + d[1] * (float)sum[1])
-                                          + c[0] * a->s[2 * x] + c[1] * a->s[2 * x + 1];
-            }
-        }
-    }
     for (int r = 0; r < a->m; r++)
-        for (int i = 0; i < rows; i++) out[r * out_stride + i] = acc[r * PGQ_GROUP + i];
+        for (int i = 0; i < rows; i++) {
+            float f = 0.0f;
+            for (int64_t b = 0; b < nb; b++) f = pgq_block_plain(qtype, w + i * row_bytes, b, a, r * nb + b, f);
+            out[r * out_stride + i] = f;
+        }
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -212,7 +230,10 @@ static int pgq_has_vnni(void) {
     return pgq_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
            && __builtin_cpu_supports("avx512bw");
 }
+#include "cpu_qgemm.h"
 #else
+static int pgq_gemm8_vnni(int qtype, const uint8_t *w, int64_t row_bytes, const pgq_act *a, float *out,
+                          int64_t out_stride) { return 0; }
 static void pgq_qdot_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
                           float *out, int64_t out_stride) {}
 static void pgq_qdot_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
@@ -221,14 +242,19 @@ static int pgq_has_vnni(void) { return 0; }
 #endif
 
 typedef void (*pgq_qdot_fn)(int, const uint8_t *, int64_t, int, const pgq_act *, float *, int64_t);
+typedef int (*pgq_gemm8_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
 static pgq_qdot_fn pgq_qdot = pgq_qdot_plain;
+static pgq_gemm8_fn pgq_gemm8 = NULL;  /* eight weight rows against many activation rows; NULL: none on this ISA */
 static const char *pgq_isa = "portable";
 
 /* Use the named kernels ("vnni", "avx2", "portable") if this CPU runs them; returns whether it does. */
 static int pgq_set_isa(const char *name) {
-    if (!strcmp(name, "vnni") && pgq_has_vnni()) { pgq_qdot = pgq_qdot_vnni; pgq_isa = "vnni"; return 1; }
-    if (!strcmp(name, "avx2") && pgq_has_avx2()) { pgq_qdot = pgq_qdot_avx2; pgq_isa = "avx2"; return 1; }
-    if (!strcmp(name, "portable")) { pgq_qdot = pgq_qdot_plain; pgq_isa = "portable"; return 1; }
+    if (!strcmp(name, "vnni") && pgq_has_vnni()) {
+        pgq_qdot = pgq_qdot_vnni, pgq_gemm8 = pgq_gemm8_vnni, pgq_isa = "vnni";
+        return 1;
+    }
+    if (!strcmp(name, "avx2") && pgq_has_avx2()) { pgq_qdot = pgq_qdot_avx2, pgq_gemm8 = NULL, pgq_isa = "avx2"; return 1; }
+    if (!strcmp(name, "portable")) { pgq_qdot = pgq_qdot_plain, pgq_gemm8 = NULL, pgq_isa = "portable"; return 1; }
     return 0;
 }
 static void pgq_init(void) {

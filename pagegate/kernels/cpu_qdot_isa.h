@@ -7,95 +7,89 @@
 #define PGQ_CAT(a, b) PGQ_CAT2(a, b)
 #define PGQ_FN(name) PGQ_CAT(name, PGQ_ISA)
 
-/* `rows` weight rows against the m activation rows of a; qtype, rows and m are constants where
-   this is inlined, so each case compiles to its own loop with the accumulators in registers. */
+/* Four weight rows' unpacked block b: the bytes u[i], and as vectors over the rows (lane i: row i) the scales d0, d1
+   and offsets c0, c1 of the block's halves (one scale but for Q6_K); rows past `rows` are zero. */
+typedef struct {
+    __m256i u[PGQ_GROUP];
+    __m128 d0, d1, c0, c1;
+} PGQ_FN(pgq_quad);
+
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_unpack4)(const int qtype, const uint8_t *w, int64_t row_bytes, const int rows,
+                                               int64_t b, int prefetch, PGQ_FN(pgq_quad) *out) {
+    float d0[PGQ_GROUP] = {0}, d1[PGQ_GROUP] = {0}, c0[PGQ_GROUP] = {0}, c1[PGQ_GROUP] = {0};
+    #pragma GCC unroll 4
+    for (int i = 0; i < PGQ_GROUP; i++) {
+        if (i >= rows) {
+            out->u[i] = _mm256_setzero_si256();
+            continue;
+        }
+        const uint8_t *row = w + i * row_bytes;
+        if (prefetch) _mm_prefetch((const char *)pgq_block_of(qtype, row, b) + PGQ_PREFETCH, _MM_HINT_T0);
+        __m256 d;
+        float c[2];
+        out->u[i] = pgq_unpack_avx2(qtype, row, b, &d, c);
+        d0[i] = _mm256_cvtss_f32(d);
+        d1[i] = _mm_cvtss_f32(_mm256_extractf128_ps(d, 1));
+        c0[i] = c[0];
+        c1[i] = c[1];
+    }
+    out->d0 = _mm_loadu_ps(d0);
+    out->d1 = _mm_loadu_ps(d1);
+    out->c0 = _mm_loadu_ps(c0);
+    out->c1 = _mm_loadu_ps(c1);
+}
+
+/* acc (lane i: row i) += activation block x of a against the four rows of `quad`, in the canonical order. */
+PGQ_TARGET PGQ_INLINE __m128 PGQ_FN(pgq_quad_step)(const int qtype, const PGQ_FN(pgq_quad) *quad, const pgq_act *a,
+                                                   int64_t x, __m128 acc) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + x * 32));
+    __m256i dot[PGQ_GROUP];
+    #pragma GCC unroll 4
+    for (int i = 0; i < PGQ_GROUP; i++)  /* Q8_0: |w| . (q with w's sign) = w . q */
+        dot[i] = qtype == PGQ_Q8_0 ? PGQ_DOT(_mm256_sign_epi8(quad->u[i], quad->u[i]), _mm256_sign_epi8(q, quad->u[i]))
+                                   : PGQ_DOT(quad->u[i], q);
+    /* lane i of the low half: row i's sum over values 0-15, of the high half: over values 16-31 (exact) */
+    const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_hadd_epi32(dot[2], dot[3]));
+    const __m128i low = _mm256_castsi256_si128(sums), high = _mm256_extracti128_si256(sums, 1);
+    const __m128 dx = _mm_set1_ps(a->d[x]);
+    if (qtype == PGQ_Q6_K) {
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(low), _mm_mul_ps(quad->d0, dx), acc);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(high), _mm_mul_ps(quad->d1, dx), acc);
+        acc = _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[2 * x]), acc);
+        return _mm_fmadd_ps(quad->c1, _mm_set1_ps(a->s[2 * x + 1]), acc);
+    }
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(low, high)), _mm_mul_ps(quad->d0, dx), acc);
+    if (qtype == PGQ_Q8_0) return acc;
+    return _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[2 * x] + a->s[2 * x + 1]), acc);
+}
+
+/* `rows` (<= 4) weight rows against the m activation rows of a; qtype and m are constants where this is inlined.
+   One activation row (a decode step) prefetches each weight row PGQ_PREFETCH bytes ahead, four streams the
+   hardware prefetcher alone keeps too short. */
 PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t *w, int64_t row_bytes,
                                                  const int rows, const pgq_act *a, const int m,
                                                  float *out, int64_t out_stride) {
     const int64_t nb = a->k / 32;
-    __m256 acc[PGQ_MAX_M * PGQ_GROUP];
-    float corr[PGQ_MAX_M * PGQ_GROUP];
-    #pragma GCC unroll 64
-    for (int i = 0; i < m * PGQ_GROUP; i++) {
-        acc[i] = _mm256_setzero_ps();
-        corr[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i u[PGQ_GROUP];
-        __m256 d[PGQ_GROUP];
-        float c[PGQ_GROUP][2];
-        #pragma GCC unroll 4
-        for (int i = 0; i < rows; i++) u[i] = pgq_unpack_avx2(qtype, w + i * row_bytes, b, &d[i], c[i]);
-        #pragma GCC unroll 16
-        for (int r = 0; r < m; r++) {
-            const int64_t x = r * nb + b;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + x * 32));
-            const __m256 dx = _mm256_set1_ps(a->d[x]);
-            const float s0 = a->s[2 * x], s1 = a->s[2 * x + 1], s01 = s0 + s1;
-            #pragma GCC unroll 4
-            for (int i = 0; i < rows; i++) {
-                __m256i dot;
-                if (qtype == PGQ_Q8_0) {  /* |w| . (q with w's sign): no correction term */
-                    dot = PGQ_DOT(_mm256_sign_epi8(u[i], u[i]), _mm256_sign_epi8(q, u[i]));
-                } else {
-                    dot = PGQ_DOT(u[i], q);  /* one offset a sub-block but for Q6_K's two halves */
-                    corr[r * PGQ_GROUP + i] += qtype == PGQ_Q6_K ? c[i][0] * s0 + c[i][1] * s1 : c[i][0] * s01;
-                }
-                acc[r * PGQ_GROUP + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[i], dx),
-                                                         acc[r * PGQ_GROUP + i]);
-            }
-        }
-    }
+    __m128 acc[PGQ_MAX_M];
     #pragma GCC unroll 16
-    for (int r = 0; r < m; r++)
-        #pragma GCC unroll 4
-        for (int i = 0; i < rows; i++)
-            out[r * out_stride + i] = pgq_hsum(acc[r * PGQ_GROUP + i]) + corr[r * PGQ_GROUP + i];
-}
-
-/* pgq_qdot_body for one activation row (a decode step) and PGQ_GROUP weight rows: its few accumulators stay in
-   registers (the body's 64 are kept on the stack), and each weight row is prefetched PGQ_PREFETCH bytes ahead,
-   four streams the hardware prefetcher alone keeps too short. */
-PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_one)(const int qtype, const uint8_t *w, int64_t row_bytes, const pgq_act *a,
-                                                float *out) {
-    const int64_t nb = a->k / 32;
-    __m256 acc[PGQ_GROUP];
-    float corr[PGQ_GROUP];
-    #pragma GCC unroll 4
-    for (int i = 0; i < PGQ_GROUP; i++) {
-        acc[i] = _mm256_setzero_ps();
-        corr[i] = 0.0f;
-    }
+    for (int r = 0; r < m; r++) acc[r] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + b * 32));
-        const __m256 dx = _mm256_set1_ps(a->d[b]);
-        const float s0 = a->s[2 * b], s1 = a->s[2 * b + 1], s01 = s0 + s1;
-        #pragma GCC unroll 4
-        for (int i = 0; i < PGQ_GROUP; i++) {
-            const uint8_t *row = w + i * row_bytes;
-            _mm_prefetch((const char *)pgq_block_of(qtype, row, b) + PGQ_PREFETCH, _MM_HINT_T0);
-            __m256 d;
-            float c[2];
-            const __m256i u = pgq_unpack_avx2(qtype, row, b, &d, c);
-            __m256i dot;
-            if (qtype == PGQ_Q8_0) {
-                dot = PGQ_DOT(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
-            } else {
-                dot = PGQ_DOT(u, q);
-                corr[i] += qtype == PGQ_Q6_K ? c[0] * s0 + c[1] * s1 : c[0] * s01;
-            }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc[i]);
-        }
+        PGQ_FN(pgq_quad) quad;
+        PGQ_FN(pgq_unpack4)(qtype, w, row_bytes, rows, b, m == 1, &quad);
+        #pragma GCC unroll 16
+        for (int r = 0; r < m; r++) acc[r] = PGQ_FN(pgq_quad_step)(qtype, &quad, a, r * nb + b, acc[r]);
     }
-    #pragma GCC unroll 4
-    for (int i = 0; i < PGQ_GROUP; i++) out[i] = pgq_hsum(acc[i]) + corr[i];
+    for (int r = 0; r < m; r++) {
+        float lanes[PGQ_GROUP];
+        _mm_storeu_ps(lanes, acc[r]);
+        for (int i = 0; i < rows; i++) out[r * out_stride + i] = lanes[i];
+    }
 }
 
 #define PGQ_CASE(T)                                                                              \
     case T:                                                                                      \
-        if (rows == PGQ_GROUP && a->m == 1) PGQ_FN(pgq_qdot_one)(T, w, row_bytes, a, out);       \
-        else if (rows == PGQ_GROUP) PGQ_FN(pgq_qdot_body)(T, w, row_bytes, PGQ_GROUP, a, a->m, out, out_stride);     \
-        else PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, a->m, out, out_stride);              \
+        if (a->m == 1) PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, 1, out, out_stride);      \
+        else PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, a->m, out, out_stride);             \
         break;
 
 /* pgq_qdot_plain's contract, on this instruction set. */

@@ -16,8 +16,8 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, pgq_act, pgq_dequantize_row, pgq_init, pgq_isa,
-                                        pgq_qdot, pgq_quantize_row, pgq_row, pgq_set_isa)
+from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, pgq_act, pgq_dequantize_row, pgq_gemm8, pgq_init,
+                                        pgq_isa, pgq_qdot, pgq_quantize_row, pgq_row, pgq_set_isa)
 
 import torch
 
@@ -93,31 +93,44 @@ def dequantize(blocks, int qtype, int k, rows=None):
     return out
 
 
-def matmul_q8(x, blocks, int qtype):
-    """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32."""
+def matmul_q8(x, blocks, int qtype, bint gemm=False):
+    """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32. `gemm`: whole
+    tiles of eight weight rows through the many-row kernel where this ISA has one (the same bits: cpu_qdot.h)."""
     cdef int k = x.shape[1]
     _check(blocks, qtype, k)
     if qtype not in INTEGER_TYPES:
         raise ValueError(f"ggml type {qtype} is a float format; use matmul")
     x = _float_input(x)
-    cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], start, r, g
+    cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], r, g, nb = k // 32
     out = torch.empty((m, n), dtype=torch.float32)
-    q8 = torch.empty(min(m, PGQ_MAX_M) * k, dtype=torch.int8)
-    scales = torch.empty(min(m, PGQ_MAX_M) * (k // 32) * 3, dtype=torch.float32)
+    q8 = torch.empty(max(m, 1) * k, dtype=torch.int8)
+    scales = torch.empty(max(m, 1) * nb * 3, dtype=torch.float32)
     cdef pgq_act act
-    act.k = k
+    act.k, act.m = k, m
     act.q = <int8_t *><size_t>q8.data_ptr()
     act.d = <float *><size_t>scales.data_ptr()
-    act.s = act.d + min(m, PGQ_MAX_M) * (k // 32)
+    act.s = act.d + max(m, 1) * nb
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
-    cdef int64_t groups = (n + PGQ_GROUP - 1) // PGQ_GROUP
-    for start in range(0, m, PGQ_MAX_M):
-        act.m = min(PGQ_MAX_M, m - start)
-        for r in range(act.m):
-            pgq_quantize_row(xp + (start + r) * k, &act, r, 0, k // 32)
-        for g in prange(groups, nogil=True, schedule="static"):
-            pgq_qdot(qtype, w + g * PGQ_GROUP * row_bytes, row_bytes, min(PGQ_GROUP, n - g * PGQ_GROUP), &act,
-                     op + start * n + g * PGQ_GROUP, n)
+    for r in range(m):
+        pgq_quantize_row(xp + r * k, &act, r, 0, nb)
+    cdef int64_t tiles = n // 8 if gemm and pgq_gemm8 != NULL and m > 0 else 0
+    for g in prange(tiles, nogil=True, schedule="static"):
+        pgq_gemm8(qtype, w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, n)
+    for g in prange(tiles * 2, (n + PGQ_GROUP - 1) // PGQ_GROUP, nogil=True, schedule="static"):
+        _qdot_rows(qtype, w + g * PGQ_GROUP * row_bytes, row_bytes, min(PGQ_GROUP, n - g * PGQ_GROUP), &act,
+                   op + g * PGQ_GROUP, n)
     return out
+
+
+cdef void _qdot_rows(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *act, float *out,
+                     int64_t n) noexcept nogil:
+    """pgq_qdot over every activation row of act, PGQ_MAX_M at a time."""
+    cdef pgq_act chunk
+    cdef int64_t start = 0, nb = act.k // 32
+    while start < act.m:
+        chunk.k, chunk.m = act.k, min(PGQ_MAX_M, act.m - start)
+        chunk.q, chunk.d, chunk.s = act.q + start * act.k, act.d + start * nb, act.s + 2 * start * nb
+        pgq_qdot(qtype, w, row_bytes, rows, &chunk, out + start * n, n)
+        start += PGQ_MAX_M

@@ -96,6 +96,28 @@ def test_matmul_q8_is_q8_activations_times_the_exact_weights(qtype: Q, m: int, n
         cpu_quant.set_isa(ISAS[0])
 
 
+@settings(max_examples=60, deadline=None)
+@given(qtype=st.sampled_from(INTEGER), m=st.integers(1, 40), n=st.integers(1, 27), blocks_per_row=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q, m: int, n: int,
+                                                                         blocks_per_row: int, seed: int) -> None:
+    """Batch invariance at its root: each row of matmul_q8 is the same bits alone, in a batch, through the many-row
+    GEMM or the few-row kernels, and on every instruction set (one canonical order of float operations)."""
+    k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
+    blocks, _ = quantized(qtype, n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    try:
+        results = []
+        for isa in ISAS:
+            assert cpu_quant.set_isa(isa)
+            results += [cpu_quant.matmul_q8(x, blocks, int(qtype), gemm=True), cpu_quant.matmul_q8(x, blocks, int(qtype))]
+            results.append(torch.cat([cpu_quant.matmul_q8(x[i:i + 1], blocks, int(qtype)) for i in range(m)]))
+    finally:
+        cpu_quant.set_isa(ISAS[0])
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
 def test_the_fastest_instruction_set_is_chosen() -> None:
     assert cpu_quant.isa() == ISAS[0]
     assert not cpu_quant.set_isa("sse1")

@@ -1,12 +1,14 @@
-"""The native decode step: a Llama-family model's small steps (decodes, a few tokens) run as one C call
-(pagegate.kernels.cpu_decode) instead of a few hundred torch ops. Llama, Mistral, Qwen2, Phi-3, Qwen3
-(QK-norm) and Gemma 2 / 3 (four norms, GeGLU, scaled embedding, soft-caps, local RoPE) all run there. The torch forward stays the oracle:
-larger steps (prefill) run there, and the "reference" kernel backend keeps every step there."""
+"""The native step: every step of a Llama-family model (prefill chunks, decodes, mixed and wide batches) runs as
+C calls (pagegate.kernels.cpu_decode) instead of a few hundred torch ops, and so do its logits. Llama, Mistral,
+Qwen2, Phi-3, Qwen3 (QK-norm) and Gemma 2 / 3 (four norms, GeGLU, scaled embedding, soft-caps, local RoPE) all run
+there. The torch forward stays the oracle and the CUDA path: the "reference" kernel backend keeps every step there."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,7 +21,9 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
-from pagegate.kernels.quant import F32, FUSED_MAX_ROWS
+from pagegate.kernels.quant import F32
+
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]  # a LoRATable's (slot, start, token) of one step
 
 
 def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
@@ -98,7 +102,7 @@ class NativeDecoder:
             return None
 
     def takes(self, step: StepInputs) -> bool:
-        return 0 < len(step.input_ids) <= self.max_tokens
+        return len(step.input_ids) > 0
 
     def take_adapters(self, table: Any | None, groups: Any | None) -> NativeDecoder | None:
         """This decoder for the next step, whose tokens `groups` (a cpu_decode.LoRATable's groups; None: none) run
@@ -112,13 +116,51 @@ class NativeDecoder:
         return self
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's tokens (each with its adapter's updates, if any)."""
+        """Final hidden states [T, hidden] of the step's tokens (each with its adapter's updates, if any); a step of
+        more than max_tokens runs as consecutive calls, each writing its K/V before the next attends to it."""
         table, groups = self.adapters or (None, None)
-        return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                                         step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups)
+        if len(step.input_ids) <= self.max_tokens:
+            return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                                             step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups)
+        return torch.cat([self.kernel_model.forward(*part, lora=table, lora_groups=part_groups)
+                          for part, part_groups in _cut(step, groups, self.max_tokens)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of a few rows on the kernel (one pass over the LM head); more rows are the model's GEMM."""
-        if hidden.shape[0] > FUSED_MAX_ROWS:
-            return self.model.compute_logits(hidden)
+        """Logits of any number of rows on the kernel, each row's as it would be alone."""
         return self.kernel_model.logits(hidden)
+
+
+def _cut(step: StepInputs, groups: Groups | None, size: int) -> Iterator[tuple[tuple[np.ndarray, ...], Groups | None]]:
+    """The step's tokens `size` at a time, as steps of their own: a sequence cut across two parts is, in the first,
+    as long as its last token there. NOTE: a token's arithmetic does not depend on the tokens beside it
+    (cpu_decode.h), so the parts compute what one call would."""
+    starts, lens = step.query_start_loc, step.seq_lens
+    slots = _row_slots(groups, len(step.input_ids)) if groups is not None else None
+    for t0 in range(0, len(step.input_ids), size):
+        t1 = min(t0 + size, len(step.input_ids))
+        first, last = np.searchsorted(starts, t0, "right") - 1, np.searchsorted(starts, t1, "left")
+        begin = np.maximum(starts[first:last], t0)
+        end = np.minimum(starts[first + 1:last + 1], t1)
+        part_lens = (lens[first:last] - (starts[first + 1:last + 1] - end)).astype(np.int32)
+        part_starts = np.concatenate(([0], np.cumsum(end - begin))).astype(np.int32)
+        arrays = (step.input_ids[t0:t1], step.positions[t0:t1], step.slot_mapping[t0:t1],
+                  np.ascontiguousarray(step.block_tables[first:last]), part_lens, part_starts)
+        yield arrays, None if slots is None else _groups_of(slots[t0:t1])
+
+
+def _row_slots(groups: Groups, tokens: int) -> np.ndarray:
+    slot, start, token = groups
+    row_slots = np.full(tokens, -1, np.int32)
+    for i in range(len(slot)):
+        row_slots[token[start[i]:start[i + 1]]] = slot[i]
+    return row_slots
+
+
+def _groups_of(row_slots: np.ndarray) -> Groups | None:
+    """Rows with a slot grouped by it, in row order (lora.model.slot_groups' layout); None when no row has one."""
+    adapted = np.flatnonzero(row_slots >= 0)
+    if not len(adapted):
+        return None
+    rows = adapted[np.argsort(row_slots[adapted], kind="stable")].astype(np.int32)
+    slots, firsts = np.unique(row_slots[rows], return_index=True)
+    return slots.astype(np.int32), np.append(firsts, len(rows)).astype(np.int32), rows

@@ -1,4 +1,4 @@
-"""The native decode step (pagegate.engine.models.native) against the torch forward, its oracle: token for token
+"""The native step (pagegate.engine.models.native) against the torch forward, its oracle: token for token
 where the arithmetic is the same (float32 weights; blocks in exact mode), on every block type the loader keeps."""
 
 from __future__ import annotations
@@ -60,13 +60,21 @@ def test_block_types_decode_token_for_token_in_exact_mode(qtype: Q, wide_model: 
     assert greedy(path, "exact", monkeypatch) == greedy(path, "torch", monkeypatch)
 
 
-def test_the_torch_path_takes_what_the_native_one_does_not(llama_model: SavedModel, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps past MAX_TOKENS (a long prompt's prefill) run on torch, and the native decode steps after them
-    read the pages torch wrote."""
-    long_prompt = [list(range(3, 3 + 2 * cpu_decode.MAX_TOKENS + 5))]
-    assert greedy(llama_model.path, "q8", monkeypatch, prompts=long_prompt) == \
-        greedy(llama_model.path, "torch", monkeypatch, prompts=long_prompt)
+def native_logprobs(model: str | Path, max_tokens: int, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:
+    """Greedy logprobs of every prompt in one batch, the native decoder taking at most `max_tokens` a call."""
+    llm = LLM(str(model), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    assert llm.engine.runner.native is not None
+    llm.engine.runner.native.max_tokens = max_tokens
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    return [[lp.logprob for lp in o.outputs[0].logprobs]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_step_cut_into_calls_computes_what_one_call_does(llama_model: SavedModel) -> None:
+    """A prefill of every prompt at once, cut across sequences into calls of 5 tokens (each writing its K/V before
+    the next attends to it), gives every logprob's bits of one call."""
+    assert sum(map(len, PROMPTS)) > 5
+    assert native_logprobs(llama_model.path, 5) == native_logprobs(llama_model.path, cpu_decode.MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
