@@ -233,7 +233,7 @@ def _lora_flags(group: argparse._ArgumentGroup) -> None:
                        help="adapters served by name from the start: name=path (a PEFT folder or a GGUF LoRA file) "
                             'or JSON \'{"name": ..., "path": ...}\'')
     group.add_argument("--max-loras", type=_positive(int), default=defaults.max_loras,
-                       help="adapters resident at once; idle ones beyond are evicted LRU and read again on demand")
+                       help="adapters resident at once; idle ones beyond are evicted LRU and paged in again on demand")
     group.add_argument("--max-lora-rank", type=_positive(int), default=defaults.max_lora_rank,
                        help="the largest adapter rank accepted")
     group.add_argument("--allow-runtime-lora", action="store_true",
