@@ -33,6 +33,7 @@ class Engine:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
                                        runner.max_model_len, config.speculative, runner.draft, runner.tiers,
                                        runner.lora)
+            self.scheduler.generates = runner.serves.generate  # an encoder's embeddings run in whole steps
             runner.bind(self.scheduler.tables)
             self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers, runner.lora)
         except BaseException:

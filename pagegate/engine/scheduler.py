@@ -35,14 +35,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
-# NOTE: while generations wait or run, embedding requests (prefill-only, pooled: pooling.py) may take at most this
-# share of a step's token budget, and a generation may be admitted past waiting embeddings once that share is spent.
-# An embedding request of 48 x 2,000 tokens is ~50 full steps of prefill: under plain FCFS a 16-token completion
-# sent after it waited for all of them; with a share, each of its decode steps carries one embedding chunk and the
-# embeddings still advance every step (no starvation either way). Alone, embeddings take the whole budget. An eighth
-# (256 of 2,048 tokens): the chunk sets how much slower each of the generation's steps is, and what the embeddings
-# lose while it runs is a step's fixed cost per chunk. bench/embed_starvation.py measures both (README, Security).
-POOLING_SHARE = 0.125
+# NOTE: embedding requests (prefill-only, pooled: pooling.py) run in slices, alone too: a step holds at most a slice
+# of their tokens, sized so that a step holding one takes about POOLING_SLICE_S (halved or doubled at most per slice,
+# within [POOLING_SLICE_MIN, the token budget]), since a generation that arrives waits for the slice in flight. While
+# generations wait or run, embeddings take at most POOLING_SHARE of the engine's time: a step holding a slice that took
+# t seconds is followed by t * (1 - share) / share seconds of steps without embedding work (a generation may be
+# admitted past waiting embeddings), unless nothing else can run. Time, not tokens: a slice and a decode step differ in
+# cost by two to three orders of magnitude, model by model and machine by machine. The old rule (an eighth of every
+# step's tokens) put a 256-token chunk into each decode step of a short completion, a prefill's cost in every one (on
+# a GGUF, every weight decoded again), after a whole 2,048-token step in flight: bench/embed_starvation.py, issue 64.
+POOLING_SHARE = 0.5
+POOLING_SLICE_S = 0.5
+POOLING_SLICE_MIN = 64  # tokens: fewer would pay a step's fixed cost for too little work
+POOLING_WINDOW_MAX_S = 5.0  # the longest run of generation-only steps one slice earns
 DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
 
 
@@ -100,6 +105,13 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.pooling: set[Sequence] = set()  # the embedding sequences in the queues above
         self._pooling_left = 0  # tokens embedding sequences may still take in the step being scheduled
+        self._slice_began: float | None = None  # `now` of the last step if it held embedding tokens
+        self._slice_seqs: list[Sequence] = []  # and the embedding sequences it held
+        self._slice = 4 * POOLING_SLICE_MIN  # tokens of the next slice (POOLING_SLICE_S)
+        self._generations_until = 0.0  # before this, steps hold no embedding work while generations wait or run
+        # False for an engine that serves embeddings alone (an encoder): its embeddings take whole steps, since no
+        # generation can come to wait behind a slice
+        self.generates = True
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
@@ -227,12 +239,30 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> ScheduledBatch:
         now = time.monotonic() if now is None else now
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
-        self._pooling_left = self._pooling_budget(budget)
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
         if self.speculator is not None:
             self.speculator.propose(self.running)
+        pooling = self._pooling_budget(now)
+        self._fill(batch, pooling, now)
+        if not batch.seqs and not batch.preempted and pooling == 0 and self.pooling:
+            self._fill(batch, self._slice_tokens(), now)  # nothing else could run: the engine does not idle
+        self._slice_seqs = [seq for seq in batch.seqs if seq.pools]
+        self._slice_began = now if self._slice_seqs else None
+        batch.copies = self.tables.take_cow_pairs()
+        if self.tiers is not None:
+            batch.evicted = self.pool.take_evicted()
+            if not batch.seqs:
+                self.tiers.wait_for_disk(DISK_WAIT_S)
+        self.cap.update(now, len(self.running), batch.preempted, self.pool.num_used_blocks / self.pool.num_blocks,
+                        len(self.waiting) + len(self.swapped))
+        return batch
+
+    def _fill(self, batch: ScheduledBatch, pooling: int, now: float) -> None:
+        """Add to `batch` the running sequences' next tokens, then swapped ones coming back, then new ones, within
+        the step's token budget and, for embedding sequences, `pooling` tokens."""
+        budget = self.config.max_num_batched_tokens - batch.num_batched_tokens
+        self._pooling_left = pooling
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -242,7 +272,7 @@ class Scheduler:
                 if added:
                     continue
             n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
-            if n == 0:  # an embedding whose share of this step is spent: the next sequences still run
+            if n == 0:  # an embedding whose slice is spent or not due: the next sequences still run
                 i += 1
                 continue
             if not self._make_room(seq, n, batch, now):
@@ -256,20 +286,26 @@ class Scheduler:
             budget = self._swap_in(batch, budget, now)
             if not self.swapped:
                 self._admit(batch, budget, now)
-        batch.copies = self.tables.take_cow_pairs()
-        if self.tiers is not None:
-            batch.evicted = self.pool.take_evicted()
-            if not batch.seqs:
-                self.tiers.wait_for_disk(DISK_WAIT_S)
-        self.cap.update(now, len(self.running), batch.preempted, self.pool.num_used_blocks / self.pool.num_blocks,
-                        len(self.waiting) + len(self.swapped))
-        return batch
 
-    def _pooling_budget(self, budget: int) -> int:
-        """The tokens embedding sequences may take this step: all of them alone, POOLING_SHARE beside generations."""
-        if 0 < len(self.pooling) < self.num_unfinished:
-            return max(1, int(budget * POOLING_SHARE))
-        return budget
+    def _pooling_budget(self, now: float) -> int:
+        """The tokens embedding sequences may take this step (POOLING_SHARE): a slice, or none while generations
+        have the engine for the share of time the last slice earned them."""
+        if self._slice_began is not None and any(seq in self.pooling for seq in self._slice_seqs):
+            # the last step held a slice and the engine was busy since (its embeddings are not all done): it took
+            # until now
+            took = min(now - self._slice_began, POOLING_WINDOW_MAX_S)
+            self._generations_until = now + took * (1 - POOLING_SHARE) / POOLING_SHARE
+            factor = min(2.0, max(0.5, POOLING_SLICE_S / took)) if took > 0 else 2.0
+            self._slice = max(POOLING_SLICE_MIN, int(self._slice * factor))
+        self._slice_began = None
+        if 0 < len(self.pooling) < self.num_unfinished and now < self._generations_until:
+            return 0
+        return self._slice_tokens()
+
+    def _slice_tokens(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        self._slice = min(self._slice, budget)
+        return self._slice if self.generates else budget
 
     def _allowance(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest."""
@@ -427,7 +463,7 @@ class Scheduler:
         for seq in self._waiting_by_urgency(now):
             allowance = self._allowance(seq, budget)
             if allowance <= 0 < budget:
-                continue  # an embedding whose share is spent: generations behind it may pass (POOLING_SHARE)
+                continue  # an embedding whose slice is spent or not due: generations behind it may pass
             wanted = seats(seq)
             # NOTE: an n > 1 prompt is admitted only when all n choices fit, under the running cap and in the
             # block tables' slots, since it forks into them at once; one that fits nothing waits for an empty

@@ -4,6 +4,8 @@ recomputed (preempted) prompt pools afresh."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.pooling import pool_rows
 from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.scheduler import POOLING_SHARE, POOLING_SLICE_MIN, POOLING_SLICE_S, ScheduledBatch
 from pagegate.engine.sequence import Request, Sequence
 
 from .conftest import SavedModel
@@ -138,37 +141,144 @@ def test_llm_embed_with_a_sentence_encoder_is_sentence_transformers(minilm_folde
         assert F.cosine_similarity(torch.tensor(out.outputs.embedding), expected.float(), dim=0) > 1 - 1e-5
 
 
-def test_a_later_generation_is_not_behind_every_embedding(llama_model: SavedModel):
-    """Issue 41 (5): embeddings take at most a share of each step beside generations (scheduler.POOLING_SHARE), so a
-    short completion sent after a big embedding request is admitted at once and ends long before it; the
-    embeddings still advance every step and come out as they would alone."""
-    engine = Engine(EngineConfig(model=str(llama_model.path), device="cpu", dtype="float32", pooling="last",
-                                 cache=CacheConfig(num_kv_blocks=64),
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+def test_an_encoder_embeds_in_whole_steps(minilm_folder):
+    """An engine that serves embeddings alone (--task embed) has no generation to slice them for: its sentences
+    are encoded in steps of the whole token budget, as many as fit (scheduler.generates)."""
+    engine = Engine(EngineConfig(model=str(minilm_folder), task="embed", device="cpu", dtype="float32",
+                                 cache=CacheConfig(num_kv_blocks=256, enable_prefix_caching=False)))
     try:
-        long_prompts = [list(range(3 + i, 43 + i)) for i in range(8)]  # 8 x 40 tokens: 20 steps of the budget
-        embeds = [engine.intake.make_request(f"e{i}", p, SamplingParams(), embed=True)
-                  for i, p in enumerate(long_prompts)]
-        for request in embeds:
-            engine.add(request)
+        sentences = [[101, *range(1000 + i, 1000 + i + 198), 102] for i in range(8)]  # 8 x 200 tokens
+        assert 8 * 200 > 4 * POOLING_SLICE_MIN and engine.scheduler.generates is False
+        embeds = embed_all(engine, sentences)
         engine.step()
+        assert all(request.finished and request.embedding is not None for request in embeds)
+    finally:
+        engine.close()
+
+
+@dataclass(frozen=True)
+class Step:
+    pooled: int  # embedding tokens
+    prompt: bool  # held a prompt token (a prefill's cost), not decodes alone
+    generations: int  # sequences of generations it held
+
+
+class StepClock:
+    """The engine's steps under a clock of stated costs (the scheduler's `now`): DECODE_S a step, and `token_s` more
+    for each embedding token it holds, so the time embeddings get is a matter of state, not of this machine's speed.
+    Records what each step held."""
+
+    DECODE_S = 0.01
+
+    def __init__(self, engine: Engine, token_s: float) -> None:
+        self.now, self.token_s = 100.0, token_s
+        self.steps: list[Step] = []
+        self.schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self.scheduled  # type: ignore[method-assign]
+
+    def scheduled(self, now: float | None = None) -> ScheduledBatch:
+        batch = self.schedule(self.now)
+        pooled = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if s.pools)
+        generations = sum(1 for seq in batch.seqs if not seq.pools)
+        prompt = any(s.num_computed - n < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_tokens, strict=True))
+        self.steps.append(Step(pooled, prompt, generations))
+        self.now += self.cost(self.steps[-1])
+        return batch
+
+    def cost(self, step: Step) -> float:
+        return self.DECODE_S + self.token_s * step.pooled
+
+
+def embed_all(engine: Engine, prompts: list[list[int]]) -> list[Request]:
+    requests = [engine.intake.make_request(f"e{i}", p, SamplingParams(), embed=True) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add(request)
+    return requests
+
+
+def long_inputs(inputs: int) -> list[list[int]]:
+    return [[3 + (7 * i + p) % 250 for p in range(250)] for i in range(inputs)]
+
+
+def pooling_engine(saved: SavedModel) -> Engine:
+    return Engine(EngineConfig(model=str(saved.path), device="cpu", dtype="float32", pooling="last",
+                               cache=CacheConfig(num_kv_blocks=512)))
+
+
+@pytest.mark.parametrize("inputs", [2, 8])
+def test_a_later_generation_is_not_behind_every_embedding(llama_model: SavedModel, inputs: int):
+    """Issue 41 (5), issue 64 (11): embeddings run in slices, alone too, and beside generations a slice earns them
+    as long again of steps without embedding work (scheduler.POOLING_SHARE). A short completion sent while a slice
+    runs waits for that slice alone: its steps hold no embedding token, no prompt token after its own prefill (a
+    decode step's cost, not a prefill's), and it ends in as many steps whatever the size of the embeddings; they
+    then finish as they would alone."""
+    engine = pooling_engine(llama_model)
+    try:
+        clock = StepClock(engine, token_s=0.004)  # a slice takes longer than the completion's twelve steps
+        embeds = embed_all(engine, long_inputs(inputs))
+        engine.step()
+        assert 0 < clock.steps[0].pooled < 250 * inputs and clock.steps[0].generations == 0  # alone, a slice
         victim = greedy(engine, [5, 6, 7], "victim")
         engine.add(victim)
-
-        def pooled() -> int:
-            return sum(seq.num_computed for request in embeds for seq in request.seqs)
-
-        steps = 0
-        while not victim.finished and steps < 100:
-            before = pooled()
+        while not victim.finished and len(clock.steps) < 100:
             engine.step()
-            steps += 1
-            assert pooled() > before  # the embeddings advance in every step
-        assert steps <= 1 + victim.params.max_tokens  # its prefill, then a token a step
-        assert not all(request.finished for request in embeds)  # they were still running when it ended
+        beside = clock.steps[1:]
+        assert len(beside) == victim.params.max_tokens  # its prefill's step samples its first token
+        assert beside == [Step(0, True, 1)] + [Step(0, False, 1)] * (len(beside) - 1)
+        assert not any(request.finished for request in embeds)
         run(engine, [])
-        for request, prompt in zip(embeds, long_prompts, strict=True):
+        for request, prompt in zip(embeds, long_inputs(inputs), strict=True):
             assert request.error is None
             torch.testing.assert_close(request.embedding, reference(llama_model, prompt, "last"), atol=1e-4, rtol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_embeddings_keep_their_share_beside_a_long_generation(llama_model: SavedModel):
+    """Beside a generation that outlasts several slices, embeddings still advance: after each slice, generation
+    steps run for as long as the slice took (POOLING_SHARE, one half), then the next slice comes (with the
+    generation's decode in it); no step is empty, and once the generation ends the embeddings take every step."""
+    engine = pooling_engine(llama_model)
+    try:
+        clock = StepClock(engine, token_s=0.004)
+        params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+        generation = engine.intake.make_request("long", [5, 6, 7], params)
+        engine.add(generation)
+        embeds = embed_all(engine, long_inputs(8))
+        run(engine, [])
+        assert generation.finished and all(request.embedding is not None for request in embeds)
+        assert all(step.pooled or step.generations for step in clock.steps)  # none empty
+        last = max(i for i, step in enumerate(clock.steps) if step.generations)
+        slices = [i for i, step in enumerate(clock.steps[:last + 1]) if step.pooled]
+        assert len(slices) >= 3 and slices[0] == 0  # the first beside its prefill
+        share = (1 - POOLING_SHARE) / POOLING_SHARE
+        for a, b in zip(slices, slices[1:], strict=False):
+            assert clock.steps[a].generations == 1  # its decode rides in the slice
+            assert abs((b - a - 1) - clock.cost(clock.steps[a]) * share / clock.DECODE_S) <= 1
+        assert all(step.pooled and not step.generations for step in clock.steps[last + 1:])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("token_s", [1e-5, 0.004, 0.1])
+def test_slices_take_about_their_time(llama_model: SavedModel, token_s: float):
+    """A slice is sized from the time the last one took (POOLING_SLICE_S; halved or doubled at most a slice): where
+    tokens are cheap (a GPU) it grows to the whole token budget, where they are dear it shrinks to
+    POOLING_SLICE_MIN, and in between a step holding one takes about POOLING_SLICE_S."""
+    engine = pooling_engine(llama_model)
+    budget = engine.config.scheduler.max_num_batched_tokens
+    try:
+        clock = StepClock(engine, token_s)
+        embed_all(engine, long_inputs(16))
+        run(engine, [])
+        pooled = [step.pooled for step in clock.steps]
+        assert all(0 < n <= budget for n in pooled)
+        settled = clock.steps[3:-2]  # after a few slices, before the last input's two pieces
+        if token_s == 1e-5:
+            assert max(pooled) == budget
+        elif token_s == 0.1:
+            assert settled and {step.pooled for step in settled} == {POOLING_SLICE_MIN}
+        else:
+            assert settled and all(POOLING_SLICE_S / 2 <= clock.cost(step) <= 2 * POOLING_SLICE_S for step in settled)
     finally:
         engine.close()
