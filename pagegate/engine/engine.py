@@ -42,9 +42,8 @@ class Engine:
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
         self.monitor.metrics.kv_page_format(runner.kv_format, runner.kv_bytes_per_token)
-        self.intake = RequestIntake(runner.tokenizer, runner.model_config.vocab_size, runner.eos_token_ids,
-                                    runner.max_model_len, config.scheduler, runner.device, runner.serves,
-                                    model_identity=repr(runner.model_config))
+        self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids,
+                                    runner.max_model_len, config.scheduler, runner.device, runner.serves)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)
         self.postprocessor = PostProcessor(runner.eos_token_ids, runner.max_model_len)
         self.metrics = self.monitor.metrics

@@ -20,6 +20,7 @@ from pagegate.engine.limits import (
 )
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from pagegate.engine.lora.model import Registered
+from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.pins import Pin
 from pagegate.engine.pooling import Serves
 from pagegate.engine.sampling.params import SamplingParams
@@ -29,17 +30,17 @@ from pagegate.engine.sequence import Request, Sequence
 
 
 class RequestIntake:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, eos_token_ids: list[int],
                  max_model_len: int, scheduler: SchedulerConfig, device: torch.device,
-                 serves: Serves | None = None, model_identity: str = "") -> None:
+                 serves: Serves | None = None) -> None:
         self.tokenizer = tokenizer
-        self.model_identity = model_identity  # the model's part of every chain root (chain_root.py)
+        self.model_identity = repr(model_config)  # the model's part of every chain root (chain_root.py)
         self.serves = serves or Serves()
-        self.vocab_size = vocab_size
+        self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.device = device
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer else None
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids) if tokenizer else None
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
