@@ -68,8 +68,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None) -> Request:
-        request = self.intake.make_request(request_id, prompt, params, priority, cache_salt)
-        self.add(request)
+        self.add(request := self.intake.make_request(request_id, prompt, params, priority, cache_salt))
         return request
 
     def unpin(self, key: str) -> bool:
