@@ -212,6 +212,11 @@ static void pgd_quantize(const pgd_model *m, const pgd_linear *next, const float
                          int tokens) {
     if (!pgd_q8(m, next)) return;
     const int64_t nb = act->k / 32;
+    if (tokens >= 2 * omp_get_num_threads()) {  /* whole rows a thread; a few rows are split by blocks */
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++) pgq_quantize_row(x + t * act->k, act, t, 0, nb);
+        return;
+    }
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * nb; item++)
         pgq_quantize_row(x + (item / nb) * act->k, act, (int)(item / nb), item % nb, item % nb + 1);

@@ -39,24 +39,61 @@ typedef struct {
     float *s;
 } pgq_act;
 
+/* One block of 32 values into int8 q, its scale d and the two halves' integer sums (the same bits on every ISA:
+   a max, one float product a value, round to nearest even). */
+static void pgq_quantize_block_plain(const float *xb, int8_t *q, float *d, int *sum) {
+    float amax = 0.0f;
+    for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+    const float id = amax > 0.0f ? 1.0f / (amax / 127.0f) : 0.0f;
+    *d = amax / 127.0f;
+    sum[0] = sum[1] = 0;
+    for (int l = 0; l < 32; l++) {
+        q[l] = (int8_t)lrintf(xb[l] * id);
+        sum[l / 16] += q[l];
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx2,fma,f16c"))) static void pgq_quantize_block_avx2(const float *xb, int8_t *q, float *d,
+                                                                              int *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 1.0f / (amax / 127.0f) : 0.0f);
+    *d = amax / 127.0f;
+    __m256i n[4];
+    for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    const __m256i low = _mm256_add_epi32(n[0], n[1]), high = _mm256_add_epi32(n[2], n[3]);
+    __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+    __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+    s0 = _mm_hadd_epi32(_mm_hadd_epi32(s0, s1), _mm_setzero_si128());
+    sum[0] = _mm_cvtsi128_si32(s0);
+    sum[1] = _mm_extract_epi32(s0, 1);
+}
+#endif
+
+typedef void (*pgq_quantize_block_fn)(const float *, int8_t *, float *, int *);
+static pgq_quantize_block_fn pgq_quantize_block = pgq_quantize_block_plain;
+
 /* Row r of x (k floats) into the Q8 of a, blocks [first, last) of it. */
 static void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) {
     const int64_t nb = a->k / 32;
     for (int64_t b = first; b < last; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t *q = a->q + r * a->k + b * 32;
-        int sum[2] = {0, 0};
-        for (int l = 0; l < 32; l++) {
-            q[l] = (int8_t)lrintf(xb[l] * id);
-            sum[l / 16] += q[l];
-        }
         const int64_t i = r * nb + b;
-        a->d[i] = d;
-        a->s[2 * i] = d * (float)sum[0];
-        a->s[2 * i + 1] = d * (float)sum[1];
+        int sum[2];
+        pgq_quantize_block(x + b * 32, a->q + r * a->k + b * 32, &a->d[i], sum);
+        a->s[2 * i] = a->d[i] * (float)sum[0];
+        a->s[2 * i + 1] = a->d[i] * (float)sum[1];
     }
 }
 
@@ -259,6 +296,9 @@ static int pgq_set_isa(const char *name) {
 }
 static void pgq_init(void) {
     pgq_init_float();
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (pgq_has_avx2()) pgq_quantize_block = pgq_quantize_block_avx2;
+#endif
     if (!pgq_set_isa("vnni")) (void)(pgq_set_isa("avx2") || pgq_set_isa("portable"));
 }
 
