@@ -75,13 +75,16 @@ class BigEmbedding(threading.Thread):
             self.connection.sock.shutdown(socket.SHUT_RDWR)
 
 
-def idle(http: httpx.Client, timeout: float) -> None:
-    """Wait until the engine holds no request (a cancelled embeddings request is aborted, not left running)."""
+def idle(http: httpx.Client, model: str, timeout: float) -> None:
+    """Wait until the engine holds no request (a cancelled embeddings request is aborted, not left running), then
+    for a one-token completion: it cannot end before the step in flight at the abort (the next round's timings must
+    not share the CPU with it)."""
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         text = http.get("/metrics").text
         if not any(line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
                    and float(line.split()[-1]) > 0 for line in text.splitlines()):
+            victim(http, model, 1)
             return
         time.sleep(0.2)
     raise TimeoutError(f"the engine still holds requests after {timeout:.0f} s")
@@ -99,7 +102,7 @@ def one_round(http: httpx.Client, base_url: str, model: str, args: argparse.Name
         embedding.cancel()
     embedding.join()
     embedding.connection.close()
-    idle(http, args.timeout)
+    idle(http, model, args.timeout)
     lead = embedding.ended - victim_ended
     print(f"  embeddings: {args.inputs} inputs x {args.tokens} tokens -> {embedding.status} in "
           f"{embedding.seconds:.2f} s; victim ({args.victim_tokens} tokens, sent {args.delay:.1f} s later): alone "
