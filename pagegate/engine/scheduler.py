@@ -42,10 +42,13 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 # t seconds is followed by t * (1 - share) / share seconds of steps without embedding work (a generation may be
 # admitted past waiting embeddings), unless nothing else can run. Time, not tokens: a slice and a decode step differ in
 # cost by two to three orders of magnitude, model by model and machine by machine. The old rule (an eighth of every
-# step's tokens) put a 256-token chunk into each decode step of a short completion, a prefill's cost in every one (on
-# a GGUF, every weight decoded again), after a whole 2,048-token step in flight: bench/embed_starvation.py, issue 64.
+# step's tokens) put a 256-token chunk into each decode step of a short completion, a prefill's cost in every one,
+# after a whole 2,048-token step in flight. bench/embed_starvation.py (48 x 2,000
+# tokens, then a 16-token completion; medians of 3 on a loaded 2-core CPU): its latency over alone went from 14.2x to
+# 0.4x on the embedded model, 53.1x to 1.8x on SmolLM2 Q4_1 (issue 64). A quarter second: the wait a completion of a
+# few tenths of a second alone can take; where tokens are cheap a slice is the whole budget and costs nothing.
 POOLING_SHARE = 0.5
-POOLING_SLICE_S = 0.5
+POOLING_SLICE_S = 0.25
 POOLING_SLICE_MIN = 64  # tokens: fewer would pay a step's fixed cost for too little work
 POOLING_WINDOW_MAX_S = 5.0  # the longest run of generation-only steps one slice earns
 DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
