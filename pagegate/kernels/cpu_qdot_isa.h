@@ -16,27 +16,29 @@ typedef struct {
 
 PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_unpack4)(const int qtype, const uint8_t *w, int64_t row_bytes, const int rows,
                                                int64_t b, int prefetch, PGQ_FN(pgq_quad) *out) {
-    float d0[PGQ_GROUP] = {0}, d1[PGQ_GROUP] = {0}, c0[PGQ_GROUP] = {0}, c1[PGQ_GROUP] = {0};
+    __m256 d[PGQ_GROUP];
+    float c0[PGQ_GROUP] = {0}, c1[PGQ_GROUP] = {0};
     #pragma GCC unroll 4
     for (int i = 0; i < PGQ_GROUP; i++) {
         if (i >= rows) {
             out->u[i] = _mm256_setzero_si256();
+            d[i] = _mm256_setzero_ps();
             continue;
         }
         const uint8_t *row = w + i * row_bytes;
         if (prefetch) _mm_prefetch((const char *)pgq_block_of(qtype, row, b) + PGQ_PREFETCH, _MM_HINT_T0);
-        __m256 d;
         float c[2];
-        out->u[i] = pgq_unpack_avx2(qtype, row, b, &d, c);
-        d0[i] = _mm256_cvtss_f32(d);
-        d1[i] = _mm_cvtss_f32(_mm256_extractf128_ps(d, 1));
+        out->u[i] = pgq_unpack_avx2(qtype, row, b, &d[i], c);
         c0[i] = c[0];
         c1[i] = c[1];
     }
-    out->d0 = _mm_loadu_ps(d0);
-    out->d1 = _mm_loadu_ps(d1);
-    out->c0 = _mm_loadu_ps(c0);
-    out->c1 = _mm_loadu_ps(c1);
+    /* lane 0 (the first half's scale) and lane 4 (the second's) of each row, gathered in registers */
+    const __m256 d01 = _mm256_unpacklo_ps(d[0], d[1]), d23 = _mm256_unpacklo_ps(d[2], d[3]);
+    const __m256 both = _mm256_shuffle_ps(d01, d23, 0x44);  /* lanes 0-3: rows' first halves; 4-7: second halves */
+    out->d0 = _mm256_castps256_ps128(both);
+    out->d1 = _mm256_extractf128_ps(both, 1);
+    out->c0 = _mm_setr_ps(c0[0], c0[1], c0[2], c0[3]);
+    out->c1 = _mm_setr_ps(c1[0], c1[1], c1[2], c1[3]);
 }
 
 /* acc (lane i: row i) += activation block x of a against the four rows of `quad`, in the canonical order. */
