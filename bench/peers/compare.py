@@ -199,7 +199,12 @@ def cell(name: str, sides: Sides, figure: str) -> str:
     """`1.31× (≥ 1.20× ✓) 812 / 620`: the ratio, its goal (met or not), pagegate's and llama.cpp's tok/s."""
     value, goal = ratio(sides, figure), CASES[name].goal(figure)
     return (f"{value:.2f}× (≥ {goal:.2f}× {'✓' if value >= goal else '✗'}) "
-            f"{sides['pagegate'][figure]:.0f} / {sides['llama.cpp'][figure]:.0f}")
+            f"{tok_s(sides['pagegate'][figure])} / {tok_s(sides['llama.cpp'][figure])}")
+
+
+def tok_s(value: float) -> str:
+    """Whole tokens per second, or one decimal below 100 (a 1B's decode)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def table(results: dict[str, Sides], threads: int, rounds: int, bandwidth_gbs: float) -> str:
