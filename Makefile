@@ -41,7 +41,7 @@ bench: $(STAMP) $(SMOLLM2)
 # then the served engine against itself offline (main thread), and `pagegate serve` against `llama-server`
 bench-peers: $(STAMP) $(SMOLLM2)
 	command -v cmake >/dev/null || (apt-get update && apt-get install -y cmake)
-	$(PY) -m bench.peers.compare --models default,smollm2,smollm2-q4km,llama100m $(ARGS)
+	$(PY) -m bench.peers.compare --models smollm2,smollm2-q4km,llama100m,llama1b-q4km $(ARGS)
 	$(PY) bench/serve.py --launch --offline --num-prompts 1 --concurrency 1 --output-len 1024 --rounds 7 \
 		--png '' --out bench/results/served-vs-offline-default.json
 	$(PY) bench/serve.py --launch --offline --num-prompts 1 --concurrency 1 --output-len 256 --rounds 7 \
