@@ -131,6 +131,7 @@ def check_model(name: str, model: Path | None, args: argparse.Namespace) -> tupl
     """Reference, float32 agreement (judged), own-dtype agreement and speed (reported); (ok, table rows)."""
     rows = []
     cpu = load(model, "cpu", "float32", args.cpu_kv_blocks)
+    cpu.engine.runner.native = None  # the torch forward, the oracle: the native step's Q8 activations are not float32
     reference = greedy(cpu, args.max_tokens)
     release(cpu)
 
