@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+import pagegate
 from pagegate.testing.launcher import ServerProcess
 from tests.gateway.server_args import server_args
+
+DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
 
 SERVER_ARGS = server_args("--num-kv-blocks", "256", "--max-num-seqs", "32")
 
@@ -84,3 +88,20 @@ class KVPages:
 @pytest.fixture(scope="session")
 def kv_pages(http: httpx.Client) -> KVPages:
     return KVPages(http)
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-4 PEFT LoRA over the embedded model (random weights: what loads and what a card shows, not what
+    it answers)."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagegate.testing.lora import save_random_adapter
+
+    folder = tmp_path_factory.mktemp("adapter")
+    base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    save_random_adapter(base, folder, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), seed=1,
+                        scale=0.2)
+    return folder

@@ -38,22 +38,6 @@ BODIES: dict[str, dict[str, Any]] = {"/models/load": {"model": "x"}, "/models/un
 
 
 @pytest.fixture(scope="module")
-def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A rank-4 PEFT LoRA over the embedded model (random weights: only its card matters here)."""
-    peft = pytest.importorskip("peft")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pagegate.testing.lora import save_random_adapter
-
-    folder = tmp_path_factory.mktemp("admin_adapter")
-    base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
-    save_random_adapter(base, folder, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), seed=1,
-                        scale=0.2)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def grpc_port() -> int:
     return free_port()
 

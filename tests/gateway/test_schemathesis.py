@@ -199,22 +199,6 @@ def test_model_routes_walk_every_documented_answer(several_models: ServerProcess
 # -- one model, LoRA adapters at run time ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A rank-4 PEFT LoRA over the embedded model (random weights: only its loading matters here)."""
-    peft = pytest.importorskip("peft")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pagegate.testing.lora import save_random_adapter
-
-    folder = tmp_path_factory.mktemp("adapter")
-    base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
-    save_random_adapter(base, folder, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), seed=1,
-                        scale=0.2)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def one_model_server() -> Iterator[ServerProcess]:
     with ServerProcess([*SERVER_ARGS, "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora"]) as process:
         yield process
