@@ -23,7 +23,8 @@ from pagegate.testing.lora import lora_tensors, write_adapter
 from tests.gateway.conftest import SERVER_ARGS
 
 if os.environ.get("PAGEGATE_TEST_MODEL"):
-    pytest.skip("the adapters here are shaped for the embedded model", allow_module_level=True)
+    pytest.skip("$PAGEGATE_TEST_MODEL replaces the embedded model, whose shapes the adapters written here take",
+                allow_module_level=True)
 
 _CONFIG = json.loads(Path("pagegate/engine/default_model/config.json").read_text())
 _HIDDEN, _HEAD_DIM = _CONFIG["hidden_size"], _CONFIG["head_dim"]

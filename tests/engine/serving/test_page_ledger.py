@@ -70,7 +70,7 @@ def test_processes_changing_it_at_once_never_overcommit():
         ledger.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd names the file on Linux")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd_create and /proc/self/fd are Linux's")
 def test_the_ledger_has_no_name_and_crosses_a_socket_as_a_descriptor():
     """Nothing that cleans /dev/shm or /tmp can take the budget away: there is no path, and a core gets its own
     descriptor over its socket, the same memory behind it."""
