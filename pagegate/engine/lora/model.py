@@ -35,14 +35,13 @@ from pagegate.engine.lora.adapter import (
 )
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.models.base import CausalLM
+from pagegate.engine.models.native import Groups, slot_groups
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
 
 if TYPE_CHECKING:
     from pagegate.engine.lora.slots import AdapterSlots
 
 Rows = slice | torch.Tensor  # a step's rows of one adapter: one contiguous run, or their indices
-# a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
-Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -242,14 +241,6 @@ def fill_slot(table: Any, slot: int, weights: AdapterWeights) -> None:
     for (layer, path), lora in weights.modules.items():
         shards = [(columns.start, ranks.start, expand.T.contiguous()) for columns, ranks, expand in lora.expands]
         table.set(slot, layer, TARGET_PATHS.index(path), lora.shrink, shards)
-
-
-def slot_groups(row_slots: np.ndarray) -> Groups:
-    """Rows with a slot (>= 0) grouped by it, each group in row order: (slot, start, row) as the kernel takes them."""
-    adapted = np.flatnonzero(row_slots >= 0)
-    rows = adapted[np.argsort(row_slots[adapted], kind="stable")].astype(np.int32)
-    slots, firsts = np.unique(row_slots[rows], return_index=True)
-    return slots.astype(np.int32), np.append(firsts, len(rows)).astype(np.int32), rows
 
 
 def _as_rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:

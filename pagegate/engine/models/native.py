@@ -23,7 +23,8 @@ from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
 from pagegate.kernels.quant import F32
 
-Groups = tuple[np.ndarray, np.ndarray, np.ndarray]  # a LoRATable's (slot, start, token) of one step
+# a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
@@ -145,7 +146,7 @@ def _cut(step: StepInputs, groups: Groups | None, size: int) -> Iterator[tuple[t
         part_starts = np.concatenate(([0], np.cumsum(end - begin))).astype(np.int32)
         arrays = (step.input_ids[t0:t1], step.positions[t0:t1], step.slot_mapping[t0:t1],
                   np.ascontiguousarray(step.block_tables[first:last]), part_lens, part_starts)
-        yield arrays, None if slots is None else _groups_of(slots[t0:t1])
+        yield arrays, None if slots is None else slot_groups(slots[t0:t1])
 
 
 def _row_slots(groups: Groups, tokens: int) -> np.ndarray:
@@ -156,11 +157,9 @@ def _row_slots(groups: Groups, tokens: int) -> np.ndarray:
     return row_slots
 
 
-def _groups_of(row_slots: np.ndarray) -> Groups | None:
-    """Rows with a slot grouped by it, in row order (lora.model.slot_groups' layout); None when no row has one."""
+def slot_groups(row_slots: np.ndarray) -> Groups:
+    """Rows with a slot (>= 0) grouped by it, each group in row order: (slot, start, row) as the kernel takes them."""
     adapted = np.flatnonzero(row_slots >= 0)
-    if not len(adapted):
-        return None
     rows = adapted[np.argsort(row_slots[adapted], kind="stable")].astype(np.int32)
     slots, firsts = np.unique(row_slots[rows], return_index=True)
     return slots.astype(np.int32), np.append(firsts, len(rows)).astype(np.int32), rows
