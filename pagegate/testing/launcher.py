@@ -43,12 +43,20 @@ def descendants(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped, is not)."""
+    """Running: some thread of it is neither a zombie nor dead. A killed process's main thread shows a zombie
+    while its other threads are still exiting; until they have, its parent's waitpid does not see it exit."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return False
-    return state != "Z"
+    return any(_task_state(task) not in ("Z", "X", "") for task in tasks)
+
+
+def _task_state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # it ended while we looked
+        return ""
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0, poll_s: float = 0.1) -> None:
