@@ -131,6 +131,9 @@ static void pgd_group_dot(const pgd_model *m, const pgd_linear *l, int64_t first
         const int64_t nb = act->k / 32;
         const pgq_act chunk = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
         pgq_qdot(l->qtype, w, l->row_bytes, rows, &chunk, part, PGQ_GROUP);
+    } else if (pgq_is_x8(l->qtype)) {  /* an exact model's interleaved rows, each copied out of its group */
+        for (int i = 0; i < rows; i++)
+            pgq_row_of(l->qtype, l->data, l->n, first + i, (int)l->k, x + t0 * l->k, count, part + i, PGQ_GROUP);
     } else if (count == 1 && rows == PGQ_GROUP) {
         pgd_rows4_one(l, w, x + t0 * l->k, part);
     } else {
@@ -181,11 +184,49 @@ static void pgd_matmul_gemm(const pgd_model *m, const pgd_linear *l, const pgq_a
     #pragma omp barrier
 }
 
+/* pgd_matmul for K-quant rows interleaved eight at a time (cpu_qx8.h): a group's eight rows against every token, the
+   tokens in chunks whose Q8 stays in L2; the rows after the last group (in their file layout) four at a time. */
+static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act *act, int tokens, float *out,
+                          int64_t out_stride, int accumulate) {
+    const int64_t nb = act->k / 32, groups = l->n / PGQ_X8_ROWS, rest = l->n - groups * PGQ_X8_ROWS;
+    pgd_linear tail = *l;  /* the rows after the groups, as the file has them */
+    tail.qtype = pgq_base_type(l->qtype);
+    int chunk = (int)((256 << 10) / act->k) & ~3;
+    chunk = chunk < 16 ? 16 : chunk > PGD_MAX_TOKENS ? PGD_MAX_TOKENS : chunk;
+    for (int t0 = 0; t0 < tokens; t0 += chunk) {
+        const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
+        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        #pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups + (rest > 0); g++) {
+            float part[PGD_MAX_TOKENS * PGQ_X8_ROWS];
+            if (g == groups) {
+                for (int c0 = 0; c0 < count; c0 += PGQ_MAX_M) {
+                    const int n = count - c0 < PGQ_MAX_M ? count - c0 : PGQ_MAX_M;
+                    for (int64_t first = g * PGQ_X8_ROWS; first < l->n; first += PGQ_GROUP) {
+                        const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
+                        pgd_group_dot(m, &tail, first, rows, NULL, act, t0 + c0, n, part);
+                        pgd_store(l, part, PGQ_GROUP, t0 + c0, n, first, rows, out, out_stride, accumulate);
+                    }
+                }
+                continue;
+            }
+            pgq_x8_dot(tail.qtype, l->data + g * PGQ_X8_ROWS * l->row_bytes, l->row_bytes, &part_act, part,
+                       PGQ_X8_ROWS);
+            pgd_store(l, part, PGQ_X8_ROWS, t0, count, g * PGQ_X8_ROWS, PGQ_X8_ROWS, out, out_stride, accumulate);
+        }
+    }
+    #pragma omp barrier
+}
+
 /* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, the weight rows split over the threads
    in tiles (one group a tile for a few tokens, PGD_TILE_GROUPS for many, so a tile's weights stay in cache while
    the tokens pass 16 at a time). */
 static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
                        int64_t out_stride, int accumulate) {
+    if (pgd_q8(m, l) && pgq_is_x8(l->qtype)) {
+        pgd_matmul_x8(m, l, act, tokens, out, out_stride, accumulate);
+        return;
+    }
     if (pgd_q8(m, l) && pgq_gemm8 != NULL && tokens >= PGD_GEMM_MIN_TOKENS) {
         pgd_matmul_gemm(m, l, act, tokens, out, out_stride, accumulate);
         return;
@@ -517,10 +558,9 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
         act.m = tokens;
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
-            const uint8_t *row = m->embed.data + ids[t] * m->embed.row_bytes;
             float *xt = x + (int64_t)t * m->hidden;
-            if (m->embed.qtype == PGQ_F32) memcpy(xt, row, m->hidden * sizeof(float));
-            else pgq_dequantize_row(m->embed.qtype, row, m->hidden, xt);
+            if (m->embed.qtype == PGQ_F32) memcpy(xt, m->embed.data + ids[t] * m->embed.row_bytes, m->hidden * sizeof(float));
+            else pgq_dequantize_row_of(m->embed.qtype, m->embed.data, m->embed.n, ids[t], m->hidden, xt);
             if (m->embed_scale != 0.0f) pg_scale(xt, m->embed_scale, m->hidden);
         }
         for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, l, s, x, b, &act);

@@ -203,6 +203,22 @@ PGQ_AVX2 PGQ_INLINE __m256i pgq_bits_at(__m256i v, int shift, int mask) {  /* (v
     return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8((char)mask));
 }
 
+/* Sub-block j of K-quant super-block blk as 32 unsigned bytes (pgq_unpack's u). */
+PGQ_AVX2 PGQ_INLINE __m256i pgq_kbits_avx2(const int qtype, const uint8_t *blk, int j) {
+    if (qtype == PGQ_Q6_K) {
+        const int n = j / 4, t = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+        return _mm256_or_si256(pgq_bits_at(ql, 4 * (t >> 1), 15), _mm256_slli_epi16(pgq_bits_at(qh, 2 * t, 3), 4));
+    }
+    const int five = qtype == PGQ_Q5_K;
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j / 2)));
+    const __m256i u = pgq_bits_at(q, 4 * (j & 1), 15);
+    if (!five) return u;
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    return _mm256_or_si256(u, _mm256_slli_epi16(pgq_bits_at(qh, j, 1), 4));
+}
+
 /* pgq_unpack as one vector, qtype a constant where it is inlined. d is the per-lane scale (lanes
    0-3 hold values 0-15, lanes 4-7 values 16-31); Q8_0 comes back as its int8 values (c unused). */
 PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row, int64_t b, __m256 *d, float *c) {
@@ -227,23 +243,48 @@ PGQ_AVX2 PGQ_INLINE __m256i pgq_unpack_avx2(const int qtype, const uint8_t *row,
         pgq_scale_min_k4(j, blk + 4, &scale, &min);
         *d = _mm256_set1_ps(pgq_half_f16c(blk) * (float)scale);
         c[0] = c[1] = -pgq_half_f16c(blk + 2) * (float)min;
-        const int five = qtype == PGQ_Q5_K;
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j / 2)));
-        const __m256i u = pgq_bits_at(q, 4 * (j & 1), 15);
-        if (!five) return u;
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        return _mm256_or_si256(u, _mm256_slli_epi16(pgq_bits_at(qh, j, 1), 4));
+        return pgq_kbits_avx2(qtype, blk, j);
     }
     /* Q6_K */
-    const int n = j / 4, t = j % 4;
-    const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
+    const int8_t *scales = (const int8_t *)(blk + 192) + 2 * j;
     const float dd = pgq_half_f16c(blk + 208), d0 = dd * (float)scales[0], d1 = dd * (float)scales[1];
     *d = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
     c[0] = -32.0f * d0;
     c[1] = -32.0f * d1;
-    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (t & 1)));
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-    return _mm256_or_si256(pgq_bits_at(ql, 4 * (t >> 1), 15), _mm256_slli_epi16(pgq_bits_at(qh, 2 * t, 3), 4));
+    return pgq_kbits_avx2(qtype, blk, j);
+}
+
+/* The scales of K-quant super-block blk, in the lanes of two vectors: Q4_K and Q5_K: d[0] lane j: sub-block j's
+   scale (the products pgq_unpack_avx2 forms), c[0]: its offset; Q6_K: d[0], d[1]: the scales of its 16 halves (c is
+   -32 d). */
+PGQ_AVX2 PGQ_INLINE void pgq_kscales_avx2(const int qtype, const uint8_t *blk, __m256 *d, __m256 *c) {
+    if (qtype == PGQ_Q6_K) {
+        const __m256 dd = _mm256_set1_ps(pgq_half_f16c(blk + 208));
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(blk + 192));
+        d[0] = _mm256_mul_ps(dd, pgq_bytes_to_float(scales, 1));
+        d[1] = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_srli_si128(scales, 8), 1));
+        return;
+    }
+    /* twelve bytes: scales 0-3 and mins 0-3 in their low six bits, 4-7 in the rest (pgq_scale_min_k4) */
+    const uint32_t low = pgq_u32(blk + 4), mid = pgq_u32(blk + 8), high = pgq_u32(blk + 12);
+    const uint32_t scales_high = (high & 0x0f0f0f0f) | ((low >> 6) & 0x03030303) << 4;
+    const uint32_t mins_high = ((high >> 4) & 0x0f0f0f0f) | ((mid >> 6) & 0x03030303) << 4;
+    const __m128i scales = _mm_cvtsi64_si128((int64_t)((uint64_t)scales_high << 32 | (low & 0x3f3f3f3f)));
+    const __m128i mins = _mm_cvtsi64_si128((int64_t)((uint64_t)mins_high << 32 | (mid & 0x3f3f3f3f)));
+    d[0] = _mm256_mul_ps(_mm256_set1_ps(pgq_half_f16c(blk)), pgq_bytes_to_float(scales, 0));
+    c[0] = _mm256_mul_ps(_mm256_set1_ps(-pgq_half_f16c(blk + 2)), pgq_bytes_to_float(mins, 0));
+}
+
+/* out[e][i] = rows[i] lane e: four rows' eight lanes as eight vectors of four. */
+PGQ_AVX2 PGQ_INLINE void pgq_transpose4x8(const __m256 *rows, __m128 *out) {
+    const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+    const __m256 lanes[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+    for (int e = 0; e < 4; e++) {  /* lanes[e]: lane e of the rows, then lane e + 4 */
+        out[e] = _mm256_castps256_ps128(lanes[e]);
+        out[e + 4] = _mm256_extractf128_ps(lanes[e], 1);
+    }
 }
 
 PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
@@ -256,11 +297,13 @@ PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
 #define PGQ_ISA avx2
 #define PGQ_TARGET PGQ_AVX2
 #define PGQ_DOT(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
+#define PGQ_DOT_ACC(acc, u, q) _mm256_add_epi32(acc, PGQ_DOT(u, q))
 #include "cpu_qdot_isa.h"
 
 #define PGQ_ISA vnni
 #define PGQ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define PGQ_DOT(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q)
+#define PGQ_DOT_ACC(acc, u, q) _mm256_dpbusd_epi32(acc, u, q)
 #include "cpu_qdot_isa.h"
 
 static int pgq_has_vnni(void) {
@@ -276,22 +319,44 @@ static void pgq_qdot_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int ro
 static void pgq_qdot_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
                           float *out, int64_t out_stride) {}
 static int pgq_has_vnni(void) { return 0; }
+static void pgq_x8_dot_avx2(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
+                            int64_t out_stride) {}
+static void pgq_x8_dot_vnni(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
+                            int64_t out_stride) {}
 #endif
+
+/* out[r * out_stride + i] = row i . x_r for the eight rows of an interleaved group (cpu_qx8.h) of `base` blocks and
+   every activation row of a: row by row, each copied out of the group (the vector kernels read it in place). */
+static void pgq_x8_dot_plain(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
+                             int64_t out_stride) {
+    uint8_t row[row_bytes];
+    for (int i = 0; i < PGQ_X8_ROWS; i++)
+        pgq_qdot_plain(base, pgq_row_at(base + PGQ_X8, group, PGQ_X8_ROWS, row_bytes, i, row), row_bytes, 1, a,
+                       out + i, out_stride);
+}
 
 typedef void (*pgq_qdot_fn)(int, const uint8_t *, int64_t, int, const pgq_act *, float *, int64_t);
 typedef int (*pgq_gemm8_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
+typedef void (*pgq_x8_dot_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
 static pgq_qdot_fn pgq_qdot = pgq_qdot_plain;
+static pgq_x8_dot_fn pgq_x8_dot = pgq_x8_dot_plain;
 static pgq_gemm8_fn pgq_gemm8 = NULL;  /* eight weight rows against many activation rows; NULL: none on this ISA */
 static const char *pgq_isa = "portable";
 
 /* Use the named kernels ("vnni", "avx2", "portable") if this CPU runs them; returns whether it does. */
 static int pgq_set_isa(const char *name) {
     if (!strcmp(name, "vnni") && pgq_has_vnni()) {
-        pgq_qdot = pgq_qdot_vnni, pgq_gemm8 = pgq_gemm8_vnni, pgq_isa = "vnni";
+        pgq_qdot = pgq_qdot_vnni, pgq_gemm8 = pgq_gemm8_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = "vnni";
         return 1;
     }
-    if (!strcmp(name, "avx2") && pgq_has_avx2()) { pgq_qdot = pgq_qdot_avx2, pgq_gemm8 = NULL, pgq_isa = "avx2"; return 1; }
-    if (!strcmp(name, "portable")) { pgq_qdot = pgq_qdot_plain, pgq_gemm8 = NULL, pgq_isa = "portable"; return 1; }
+    if (!strcmp(name, "avx2") && pgq_has_avx2()) {
+        pgq_qdot = pgq_qdot_avx2, pgq_gemm8 = NULL, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2";
+        return 1;
+    }
+    if (!strcmp(name, "portable")) {
+        pgq_qdot = pgq_qdot_plain, pgq_gemm8 = NULL, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable";
+        return 1;
+    }
     return 0;
 }
 static void pgq_init(void) {

@@ -18,8 +18,20 @@ cdef extern from "cpu_qdot.h":
     void pgq_row(int qtype, const uint8_t *row, int k, const float *x, int rows, float *out,
                  int64_t out_stride) noexcept nogil
     void pgq_dequantize_row(int qtype, const uint8_t *row, int k, float *out) noexcept nogil
+    void pgq_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, const float *x, int rows, float *out,
+                    int64_t out_stride) noexcept nogil
+    void pgq_dequantize_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, float *out) noexcept nogil
     void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) noexcept nogil
     void pgq_qdot(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a, float *out,
                   int64_t out_stride) noexcept nogil
     ctypedef int (*pgq_gemm8_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t) noexcept nogil
     pgq_gemm8_fn pgq_gemm8
+    enum:
+        PGQ_X8  # added to a K-quant's type id: its rows interleaved eight at a time (cpu_qx8.h)
+    int pgq_is_x8(int qtype) noexcept nogil
+    int pgq_base_type(int qtype) noexcept nogil
+    void pgq_x8_pack(int base, const uint8_t *rows, int64_t row_bytes, uint8_t *out) noexcept nogil
+    const uint8_t *pgq_row_at(int qtype, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t r,
+                              uint8_t *buf) noexcept nogil
+    void pgq_x8_dot(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
+                    int64_t out_stride) noexcept nogil

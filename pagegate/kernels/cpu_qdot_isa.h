@@ -88,18 +88,208 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_body)(const int qtype, const uint8_t 
     }
 }
 
-#define PGQ_CASE(T)                                                                              \
+/* pgq_qdot_body for the K-quants, a super-block at a time: each row's scales decoded once for its eight sub-blocks
+   (the same float products as pgq_unpack4 forms one block at a time), then the blocks in order as there. */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_k_body)(const int qtype, const uint8_t *w, int64_t row_bytes,
+                                                   const int rows, const pgq_act *a, const int m,
+                                                   float *out, int64_t out_stride) {
+    const int64_t nb = a->k / 32, bytes = pgq_block_bytes(qtype);
+    __m128 acc[PGQ_MAX_M];
+    #pragma GCC unroll 16
+    for (int r = 0; r < m; r++) acc[r] = _mm_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        __m256 d[2][PGQ_GROUP], c[PGQ_GROUP];
+        #pragma GCC unroll 4
+        for (int i = 0; i < PGQ_GROUP; i++) {
+            __m256 di[2];
+            d[0][i] = d[1][i] = c[i] = _mm256_setzero_ps();
+            if (i >= rows) continue;
+            pgq_kscales_avx2(qtype, w + i * row_bytes + sb * bytes, di, &c[i]);
+            d[0][i] = di[0];
+            if (qtype == PGQ_Q6_K) d[1][i] = di[1];
+        }
+        __m128 dt[16], ct[8];  /* lane i: row i; Q6_K: dt[e] for half e, else dt[j], ct[j] for sub-block j */
+        pgq_transpose4x8(d[0], dt);
+        if (qtype == PGQ_Q6_K) pgq_transpose4x8(d[1], dt + 8);
+        else pgq_transpose4x8(c, ct);
+        for (int j = 0; j < 8; j++) {
+            PGQ_FN(pgq_quad) quad;
+            #pragma GCC unroll 4
+            for (int i = 0; i < PGQ_GROUP; i++) {
+                const uint8_t *blk = w + i * row_bytes + sb * bytes;
+                if (m == 1 && i < rows) _mm_prefetch((const char *)blk + 18 * j + PGQ_PREFETCH, _MM_HINT_T0);
+                quad.u[i] = i < rows ? pgq_kbits_avx2(qtype, blk, j) : _mm256_setzero_si256();
+            }
+            if (qtype == PGQ_Q6_K) {
+                const __m128 minus32 = _mm_set1_ps(-32.0f);
+                quad.d0 = dt[2 * j], quad.d1 = dt[2 * j + 1];
+                quad.c0 = _mm_mul_ps(minus32, quad.d0), quad.c1 = _mm_mul_ps(minus32, quad.d1);
+            } else {
+                quad.d0 = dt[j], quad.c0 = ct[j];
+            }
+            #pragma GCC unroll 16
+            for (int r = 0; r < m; r++) acc[r] = PGQ_FN(pgq_quad_step)(qtype, &quad, a, r * nb + sb * 8 + j, acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float lanes[PGQ_GROUP];
+        _mm_storeu_ps(lanes, acc[r]);
+        for (int i = 0; i < rows; i++) out[r * out_stride + i] = lanes[i];
+    }
+}
+
+/* Eight interleaved rows (cpu_qx8.h) of Q4_K or Q5_K against activation rows r0 .. r0 + R - 1, in the canonical
+   order: lane i of every vector is weight row i, so a sub-block's integer sums and its float steps serve eight rows
+   at once. out[r * out_stride + i]. */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t *group, int64_t row_bytes,
+                                                  const pgq_act *a, int r0, const int R, float *out,
+                                                  int64_t out_stride) {
+    const int64_t nb = a->k / 32, bytes = pgq_block_bytes(base);
+    const int five = base == PGQ_Q5_K, values_at = five ? 384 : 128;
+    const __m256i six = _mm256_set1_epi32(0x3f3f3f3f), four = _mm256_set1_epi32(0x0f0f0f0f);
+    const __m256i two = _mm256_set1_epi32(0x03030303), nibble = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    __m256 f[4];
+    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        const __m256 minus_min = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
+                                               _mm256_set1_ps(-0.0f));
+        /* the 12 scale bytes of each row as three dwords (pgq_scale_min_k4): sub-blocks 0-3, then 4-7 */
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(g + 32));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(g + 64));
+        const __m256i w2 = _mm256_loadu_si256((const __m256i *)(g + 96));
+        const __m256i scales[2] = {_mm256_and_si256(w0, six), _mm256_or_si256(_mm256_and_si256(w2, four),
+                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4))};
+        const __m256i mins[2] = {_mm256_and_si256(w1, six), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), four),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+            __m256i sums[2][4];
+            for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {  /* values 4c .. 4c + 3 of both sub-blocks */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(g + values_at + 32 * (8 * p + c)));
+                __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                if (five) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * c));
+                    low = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * p), bit), 4));
+                    high = _mm256_or_si256(high,
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * p + 1), bit), 4));
+                }
+                for (int r = 0; r < R; r++) {
+                    const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + 2 * p) * 32);
+                    sums[0][r] = PGQ_DOT_ACC(sums[0][r], low, _mm256_set1_epi32(q[c]));
+                    sums[1][r] = PGQ_DOT_ACC(sums[1][r], high, _mm256_set1_epi32(q[8 + c]));
+                }
+            }
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * p + h;
+                const __m256 dj = _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+                    _mm256_and_si256(_mm256_srli_epi32(scales[j / 4], 8 * (j % 4)), byte)));
+                const __m256 cj = _mm256_mul_ps(minus_min, _mm256_cvtepi32_ps(
+                    _mm256_and_si256(_mm256_srli_epi32(mins[j / 4], 8 * (j % 4)), byte)));
+                for (int r = 0; r < R; r++) {
+                    const int64_t x = (r0 + r) * nb + 8 * sb + j;
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h][r]), _mm256_mul_ps(dj, _mm256_set1_ps(a->d[x])),
+                                           f[r]);
+                    f[r] = _mm256_fmadd_ps(cj, _mm256_set1_ps(a->s[2 * x] + a->s[2 * x + 1]), f[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
+}
+
+/* The same for Q6_K: a sub-block's halves (16 values each) keep their own sums and scales. */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pgq_act *a, int r0, const int R,
+                                                  float *out, int64_t out_stride) {
+    const int64_t nb = a->k / 32, bytes = 210;
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    const __m256 minus32 = _mm256_set1_ps(-32.0f);
+    __m256 f[2];
+    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
+        const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 1664)));
+        #pragma GCC unroll 2
+        for (int n = 0; n < 2; n++) {  /* values 128 n .. 128 n + 127: sub-blocks 4 n + t */
+            __m256i sums[4][2][2];  /* [t][half][r] */
+            for (int t = 0; t < 4; t++)
+                for (int r = 0; r < R; r++) sums[t][0][r] = sums[t][1][r] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int l4 = 0; l4 < 8; l4++) {  /* values 4 l4 .. 4 l4 + 3 of each of the four sub-blocks */
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(g + 32 * (16 * n + l4)));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(g + 32 * (16 * n + 8 + l4)));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + 1024 + 32 * (8 * n + l4)));
+                const __m256i u[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, nibble), _mm256_slli_epi16(_mm256_and_si256(qh, pair), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, nibble),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), pair), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nibble),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), pair), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nibble),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), pair), 4))};
+                for (int t = 0; t < 4; t++)
+                    for (int r = 0; r < R; r++) {
+                        const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + 4 * n + t) * 32);
+                        sums[t][l4 / 4][r] = PGQ_DOT_ACC(sums[t][l4 / 4][r], u[t], _mm256_set1_epi32(q[l4]));
+                    }
+            }
+            #pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const int j = 4 * n + t;
+                const __m256 d0 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1536 + 16 * j)), 1));
+                const __m256 d1 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1544 + 16 * j)), 1));
+                const __m256 c0 = _mm256_mul_ps(minus32, d0), c1 = _mm256_mul_ps(minus32, d1);
+                for (int r = 0; r < R; r++) {
+                    const int64_t x = (r0 + r) * nb + 8 * sb + j;
+                    const __m256 dx = _mm256_set1_ps(a->d[x]);
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][0][r]), _mm256_mul_ps(d0, dx), f[r]);
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][1][r]), _mm256_mul_ps(d1, dx), f[r]);
+                    f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[2 * x]), f[r]);
+                    f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[2 * x + 1]), f[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
+}
+
+/* pgq_x8_dot_plain's contract, on this instruction set: a few activation rows a pass over the group's weights. */
+PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a,
+                                          float *out, int64_t out_stride) {
+    int r0 = 0;
+    switch (base) {
+#define PGQ_X8_CASE(T)                                                                                       \
+        case T:                                                                                              \
+            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_k4_rows)(T, group, row_bytes, a, r0, 4, out, out_stride); \
+            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_k4_rows)(T, group, row_bytes, a, r0, 1, out, out_stride);  \
+            return;
+        PGQ_X8_CASE(PGQ_Q4_K) PGQ_X8_CASE(PGQ_Q5_K)
+#undef PGQ_X8_CASE
+        case PGQ_Q6_K:
+            for (; r0 + 2 <= a->m; r0 += 2) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 2, out, out_stride);
+            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 1, out, out_stride);
+            return;
+    }
+}
+
+#define PGQ_CASE(T, BODY)                                                                        \
     case T:                                                                                      \
-        if (a->m == 1) PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, 1, out, out_stride);      \
-        else PGQ_FN(pgq_qdot_body)(T, w, row_bytes, rows, a, a->m, out, out_stride);             \
+        if (a->m == 1) PGQ_FN(BODY)(T, w, row_bytes, rows, a, 1, out, out_stride);               \
+        else PGQ_FN(BODY)(T, w, row_bytes, rows, a, a->m, out, out_stride);                      \
         break;
 
 /* pgq_qdot_plain's contract, on this instruction set. */
 PGQ_TARGET static void PGQ_FN(pgq_qdot)(int qtype, const uint8_t *w, int64_t row_bytes, int rows,
                                         const pgq_act *a, float *out, int64_t out_stride) {
     switch (qtype) {
-        PGQ_CASE(PGQ_Q4_0) PGQ_CASE(PGQ_Q4_1) PGQ_CASE(PGQ_Q5_0) PGQ_CASE(PGQ_Q5_1) PGQ_CASE(PGQ_Q8_0)
-        PGQ_CASE(PGQ_Q4_K) PGQ_CASE(PGQ_Q5_K) PGQ_CASE(PGQ_Q6_K)
+        PGQ_CASE(PGQ_Q4_0, pgq_qdot_body) PGQ_CASE(PGQ_Q4_1, pgq_qdot_body) PGQ_CASE(PGQ_Q5_0, pgq_qdot_body)
+        PGQ_CASE(PGQ_Q5_1, pgq_qdot_body) PGQ_CASE(PGQ_Q8_0, pgq_qdot_body)
+        PGQ_CASE(PGQ_Q4_K, pgq_qdot_k_body) PGQ_CASE(PGQ_Q5_K, pgq_qdot_k_body) PGQ_CASE(PGQ_Q6_K, pgq_qdot_k_body)
     }
 }
 
@@ -110,3 +300,4 @@ PGQ_TARGET static void PGQ_FN(pgq_qdot)(int qtype, const uint8_t *w, int64_t row
 #undef PGQ_ISA
 #undef PGQ_TARGET
 #undef PGQ_DOT
+#undef PGQ_DOT_ACC

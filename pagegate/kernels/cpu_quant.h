@@ -25,9 +25,11 @@ static inline int pgq_block_bytes(int qtype) {
         case PGQ_Q4_K: return 144;
         case PGQ_Q5_K: return 176;
         case PGQ_Q6_K: return 210;
-        default: return 0;
+        default: return qtype > 100 ? pgq_block_bytes(qtype - 100) : 0;  /* rows interleaved (cpu_qx8.h) */
     }
 }
+
+#include "cpu_qx8.h"
 
 static float pgq_half_table[65536];  /* float16 bits -> float32, filled once at import */
 
@@ -313,6 +315,19 @@ static void pgq_init_float(void) {
         pgq_dequantize_row = pgq_dequantize_row_avx2;
         pgq_rows4_one = pgq_rows4_one_avx2;
     }
+}
+
+/* pgq_row and pgq_dequantize_row for row r of an N-row matrix in any layout (an interleaved one: cpu_qx8.h). */
+static void pgq_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, const float *x, int rows, float *out,
+                       int64_t out_stride) {
+    const int64_t row_bytes = (int64_t)k / pgq_block_elems(qtype) * pgq_block_bytes(qtype);
+    uint8_t buf[pgq_is_x8(qtype) ? row_bytes : 1];
+    pgq_row(pgq_base_type(qtype), pgq_row_at(qtype, w, n, row_bytes, r, buf), k, x, rows, out, out_stride);
+}
+static void pgq_dequantize_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, float *out) {
+    const int64_t row_bytes = (int64_t)k / pgq_block_elems(qtype) * pgq_block_bytes(qtype);
+    uint8_t buf[pgq_is_x8(qtype) ? row_bytes : 1];
+    pgq_dequantize_row(pgq_base_type(qtype), pgq_row_at(qtype, w, n, row_bytes, r, buf), k, out);
 }
 
 #endif /* PAGEGATE_CPU_QUANT_H */

@@ -16,15 +16,19 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, pgq_act, pgq_dequantize_row, pgq_gemm8, pgq_init,
-                                        pgq_isa, pgq_qdot, pgq_quantize_row, pgq_row, pgq_set_isa)
+from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
+                                        pgq_gemm8, pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
+                                        pgq_row_of, pgq_set_isa, pgq_x8_dot, pgq_x8_pack)
 
 import torch
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
 BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
                Q6_K: 210}
-BLOCK_ELEMS = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else 32 for t in BLOCK_BYTES}
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
+X8 = PGQ_X8  # a K-quant's id plus this: its rows interleaved eight at a time (interleaved(); cpu_qx8.h)
+BLOCK_BYTES.update({t + X8: BLOCK_BYTES[t] for t in K_QUANTS})
+BLOCK_ELEMS = {t: 256 if t % X8 in K_QUANTS else 32 for t in BLOCK_BYTES}
 INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
 pgq_init()
 
@@ -73,7 +77,7 @@ def matmul(x, blocks, int qtype):
     for start in range(0, m, PGQ_MAX_M):
         rows = min(PGQ_MAX_M, m - start)
         for row in prange(n, nogil=True, schedule="static"):
-            pgq_row(qtype, w + row * row_bytes, k, xp + start * k, rows, op + start * n + row, n)
+            pgq_row_of(qtype, w, n, row, k, xp + start * k, rows, op + start * n + row, n)
     return out
 
 
@@ -81,7 +85,7 @@ def dequantize(blocks, int qtype, int k, rows=None):
     """W [N, K] float32 from its blocks; only the given row ids (e.g. an embedding lookup) if `rows`."""
     _check(blocks, qtype, k)
     ids = torch.arange(blocks.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
-    cdef int64_t count = ids.shape[0], i, num = blocks.shape[0], row_bytes = blocks.shape[1]
+    cdef int64_t count = ids.shape[0], i, num = blocks.shape[0]
     if count and (int(ids.min()) < 0 or int(ids.max()) >= num):
         raise IndexError(f"row id out of range [0, {num})")
     out = torch.empty((count, k), dtype=torch.float32)
@@ -89,8 +93,25 @@ def dequantize(blocks, int qtype, int k, rows=None):
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
     for i in prange(count, nogil=True, schedule="static"):
-        pgq_dequantize_row(qtype, w + idp[i] * row_bytes, k, op + i * k)
+        pgq_dequantize_row_of(qtype, w, num, idp[i], k, op + i * k)
     return out
+
+
+def interleaved(blocks, int qtype):
+    """(blocks, qtype) of a K-quant matrix repacked for the integer kernels: its rows interleaved eight at a time
+    (cpu_qx8.h; the same bytes, permuted), its type id qtype + X8; any other matrix as it is."""
+    if qtype not in K_QUANTS or blocks.shape[0] < 8:
+        return blocks, qtype
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[qtype]:
+        raise ValueError(f"blocks must be a uint8 [N, super-blocks * {BLOCK_BYTES[qtype]}] tensor")
+    blocks = blocks.contiguous()
+    out = blocks.clone()  # the last N % 8 rows stay as they are
+    cdef int64_t row_bytes = blocks.shape[1], g, groups = blocks.shape[0] // 8
+    cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
+    cdef uint8_t *o = <uint8_t *><size_t>out.data_ptr()
+    for g in prange(groups, nogil=True, schedule="static"):
+        pgq_x8_pack(qtype, w + g * 8 * row_bytes, row_bytes, o + g * 8 * row_bytes)
+    return out, qtype + X8
 
 
 def matmul_q8(x, blocks, int qtype, bint gemm=False):
@@ -101,7 +122,7 @@ def matmul_q8(x, blocks, int qtype, bint gemm=False):
     if qtype not in INTEGER_TYPES:
         raise ValueError(f"ggml type {qtype} is a float format; use matmul")
     x = _float_input(x)
-    cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], r, g, nb = k // 32
+    cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], r, g, nb = k // 32, stride = n
     out = torch.empty((m, n), dtype=torch.float32)
     q8 = torch.empty(max(m, 1) * k, dtype=torch.int8)
     scales = torch.empty(max(m, 1) * nb * 3, dtype=torch.float32)
@@ -115,12 +136,17 @@ def matmul_q8(x, blocks, int qtype, bint gemm=False):
     cdef float *op = <float *><size_t>out.data_ptr()
     for r in range(m):
         pgq_quantize_row(xp + r * k, &act, r, 0, nb)
+    if pgq_is_x8(qtype):  # whole groups, then the rows after them in their file layout
+        for g in prange(n // 8, nogil=True, schedule="static"):
+            pgq_x8_dot(pgq_base_type(qtype), w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, stride)
+        w, qtype = w + n // 8 * 8 * row_bytes, pgq_base_type(qtype)
+        op, n = op + n // 8 * 8, n % 8
     cdef int64_t tiles = n // 8 if gemm and pgq_gemm8 != NULL and m > 0 else 0
     for g in prange(tiles, nogil=True, schedule="static"):
-        pgq_gemm8(qtype, w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, n)
+        pgq_gemm8(qtype, w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, stride)
     for g in prange(tiles * 2, (n + PGQ_GROUP - 1) // PGQ_GROUP, nogil=True, schedule="static"):
         _qdot_rows(qtype, w + g * PGQ_GROUP * row_bytes, row_bytes, min(PGQ_GROUP, n - g * PGQ_GROUP), &act,
-                   op + g * PGQ_GROUP, n)
+                   op + g * PGQ_GROUP, stride)
     return out
 
 

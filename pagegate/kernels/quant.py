@@ -54,6 +54,12 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
     return out.to(x.dtype)
 
 
+def interleaved(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """A K-quant matrix as the integer kernels read it best, and its type id: its rows interleaved eight at a time
+    (cpu_qx8.h: the file's bytes, permuted); any other matrix as it is."""
+    return _required_kernel().interleaved(blocks, qtype)
+
+
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:
     """The float32 rows `rows` of W (an embedding lookup)."""
     return _required_kernel().dequantize(blocks, qtype, k, rows)

@@ -106,16 +106,38 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
     k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, _ = quantized(qtype, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    layouts = [(blocks, int(qtype)), cpu_quant.interleaved(blocks, int(qtype))]  # K-quants: rows eight at a time too
     try:
         results = []
         for isa in ISAS:
             assert cpu_quant.set_isa(isa)
-            results += [cpu_quant.matmul_q8(x, blocks, int(qtype), gemm=True), cpu_quant.matmul_q8(x, blocks, int(qtype))]
-            results.append(torch.cat([cpu_quant.matmul_q8(x[i:i + 1], blocks, int(qtype)) for i in range(m)]))
+            for weights, kind in layouts:
+                results += [cpu_quant.matmul_q8(x, weights, kind, gemm=True), cpu_quant.matmul_q8(x, weights, kind)]
+                results.append(torch.cat([cpu_quant.matmul_q8(x[i:i + 1], weights, kind) for i in range(m)]))
     finally:
         cpu_quant.set_isa(ISAS[0])
     for other in results[1:]:
         assert torch.equal(other, results[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(K_QUANTS), n=st.integers(1, 27), blocks_per_row=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_interleaved_rows_are_the_files_bytes_permuted(qtype: Q, n: int, blocks_per_row: int, seed: int) -> None:
+    """A K-quant matrix repacked eight rows at a time keeps its size and bytes, its last n % 8 rows in place, and
+    reads back (each row, the whole, an embedding lookup) as the very weights of the file's layout."""
+    k = 256 * blocks_per_row
+    blocks, weights = quantized(qtype, n, k, seed)
+    repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
+    assert kind == (int(qtype) + cpu_quant.X8 if n >= 8 else int(qtype))
+    assert repacked.shape == blocks.shape
+    assert torch.equal(repacked.flatten().sort().values, blocks.flatten().sort().values)
+    assert torch.equal(repacked[n // 8 * 8:], blocks[n // 8 * 8:])
+    assert torch.equal(cpu_quant.dequantize(repacked, kind, k), weights)
+    rows = torch.randint(0, n, (5,), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(cpu_quant.dequantize(repacked, kind, k, rows), weights[rows])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(cpu_quant.matmul(x, repacked, kind), cpu_quant.matmul(x, blocks, int(qtype)))
 
 
 def test_the_fastest_instruction_set_is_chosen() -> None:

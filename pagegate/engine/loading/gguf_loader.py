@@ -23,6 +23,7 @@ from pagegate.engine.loading.layout import checkpoint_layout
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.kernels.quant import interleaved
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -195,7 +196,8 @@ class GGUFFile:
             # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
             # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken
             blocks = np.concatenate(shards) if len(shards) > 1 else np.array(shards[0])
-            model.set_submodule(path, _block_module(module, torch.from_numpy(blocks), qtype))
+            kept, qtype = interleaved(torch.from_numpy(blocks), qtype)  # K-quants: rows eight at a time
+            model.set_submodule(path, _block_module(module, kept, qtype))
             self.kept.update(t.name for t in tensors)
         embedding = model.model.embed_tokens
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):

@@ -1,0 +1,74 @@
+/* K-quant rows interleaved eight at a time: the layout the native step reads Q4_K, Q5_K and Q6_K weights in.
+
+   The loader repacks a K-quant matrix once (pgq_x8_pack): each group of eight rows keeps, super-block by
+   super-block, the very bytes the file has, each field of the block (a scale, the packed values) stored unit by
+   unit with the eight rows side by side: unit u of row i at the field's start + (8 u + i) * unit bytes. One 32-byte
+   load then holds the same four bytes of all eight rows, a vector lane a row, so the integer dot products land per
+   row in the lanes without horizontal adds, and the scales of eight rows are one vector (cpu_qdot_isa.h's
+   pgq_x8_dot). A matrix of N rows keeps N / 8 groups, then its last N % 8 rows as the file has them, each at its
+   own offset; it is as large as the file's (a permutation of its bytes).
+
+   A repacked matrix says so by its type id: the ggml id plus PGQ_X8 (an id of pagegate's, never in a file). */
+#ifndef PAGEGATE_CPU_QX8_H
+#define PAGEGATE_CPU_QX8_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { PGQ_X8 = 100, PGQ_X8_ROWS = 8 };
+
+typedef struct {
+    int offset, bytes, unit;  /* where the field lies in the file's block, its bytes a row, the bytes of a unit */
+} pgq_x8_field;
+
+/* The fields of a K-quant block in file order; the number of them. */
+static int pgq_x8_fields(int base, const pgq_x8_field **fields) {
+    static const pgq_x8_field q4_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}};
+    static const pgq_x8_field q5_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 4}, {48, 128, 4}};
+    static const pgq_x8_field q6_k[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
+    switch (base) {
+        case 12: *fields = q4_k; return 4;
+        case 13: *fields = q5_k; return 5;
+        case 14: *fields = q6_k; return 4;
+        default: *fields = NULL; return 0;
+    }
+}
+
+static inline int pgq_is_x8(int qtype) { return qtype > PGQ_X8; }
+static inline int pgq_base_type(int qtype) { return pgq_is_x8(qtype) ? qtype - PGQ_X8 : qtype; }
+
+/* Copy row i's block (file layout, `file`) into a group's block (`group`, 8 blocks' bytes), or back (`to_file`). */
+static void pgq_x8_block(int base, uint8_t *group, uint8_t *file, int i, int to_file) {
+    const pgq_x8_field *fields;
+    const int count = pgq_x8_fields(base, &fields);
+    int start = 0;
+    for (int f = 0; f < count; f++) {
+        const pgq_x8_field field = fields[f];
+        for (int u = 0; u < field.bytes / field.unit; u++) {
+            uint8_t *at = group + start + (PGQ_X8_ROWS * u + i) * field.unit, *in = file + field.offset + u * field.unit;
+            if (to_file) memcpy(in, at, field.unit);
+            else memcpy(at, in, field.unit);
+        }
+        start += PGQ_X8_ROWS * field.bytes;
+    }
+}
+
+/* Eight rows of `base` blocks (row_bytes each, consecutive at rows) into one group at out (8 row_bytes). */
+static void pgq_x8_pack(int base, const uint8_t *rows, int64_t row_bytes, uint8_t *out) {
+    const int bytes = pgq_block_bytes(base);
+    for (int64_t s = 0; s < row_bytes / bytes; s++)
+        for (int i = 0; i < PGQ_X8_ROWS; i++)
+            pgq_x8_block(base, out + s * PGQ_X8_ROWS * bytes, (uint8_t *)rows + i * row_bytes + s * bytes, i, 0);
+}
+
+/* Row r of a matrix of n rows in `qtype` as its file has it: in place, or copied out of its group into buf. */
+static const uint8_t *pgq_row_at(int qtype, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t r, uint8_t *buf) {
+    if (!pgq_is_x8(qtype) || r >= n / PGQ_X8_ROWS * PGQ_X8_ROWS) return w + r * row_bytes;
+    const int base = pgq_base_type(qtype), bytes = pgq_block_bytes(base);
+    const uint8_t *group = w + (r / PGQ_X8_ROWS) * PGQ_X8_ROWS * row_bytes;
+    for (int64_t s = 0; s < row_bytes / bytes; s++)
+        pgq_x8_block(base, (uint8_t *)group + s * PGQ_X8_ROWS * bytes, buf + s * bytes, (int)(r % PGQ_X8_ROWS), 1);
+    return buf;
+}
+
+#endif /* PAGEGATE_CPU_QX8_H */
