@@ -31,12 +31,14 @@
 #define PGD_TILE_GROUPS 4         /* weight row groups a thread takes together in a step of many tokens */
 #define PGD_GEMM_MIN_TOKENS 8     /* from this many tokens, integer blocks go through pgq_gemm8 where the CPU has it */
 
-/* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias. */
-typedef struct {
+/* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias; `rest`: the
+   layer's next rows, in another type (a packed projection whose shards the file keeps in different types). */
+typedef struct pgd_linear {
     int qtype;
     const uint8_t *data;
     int64_t row_bytes, n, k;
     const float *bias;
+    const struct pgd_linear *rest;
 } pgd_linear;
 
 typedef struct {
@@ -92,6 +94,13 @@ typedef struct {
 /* Whether l takes its input in Q8: integer blocks, unless the model runs exact. */
 static inline int pgd_q8(const pgd_model *m, const pgd_linear *l) {
     return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16;
+}
+
+/* Whether some part of l takes its input in Q8. */
+static inline int pgd_any_q8(const pgd_model *m, const pgd_linear *l) {
+    for (; l != NULL; l = l->rest)
+        if (pgd_q8(m, l)) return 1;
+    return 0;
 }
 
 /* out[r * out_stride] = x_r . w for one float row w of any length (F32 rows need not be whole blocks). */
@@ -221,8 +230,8 @@ static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act
 /* out[r * out_stride + n] (+)= x_r . row n + bias[n] for the step's rows, the weight rows split over the threads
    in tiles (one group a tile for a few tokens, PGD_TILE_GROUPS for many, so a tile's weights stay in cache while
    the tokens pass 16 at a time). */
-static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
-                       int64_t out_stride, int accumulate) {
+static void pgd_matmul_part(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens,
+                            float *out, int64_t out_stride, int accumulate) {
     if (pgd_q8(m, l) && pgq_is_x8(l->qtype)) {
         pgd_matmul_x8(m, l, act, tokens, out, out_stride, accumulate);
         return;
@@ -248,10 +257,16 @@ static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, 
     }
 }
 
-/* The Q8 of x's rows (T rows of act->k), when `next` is in integer blocks. */
+/* pgd_matmul_part for each part of l, its outputs after the previous parts'. */
+static void pgd_matmul(const pgd_model *m, const pgd_linear *l, const float *x, const pgq_act *act, int tokens, float *out,
+                       int64_t out_stride, int accumulate) {
+    for (; l != NULL; out += l->n, l = l->rest) pgd_matmul_part(m, l, x, act, tokens, out, out_stride, accumulate);
+}
+
+/* The Q8 of x's rows (T rows of act->k), when `next` (some part of it) is in integer blocks. */
 static void pgd_quantize(const pgd_model *m, const pgd_linear *next, const float *x, const pgq_act *act,
                          int tokens) {
-    if (!pgd_q8(m, next)) return;
+    if (!pgd_any_q8(m, next)) return;
     const int64_t nb = act->k / 32;
     if (tokens >= 2 * omp_get_num_threads()) {  /* whole rows a thread; a few rows are split by blocks */
         #pragma omp for schedule(static)

@@ -59,6 +59,7 @@ cdef extern from "cpu_decode.h":
         const uint8_t *data
         int64_t row_bytes, n, k
         const float *bias
+        const pgd_linear *rest
     ctypedef struct pgd_layer:
         const float *attn_norm
         const float *ffn_norm
@@ -158,11 +159,28 @@ cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
     if qtype not in BLOCK_BYTES or (qtype != 0 and k % BLOCK_ELEMS[qtype]):
         raise ValueError(f"{what}: ggml type {qtype} does not fit rows of {k}")
     cdef pgd_linear l
-    l.qtype, l.n, l.k = qtype, n, k
+    l.qtype, l.n, l.k, l.rest = qtype, n, k, NULL
     l.row_bytes = k * BLOCK_BYTES[qtype] // BLOCK_ELEMS[qtype]
     l.data = <const uint8_t *>_address(rows, torch.uint8, (n, l.row_bytes), f"{what} weight")
     l.bias = NULL if bias is None else <const float *>_address(bias, torch.float32, (n,), f"{what} bias")
     return l
+
+
+cdef pgd_linear _linear_parts(spec, int64_t k, int64_t n, what, pgd_linear *rest) except *:
+    """_linear, or for a list of such triples (a layer's rows part after part, in different types) its first part,
+    the others written to rest (len(spec) - 1 of them) and chained after it."""
+    if not isinstance(spec, list):
+        return _linear(spec, k, n, what)
+    if sum(part[1].shape[0] for part in spec) != n:
+        raise ValueError(f"{what}: parts of {[part[1].shape[0] for part in spec]} rows, not {n} in all")
+    cdef pgd_linear first = _linear(spec[0], k, spec[0][1].shape[0], f"{what} part 0")
+    cdef pgd_linear *previous = &first
+    cdef int i
+    for i in range(1, len(spec)):
+        rest[i - 1] = _linear(spec[i], k, spec[i][1].shape[0], f"{what} part {i}")
+        previous.rest = &rest[i - 1]
+        previous = &rest[i - 1]
+    return first
 
 
 cdef const float *_optional(t, int64_t n, what) except? NULL:
@@ -313,6 +331,7 @@ cdef class DecodeModel:
 
     cdef pgd_model model
     cdef pgd_layer *layers
+    cdef pgd_linear *parts  # the parts of the layers' linears after their first (_linear_parts)
     cdef pgd_buffers buffers
     cdef int64_t num_pages, max_positions
     cdef object keep  # every tensor the pointers point into
@@ -320,6 +339,7 @@ cdef class DecodeModel:
 
     def __cinit__(self):
         self.layers = NULL
+        self.parts = NULL
 
     def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False, *, local_cos_sin=None,
                  activation="silu", embed_scale=None, final_softcap=None):
@@ -335,6 +355,7 @@ cdef class DecodeModel:
         cdef pgd_model *m = &self.model
         cdef pgd_layer *layer
         cdef int64_t widest, t
+        cdef pgd_linear *targets[4]
         m.num_layers, m.hidden, m.num_heads, m.num_kv_heads = len(layers), hidden, heads, kv_heads
         m.head_dim, m.intermediate, m.eps, m.scale = head_dim, intermediate, eps, scale
         m.exact = bool(exact)
@@ -353,8 +374,11 @@ cdef class DecodeModel:
         m.embed = _linear(embed, hidden, vocab, "embedding")
         m.lm_head = _linear(lm_head, hidden, lm_head[1].shape[0], "lm_head")
         self.layers = <pgd_layer *>malloc(len(layers) * sizeof(pgd_layer))
-        if self.layers == NULL:
+        extra = [len(spec) - 1 if isinstance(spec, list) else 0 for specs in layers for spec in specs[2:6]]
+        self.parts = <pgd_linear *>malloc(max(1, sum(extra)) * sizeof(pgd_linear))
+        if self.layers == NULL or self.parts == NULL:
             raise MemoryError()
+        cdef pgd_linear *rest = self.parts
         m.layers = self.layers
         q, kv = heads * head_dim, kv_heads * head_dim
         first_cache = layers[0][6]
@@ -376,10 +400,12 @@ cdef class DecodeModel:
                 raise ValueError(f"layer {i} asks for the local RoPE table, and there is none")
             layer.cos_sin = local_table if local_rope else table
             layer.softcap = softcap or 0.0
-            layer.qkv = _linear(qkv, hidden, q + 2 * kv, f"layer {i} qkv")
-            layer.o = _linear(o, q, hidden, f"layer {i} o_proj")
-            layer.gate_up = _linear(gate_up, hidden, 2 * intermediate, f"layer {i} gate_up")
-            layer.down = _linear(down, intermediate, hidden, f"layer {i} down_proj")
+            targets[0], targets[1], targets[2], targets[3] = &layer.qkv, &layer.o, &layer.gate_up, &layer.down
+            for j, (spec, k, n, name) in enumerate(((qkv, hidden, q + 2 * kv, "qkv"), (o, q, hidden, "o_proj"),
+                                                    (gate_up, hidden, 2 * intermediate, "gate_up"),
+                                                    (down, intermediate, hidden, "down_proj"))):
+                targets[j][0] = _linear_parts(spec, k, n, f"layer {i} {name}", rest)
+                rest += len(spec) - 1 if isinstance(spec, list) else 0
             layer.k_cache = <uint8_t *>_address(k_cache, kv_format.dtype, cache_shape, "k cache")
             layer.v_cache = <uint8_t *>_address(v_cache, kv_format.dtype, cache_shape, "v cache")
             layer.window = window or 0
@@ -399,6 +425,7 @@ cdef class DecodeModel:
 
     def __dealloc__(self):
         free(self.layers)
+        free(self.parts)
 
     def forward(self, const int64_t[::1] ids, const int64_t[::1] positions, const int64_t[::1] slots,
                 const int32_t[:, ::1] block_tables, const int32_t[::1] seq_lens, const int32_t[::1] query_start,

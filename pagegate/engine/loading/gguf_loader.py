@@ -6,6 +6,7 @@ layouts onto the Hugging Face ones the rest of pagegate knows, so nothing above 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
 from pagegate.engine.loading.layout import checkpoint_layout
 from pagegate.engine.models.base import CausalLM
 from pagegate.engine.models.config import ModelConfig
-from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.kernels.quant import interleaved
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -189,19 +190,27 @@ class GGUFFile:
             kinds = {int(t.tensor_type) for t in tensors}
             if len(kinds) > 1 and kinds <= _WIDENS_TO_Q8_0 and Q8_0 in block_types:
                 kinds = {Q8_0}  # shards of mixed types (Q4_K_M's Q5_0 q/k beside a Q8_0 v): one Q8_0 matrix
-            if len(tensors) != len(names) or len(kinds) != 1 or not kinds <= block_types:
+            if len(tensors) != len(names) or not kinds <= block_types:
                 continue  # a tied lm_head has no tensor of its own
-            qtype = kinds.pop()
-            shards = [self._unpermuted(name, _blocks_as(t, qtype)) for name, t in zip(names, tensors, strict=True)]
-            # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
-            # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken
-            blocks = np.concatenate(shards) if len(shards) > 1 else np.array(shards[0])
-            kept, qtype = interleaved(torch.from_numpy(blocks), qtype)  # K-quants: rows eight at a time
-            model.set_submodule(path, _block_module(module, kept, qtype))
+            # shards of one type side by side: one matrix; of several (Q4_K_M's Q4_K q and k beside a Q6_K v): one
+            # matrix a run of shards of one type, their outputs side by side
+            runs = [list(run) for _, run in itertools.groupby(zip(names, tensors, strict=True),
+                                                              key=lambda shard: len(kinds) > 1 and shard[1].tensor_type)]
+            parts = [self._blocks(run, kinds) for run in runs]
+            model.set_submodule(path, _block_module(module, parts))
             self.kept.update(t.name for t in tensors)
         embedding = model.model.embed_tokens
         if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
             model.lm_head = embedding.as_linear()
+
+    def _blocks(self, shards: list[tuple[str, GGUFTensor]], kinds: set[int]) -> tuple[torch.Tensor, int]:
+        """Shards of one type as one matrix of blocks and its type id (K-quants: rows eight at a time)."""
+        qtype = next(iter(kinds)) if len(kinds) == 1 else int(shards[0][1].tensor_type)
+        rows = [self._unpermuted(name, _blocks_as(tensor, qtype)) for name, tensor in shards]
+        # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
+        # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken
+        blocks = np.concatenate(rows) if len(rows) > 1 else np.array(rows[0])
+        return interleaved(torch.from_numpy(blocks), qtype)
 
     def load_weights(self, model: CausalLM) -> None:
         """Dequantize every tensor not kept in blocks into the parameter the model's layout maps it to."""
@@ -264,13 +273,19 @@ def _blocks_as(tensor: GGUFTensor, qtype: int) -> np.ndarray:
     return np.concatenate([scales, steps.view(np.uint8)], axis=2).reshape(rows, -1)
 
 
-def _block_module(module: nn.Embedding | nn.Linear, blocks: torch.Tensor, qtype: int) -> nn.Module:
-    """The block-keeping replacement of an nn.Embedding or a (packed) nn.Linear."""
+def _block_module(module: nn.Embedding | nn.Linear, parts: list[tuple[torch.Tensor, int]]) -> nn.Module:
+    """The block-keeping replacement of an nn.Embedding or a (packed) nn.Linear: its matrix, or its matrices of
+    different types one after the other."""
     dtype = module.weight.dtype
     if isinstance(module, nn.Embedding):
+        [(blocks, qtype)] = parts
         return QuantEmbedding(blocks, qtype, module.embedding_dim, dtype)
-    return QuantLinear(blocks, qtype, module.in_features, dtype, getattr(module, "shard_names", ()),
-                       getattr(module, "shard_sizes", ()), bias=module.bias is not None)
+    names, sizes, bias = getattr(module, "shard_names", ()), getattr(module, "shard_sizes", ()), module.bias is not None
+    if len(parts) == 1:
+        [(blocks, qtype)] = parts
+        return QuantLinear(blocks, qtype, module.in_features, dtype, names, sizes, bias=bias)
+    linears = [QuantLinear(blocks, qtype, module.in_features, dtype) for blocks, qtype in parts]
+    return QuantLinearStack(linears, names, sizes, bias=bias)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:

@@ -18,7 +18,7 @@ from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.gemma import GemmaDecoderLayer
 from pagegate.engine.models.layers import RMSNorm
 from pagegate.engine.models.llama import DecoderLayer, DecoderModel
-from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
 from pagegate.kernels.quant import F32
@@ -27,9 +27,14 @@ from pagegate.kernels.quant import F32
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """A linear layer or embedding as (ggml type, its weight's bytes [N, row bytes], bias)."""
+def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | list:
+    """A linear layer or embedding as (ggml type, its weight's bytes [N, row bytes], bias); one whose rows come in
+    parts of different types as a list of those, part after part."""
     bias = getattr(module, "bias", None)
+    if isinstance(module, QuantLinearStack):
+        ends = np.cumsum([0] + [part.out_features for part in module.parts])
+        return [(part.qtype, part.blocks, None if bias is None else bias.detach()[start:end])
+                for part, start, end in zip(module.parts, ends[:-1], ends[1:], strict=True)]
     if isinstance(module, QuantLinear | QuantEmbedding):
         return module.qtype, module.blocks, bias
     weight = cast(torch.Tensor, module.weight).detach()

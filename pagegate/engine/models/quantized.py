@@ -19,7 +19,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.register_buffer("blocks", blocks)
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
-        self.shard_names, self.shard_sizes = shard_names, shard_sizes
+        self.shard_names, self.shard_sizes, self.dtype = shard_names, shard_sizes, dtype
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +27,24 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantLinearStack(nn.Module):
+    """A packed projection whose shards the file keeps in blocks of different types (Q4_K_M's Q4_K q and k beside
+    a Q6_K v): one QuantLinear a type, their outputs side by side, one bias over them all."""
+
+    def __init__(self, parts: list[QuantLinear], shard_names: tuple[str, ...], shard_sizes: tuple[int, ...],
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+        self.shard_names, self.shard_sizes = shard_names, shard_sizes
+        dtype = parts[0].dtype
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
 
 
 class QuantEmbedding(nn.Module):

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.gguf_loader import GGUFFile
 from pagegate.engine.loading.loader import load_model, weight_bytes
 from pagegate.engine.models.config import ModelConfig
-from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear
+from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
+from pagegate.kernels import cpu_quant
 from pagegate.kernels.quant import dequantize_rows
 from pagegate.testing.launcher import free_port
 
@@ -117,6 +119,26 @@ def test_mixed_q4_0_q5_0_q8_0_shards_stay_in_blocks_as_exact_q8_0(wide_model: Sa
     dequantized = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(dequantize_rows(layer.self_attn.qkv_proj.blocks, int(Q.Q8_0), WIDE["hidden_size"],
                                        torch.arange(dequantized.shape[0])), dequantized)
+
+
+def test_shards_of_different_k_quants_stay_in_blocks_side_by_side(wide_model: SavedModel, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K_M puts a Q6_K v beside Q4_K q/k: the packed q/k/v keeps both in blocks (one matrix a type, rows eight at
+    a time), no larger than the file's, and serves as the dequantized weights do, on the torch path and natively."""
+    path = write_gguf(tmp_path / "mixed.gguf", wide_model.hf_model,
+                      quant=lambda name, values: Q.Q6_K if "v_proj" in name or "down_proj" in name else Q.Q4_K)
+    kept = load_model(path).model
+    qkv = kept.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinearStack)
+    assert [part.qtype for part in qkv.parts] == [int(Q.Q4_K) + cpu_quant.X8, int(Q.Q6_K) + cpu_quant.X8]
+    file_bytes = sum(t.data.nbytes for t in GGUFReader(path).tensors if t.name.endswith(("attn_q.weight",
+                     "attn_k.weight", "attn_v.weight")))
+    assert sum(part.blocks.nbytes for layer in kept.model.layers for part in layer.self_attn.qkv_proj.parts) \
+        == file_bytes
+    expected = greedy(path, quantization="none")
+    assert greedy(path) == expected
+    monkeypatch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
+    assert greedy(path) == expected
 
 
 def wide_model_of(tmp_path: Path) -> torch.nn.Module:
