@@ -138,6 +138,12 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_k_body)(const int qtype, const uint8_
     }
 }
 
+/* One activation row reads a group's blocks at the memory's pace, and their fields out of order: the super-block
+   PGQ_X8_AHEAD after this one, line by line, is asked for now. */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_prefetch)(const uint8_t *block, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)block + PGQ_X8_AHEAD * bytes + at, _MM_HINT_T1);
+}
+
 /* Eight interleaved rows (cpu_qx8.h) of Q4_K or Q5_K against activation rows r0 .. r0 + R - 1, in the canonical
    order: lane i of every vector is weight row i, so a sub-block's integer sums and its float steps serve eight rows
    at once. out[r * out_stride + i]. */
@@ -213,6 +219,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
+        if (R == 1) PGQ_FN(pgq_x8_prefetch)(g, PGQ_X8_ROWS * bytes);
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 1664)));
         #pragma GCC unroll 2
         for (int n = 0; n < 2; n++) {  /* values 128 n .. 128 n + 127: sub-blocks 4 n + t */

@@ -16,6 +16,9 @@
 #include <string.h>
 
 enum { PGQ_X8 = 100, PGQ_X8_ROWS = 8 };
+#ifndef PGQ_X8_AHEAD
+#define PGQ_X8_AHEAD 2  /* super-blocks ahead a decode step prefetches (cpu_qdot_isa.h) */
+#endif
 
 typedef struct {
     int offset, bytes, unit;  /* where the field lies in the file's block, its bytes a row, the bytes of a unit */
