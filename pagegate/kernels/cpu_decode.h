@@ -87,7 +87,7 @@ typedef struct {
     float *gate_up; /* [T, 2 intermediate] */
     float *branch;  /* [T, hidden]: an attention / MLP output before its post-norm */
     float *attn_parts; /* [PGD_SPLIT_STATES, group * (head_dim + 2)]: attention's part states */
-    pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, max K / 16] */
+    pgq_act act;    /* q [T, max K], d and s [T, max K / 32] and [T, PGQ_SUMS max K / 32] */
     int token_seq[PGD_MAX_TOKENS];
 } pgd_buffers;
 
@@ -138,7 +138,7 @@ static void pgd_group_dot(const pgd_model *m, const pgd_linear *l, int64_t first
     const uint8_t *w = l->data + first * l->row_bytes;
     if (pgd_q8(m, l)) {
         const int64_t nb = act->k / 32;
-        const pgq_act chunk = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        const pgq_act chunk = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + PGQ_SUMS * t0 * nb};
         pgq_qdot(l->qtype, w, l->row_bytes, rows, &chunk, part, PGQ_GROUP);
     } else if (pgq_is_x8(l->qtype)) {  /* an exact model's interleaved rows, each copied out of its group */
         for (int i = 0; i < rows; i++)
@@ -170,7 +170,7 @@ static void pgd_matmul_gemm(const pgd_model *m, const pgd_linear *l, const pgq_a
     chunk = chunk < 16 ? 16 : chunk > PGD_MAX_TOKENS ? PGD_MAX_TOKENS : chunk;
     for (int t0 = 0; t0 < tokens; t0 += chunk) {
         const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
-        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + PGQ_SUMS * t0 * nb};
         #pragma omp for schedule(static) nowait
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t first = tile * PGQ_TILE_ROWS;
@@ -204,7 +204,7 @@ static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act
     chunk = chunk < 16 ? 16 : chunk > PGD_MAX_TOKENS ? PGD_MAX_TOKENS : chunk;
     for (int t0 = 0; t0 < tokens; t0 += chunk) {
         const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
-        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + 2 * t0 * nb};
+        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + PGQ_SUMS * t0 * nb};
         #pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups + (rest > 0); g++) {
             float part[PGD_MAX_TOKENS * PGQ_X8_ROWS];

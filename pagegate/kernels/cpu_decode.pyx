@@ -18,7 +18,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
-from pagegate.kernels.cpu_qdot cimport pgq_act, pgq_init, pgq_isa, pgq_set_isa
+from pagegate.kernels.cpu_qdot cimport PGQ_SUMS, pgq_act, pgq_init, pgq_isa, pgq_set_isa
 
 import torch
 
@@ -411,7 +411,7 @@ cdef class DecodeModel:
             layer.window = window or 0
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
         buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),
-                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * 3), torch.empty(t * hidden),
+                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * (1 + PGQ_SUMS)), torch.empty(t * hidden),
                    torch.empty(PGD_SPLIT_STATES * (heads // kv_heads) * (head_dim + 2)))
         self.buffers.normed = <float *><size_t>buffers[0].data_ptr()
         self.buffers.qkv = <float *><size_t>buffers[1].data_ptr()

@@ -29,8 +29,10 @@
 #endif
 #define PGQ_MAX_M 16  /* activation rows a kernel call takes */
 
-/* Activations in Q8: m rows of k values; per 32-block b of row r (index r * k / 32 + b): the
-   scale d, and s[2 * i + h] = d * the sum of half h's 16 int8 values. */
+/* Activations in Q8: m rows of k values; per 32-block i of row r (index r * k / 32 + b): the scale d[i], and
+   s[PGQ_SUMS * i + h] = d * the sum of half h's 16 int8 values, s[PGQ_SUMS * i + 2] = the two added (the kernels'
+   c term). */
+#define PGQ_SUMS 3
 typedef struct {
     int64_t k;
     int m;
@@ -92,8 +94,10 @@ static void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t fi
         const int64_t i = r * nb + b;
         int sum[2];
         pgq_quantize_block(x + b * 32, a->q + r * a->k + b * 32, &a->d[i], sum);
-        a->s[2 * i] = a->d[i] * (float)sum[0];
-        a->s[2 * i + 1] = a->d[i] * (float)sum[1];
+        float *s = a->s + PGQ_SUMS * i;
+        s[0] = a->d[i] * (float)sum[0];
+        s[1] = a->d[i] * (float)sum[1];
+        s[2] = s[0] + s[1];
     }
 }
 
@@ -160,16 +164,16 @@ static inline float pgq_block_plain(int qtype, const uint8_t *w, int64_t b, cons
         sum[l / 16] += u[l] * q[l];
         qsum += q[l];
     }
-    const float dx = a->d[x], s0 = a->s[2 * x], s1 = a->s[2 * x + 1];
+    const float dx = a->d[x], *s = a->s + PGQ_SUMS * x;
     if (qtype == PGQ_Q6_K) {
         f = fmaf((float)sum[0], d[0] * dx, f);
         f = fmaf((float)sum[1], d[1] * dx, f);
-        f = fmaf(c[0], s0, f);
-        return fmaf(c[1], s1, f);
+        f = fmaf(c[0], s[0], f);
+        return fmaf(c[1], s[1], f);
     }
     if (qtype == PGQ_Q8_0) return fmaf((float)(sum[0] + sum[1] - 128 * qsum), d[0] * dx, f);  /* u = w + 128 */
     f = fmaf((float)(sum[0] + sum[1]), d[0] * dx, f);
-    return fmaf(c[0], s0 + s1, f);
+    return fmaf(c[0], s[2], f);
 }
 
 /* out[r * out_stride + i] = row i . x_r for the `rows` (<= PGQ_GROUP) weight rows at w, w + row_bytes, ... */
@@ -297,13 +301,20 @@ PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
 #define PGQ_ISA avx2
 #define PGQ_TARGET PGQ_AVX2
 #define PGQ_DOT(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
-#define PGQ_DOT_ACC(acc, u, q) _mm256_add_epi32(acc, PGQ_DOT(u, q))
+#define PGQ_DOT_BCAST(acc, u, q) _mm256_add_epi32(acc, PGQ_DOT(u, _mm256_set1_epi32(*(q))))
 #include "cpu_qdot_isa.h"
 
 #define PGQ_ISA vnni
-#define PGQ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define PGQ_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define PGQ_TARGET PGQ_VNNI_TARGET
 #define PGQ_DOT(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q)
-#define PGQ_DOT_ACC(acc, u, q) _mm256_dpbusd_epi32(acc, u, q)
+/* acc += u . (the dword at q, in every lane): vpdpbusd with the dword broadcast from memory in the instruction (gcc
+   loads it into a register first, one more instruction for each of the kernels' most frequent one). */
+PGQ_VNNI_TARGET PGQ_INLINE __m256i pgq_dot_bcast_vnni(__m256i acc, __m256i u, const int32_t *q) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*q));
+    return acc;
+}
+#define PGQ_DOT_BCAST(acc, u, q) pgq_dot_bcast_vnni(acc, u, q)
 #include "cpu_qdot_isa.h"
 
 static int pgq_has_vnni(void) {

@@ -6,6 +6,7 @@ cdef extern from "cpu_qdot.h":
     enum:
         PGQ_GROUP  # weight rows one integer kernel call takes
         PGQ_MAX_M  # activation rows one kernel call takes
+        PGQ_SUMS  # floats of pgq_act.s a block
     ctypedef struct pgq_act:
         int64_t k
         int m

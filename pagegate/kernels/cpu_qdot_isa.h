@@ -57,12 +57,12 @@ PGQ_TARGET PGQ_INLINE __m128 PGQ_FN(pgq_quad_step)(const int qtype, const PGQ_FN
     if (qtype == PGQ_Q6_K) {
         acc = _mm_fmadd_ps(_mm_cvtepi32_ps(low), _mm_mul_ps(quad->d0, dx), acc);
         acc = _mm_fmadd_ps(_mm_cvtepi32_ps(high), _mm_mul_ps(quad->d1, dx), acc);
-        acc = _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[2 * x]), acc);
-        return _mm_fmadd_ps(quad->c1, _mm_set1_ps(a->s[2 * x + 1]), acc);
+        acc = _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[PGQ_SUMS * x]), acc);
+        return _mm_fmadd_ps(quad->c1, _mm_set1_ps(a->s[PGQ_SUMS * x + 1]), acc);
     }
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(low, high)), _mm_mul_ps(quad->d0, dx), acc);
     if (qtype == PGQ_Q8_0) return acc;
-    return _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[2 * x] + a->s[2 * x + 1]), acc);
+    return _mm_fmadd_ps(quad->c0, _mm_set1_ps(a->s[PGQ_SUMS * x + 2]), acc);
 }
 
 /* `rows` (<= 4) weight rows against the m activation rows of a; qtype and m are constants where this is inlined.
@@ -186,8 +186,8 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t 
                 }
                 for (int r = 0; r < R; r++) {
                     const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + 2 * p) * 32);
-                    sums[0][r] = PGQ_DOT_ACC(sums[0][r], low, _mm256_set1_epi32(q[c]));
-                    sums[1][r] = PGQ_DOT_ACC(sums[1][r], high, _mm256_set1_epi32(q[8 + c]));
+                    sums[0][r] = PGQ_DOT_BCAST(sums[0][r], low, q + c);
+                    sums[1][r] = PGQ_DOT_BCAST(sums[1][r], high, q + 8 + c);
                 }
             }
             #pragma GCC unroll 2
@@ -201,7 +201,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t 
                     const int64_t x = (r0 + r) * nb + 8 * sb + j;
                     f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h][r]), _mm256_mul_ps(dj, _mm256_set1_ps(a->d[x])),
                                            f[r]);
-                    f[r] = _mm256_fmadd_ps(cj, _mm256_set1_ps(a->s[2 * x] + a->s[2 * x + 1]), f[r]);
+                    f[r] = _mm256_fmadd_ps(cj, _mm256_set1_ps(a->s[PGQ_SUMS * x + 2]), f[r]);
                 }
             }
         }
@@ -242,7 +242,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
                 for (int t = 0; t < 4; t++)
                     for (int r = 0; r < R; r++) {
                         const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + 4 * n + t) * 32);
-                        sums[t][l4 / 4][r] = PGQ_DOT_ACC(sums[t][l4 / 4][r], u[t], _mm256_set1_epi32(q[l4]));
+                        sums[t][l4 / 4][r] = PGQ_DOT_BCAST(sums[t][l4 / 4][r], u[t], q + l4);
                     }
             }
             #pragma GCC unroll 4
@@ -256,8 +256,8 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
                     const __m256 dx = _mm256_set1_ps(a->d[x]);
                     f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][0][r]), _mm256_mul_ps(d0, dx), f[r]);
                     f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][1][r]), _mm256_mul_ps(d1, dx), f[r]);
-                    f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[2 * x]), f[r]);
-                    f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[2 * x + 1]), f[r]);
+                    f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[PGQ_SUMS * x]), f[r]);
+                    f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[PGQ_SUMS * x + 1]), f[r]);
                 }
             }
         }
@@ -307,4 +307,4 @@ PGQ_TARGET static void PGQ_FN(pgq_qdot)(int qtype, const uint8_t *w, int64_t row
 #undef PGQ_ISA
 #undef PGQ_TARGET
 #undef PGQ_DOT
-#undef PGQ_DOT_ACC
+#undef PGQ_DOT_BCAST

@@ -102,12 +102,12 @@ PGQ_VNNI PGQ_INLINE void pgq_tile_rows(const int qtype, const uint8_t *tile, con
             if (qtype == PGQ_Q6_K) {
                 f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(d0, dx), f[r]);
                 f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_mul_ps(d1, dx), f[r]);
-                f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[2 * x]), f[r]);
-                f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[2 * x + 1]), f[r]);
+                f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[PGQ_SUMS * x]), f[r]);
+                f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[PGQ_SUMS * x + 1]), f[r]);
             } else {
                 const __m256i sum = _mm256_add_epi32(low, high);
                 f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d0, dx), f[r]);
-                f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[2 * x] + a->s[2 * x + 1]), f[r]);
+                f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[PGQ_SUMS * x + 2]), f[r]);
             }
         }
     }

@@ -16,7 +16,7 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
+from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_SUMS, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
                                         pgq_gemm8, pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot, pgq_x8_pack)
 
@@ -125,7 +125,7 @@ def matmul_q8(x, blocks, int qtype, bint gemm=False):
     cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], r, g, nb = k // 32, stride = n
     out = torch.empty((m, n), dtype=torch.float32)
     q8 = torch.empty(max(m, 1) * k, dtype=torch.int8)
-    scales = torch.empty(max(m, 1) * nb * 3, dtype=torch.float32)
+    scales = torch.empty(max(m, 1) * nb * (1 + PGQ_SUMS), dtype=torch.float32)
     cdef pgq_act act
     act.k, act.m = k, m
     act.q = <int8_t *><size_t>q8.data_ptr()
@@ -157,6 +157,6 @@ cdef void _qdot_rows(int qtype, const uint8_t *w, int64_t row_bytes, int rows, c
     cdef int64_t start = 0, nb = act.k // 32
     while start < act.m:
         chunk.k, chunk.m = act.k, min(PGQ_MAX_M, act.m - start)
-        chunk.q, chunk.d, chunk.s = act.q + start * act.k, act.d + start * nb, act.s + 2 * start * nb
+        chunk.q, chunk.d, chunk.s = act.q + start * act.k, act.d + start * nb, act.s + PGQ_SUMS * start * nb
         pgq_qdot(qtype, w, row_bytes, rows, &chunk, out + start * n, n)
         start += PGQ_MAX_M
