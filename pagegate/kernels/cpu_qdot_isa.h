@@ -265,6 +265,53 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
 }
 
+/* The fifth bit of values 4 c .. 4 c + 3 (bits 4c.. of each lane's 32) as 0x10 in each of the lane's four bytes. */
+PGQ_TARGET PGQ_INLINE __m256i PGQ_FN(pgq_x8_fifth_bits)(__m256i qh, int c) {
+    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(qh, c), _mm256_set1_epi32(15));
+    /* bit j to bit 8 j (the four products' bits never meet: no carries), then up to bit 4 of its byte */
+    const __m256i spread = _mm256_mullo_epi32(nibble, _mm256_set1_epi32(0x00204081));
+    return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(0x01010101)), 4);
+}
+
+/* The same for Q4_0, Q4_1, Q5_0 and Q5_1 (a block of 32 values: one scale, one offset). */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q4_rows)(const int base, const uint8_t *group, const pgq_act *a, int r0,
+                                                  const int R, float *out, int64_t out_stride) {
+    const int64_t nb = a->k / 32, bytes = pgq_block_bytes(base);
+    const int one = base == PGQ_Q4_1 || base == PGQ_Q5_1, five = base == PGQ_Q5_0 || base == PGQ_Q5_1;
+    const int high_at = 16 + 16 * one, values_at = high_at + 32 * five;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256 f[4];
+    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = group + b * PGQ_X8_ROWS * bytes;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        const __m256 c = one ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                             : _mm256_mul_ps(d, _mm256_set1_ps(five ? -16.0f : -8.0f));
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(g + high_at)) : _mm256_setzero_si256();
+        __m256i sums[4];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 4
+        for (int c4 = 0; c4 < 4; c4++) {  /* values 4 c4 .. 4 c4 + 3 (low nibbles) and 16 more (high) */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(g + values_at + 32 * c4));
+            __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            if (five) {
+                low = _mm256_or_si256(low, PGQ_FN(pgq_x8_fifth_bits)(qh, 4 * c4));
+                high = _mm256_or_si256(high, PGQ_FN(pgq_x8_fifth_bits)(qh, 16 + 4 * c4));
+            }
+            for (int r = 0; r < R; r++) {
+                const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + b) * 32);
+                sums[r] = PGQ_DOT_BCAST(PGQ_DOT_BCAST(sums[r], low, q + c4), high, q + 4 + c4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t x = (r0 + r) * nb + b;
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(a->d[x])), f[r]);
+            f[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(a->s[PGQ_SUMS * x + 2]), f[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
+}
+
 /* pgq_x8_dot_plain's contract, on this instruction set: a few activation rows a pass over the group's weights. */
 PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a,
                                           float *out, int64_t out_stride) {
@@ -276,6 +323,13 @@ PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_
             for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_k4_rows)(T, group, row_bytes, a, r0, 1, out, out_stride);  \
             return;
         PGQ_X8_CASE(PGQ_Q4_K) PGQ_X8_CASE(PGQ_Q5_K)
+#undef PGQ_X8_CASE
+#define PGQ_X8_CASE(T)                                                                                       \
+        case T:                                                                                              \
+            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q4_rows)(T, group, a, r0, 4, out, out_stride);      \
+            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q4_rows)(T, group, a, r0, 1, out, out_stride);             \
+            return;
+        PGQ_X8_CASE(PGQ_Q4_0) PGQ_X8_CASE(PGQ_Q4_1) PGQ_X8_CASE(PGQ_Q5_0) PGQ_X8_CASE(PGQ_Q5_1)
 #undef PGQ_X8_CASE
         case PGQ_Q6_K:
             for (; r0 + 2 <= a->m; r0 += 2) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 2, out, out_stride);

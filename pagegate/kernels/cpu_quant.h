@@ -11,7 +11,7 @@
 enum { PGQ_F32 = 0, PGQ_F16 = 1, PGQ_Q4_0 = 2, PGQ_Q4_1 = 3, PGQ_Q5_0 = 6, PGQ_Q5_1 = 7, PGQ_Q8_0 = 8,
        PGQ_Q4_K = 12, PGQ_Q5_K = 13, PGQ_Q6_K = 14 };
 
-static inline int pgq_is_k_quant(int qtype) { return qtype >= PGQ_Q4_K; }
+static inline int pgq_is_k_quant(int qtype) { return (qtype > 100 ? qtype - 100 : qtype) >= PGQ_Q4_K; }
 static inline int pgq_block_elems(int qtype) { return pgq_is_k_quant(qtype) ? 256 : 32; }
 static inline int pgq_block_bytes(int qtype) {
     switch (qtype) {

@@ -1,6 +1,7 @@
-/* K-quant rows interleaved eight at a time: the layout the native step reads Q4_K, Q5_K and Q6_K weights in.
+/* Integer-block rows interleaved eight at a time: the layout the native step reads Q4_0, Q4_1, Q5_0, Q5_1 and the
+   K-quants (Q4_K, Q5_K, Q6_K) in.
 
-   The loader repacks a K-quant matrix once (pgq_x8_pack): each group of eight rows keeps, super-block by
+   The loader repacks such a matrix once (pgq_x8_pack): each group of eight rows keeps, super-block by
    super-block, the very bytes the file has, each field of the block (a scale, the packed values) stored unit by
    unit with the eight rows side by side: unit u of row i at the field's start + (8 u + i) * unit bytes. One 32-byte
    load then holds the same four bytes of all eight rows, a vector lane a row, so the integer dot products land per
@@ -8,7 +9,8 @@
    pgq_x8_dot). A matrix of N rows keeps N / 8 groups, then its last N % 8 rows as the file has them, each at its
    own offset; it is as large as the file's (a permutation of its bytes).
 
-   A repacked matrix says so by its type id: the ggml id plus PGQ_X8 (an id of pagegate's, never in a file). */
+   A repacked matrix says so by its type id: the ggml id plus PGQ_X8 (an id of pagegate's, never in a file).
+   Q8_0 keeps the file's layout: its signed values would need each row's sums beside them. */
 #ifndef PAGEGATE_CPU_QX8_H
 #define PAGEGATE_CPU_QX8_H
 
@@ -24,12 +26,20 @@ typedef struct {
     int offset, bytes, unit;  /* where the field lies in the file's block, its bytes a row, the bytes of a unit */
 } pgq_x8_field;
 
-/* The fields of a K-quant block in file order; the number of them. */
+/* The fields of a block in file order; the number of them (0: a type kept as the file has it). */
 static int pgq_x8_fields(int base, const pgq_x8_field **fields) {
+    static const pgq_x8_field q4_0[] = {{0, 2, 2}, {2, 16, 4}};
+    static const pgq_x8_field q4_1[] = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
+    static const pgq_x8_field q5_0[] = {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
+    static const pgq_x8_field q5_1[] = {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}};
     static const pgq_x8_field q4_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}};
     static const pgq_x8_field q5_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 4}, {48, 128, 4}};
     static const pgq_x8_field q6_k[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
     switch (base) {
+        case 2: *fields = q4_0; return 2;
+        case 3: *fields = q4_1; return 3;
+        case 6: *fields = q5_0; return 3;
+        case 7: *fields = q5_1; return 4;
         case 12: *fields = q4_k; return 4;
         case 13: *fields = q5_k; return 5;
         case 14: *fields = q6_k; return 4;

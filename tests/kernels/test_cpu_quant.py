@@ -106,7 +106,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
     k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, _ = quantized(qtype, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
-    layouts = [(blocks, int(qtype)), cpu_quant.interleaved(blocks, int(qtype))]  # K-quants: rows eight at a time too
+    layouts = [(blocks, int(qtype)), cpu_quant.interleaved(blocks, int(qtype))]  # rows eight at a time too
     try:
         results = []
         for isa in ISAS:
@@ -121,12 +121,12 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
 
 
 @settings(max_examples=30, deadline=None)
-@given(qtype=st.sampled_from(K_QUANTS), n=st.integers(1, 27), blocks_per_row=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
+@given(qtype=st.sampled_from([Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, *K_QUANTS]), n=st.integers(1, 27),
+       blocks_per_row=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_interleaved_rows_are_the_files_bytes_permuted(qtype: Q, n: int, blocks_per_row: int, seed: int) -> None:
-    """A K-quant matrix repacked eight rows at a time keeps its size and bytes, its last n % 8 rows in place, and
-    reads back (each row, the whole, an embedding lookup) as the very weights of the file's layout."""
-    k = 256 * blocks_per_row
+    """A matrix repacked eight rows at a time keeps its size and bytes, its last n % 8 rows in place, and reads back
+    (each row, the whole, an embedding lookup) as the very weights of the file's layout."""
+    k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, weights = quantized(qtype, n, k, seed)
     repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
     assert kind == (int(qtype) + cpu_quant.X8 if n >= 8 else int(qtype))
