@@ -286,6 +286,47 @@ PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row
     else pgq_rows4_one_body(qtype, w, row_bytes, k, x, out);
 }
 
+/* Many tokens' float matmul: out[t * out_stride + i] = x_t . row i for four F32 rows of k (whole blocks) and
+   `tokens` activation rows, two tokens a pass over the rows' blocks so that each weight vector loaded serves both:
+   16 accumulators, on AVX-512's 32 registers. Each (row, token) sums in pgq_row_avx2's order: its bits. */
+#define PGQ_F32_TOKENS 2
+static int pgq_has_avx2(void);
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) static void pgq_rows4_f32_tokens(
+        const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens, float *out, int64_t out_stride) {
+    int t0 = 0;
+    for (; t0 < tokens; t0 += PGQ_F32_TOKENS) {
+        const int count = tokens - t0 < PGQ_F32_TOKENS ? tokens - t0 : PGQ_F32_TOKENS;
+        __m256 acc[4][PGQ_F32_TOKENS][2];
+        for (int r = 0; r < 4; r++)
+            for (int t = 0; t < PGQ_F32_TOKENS; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m256 xv[PGQ_F32_TOKENS][4];
+            for (int t = 0; t < PGQ_F32_TOKENS; t++)  /* a missing second token reads the first's row again */
+                for (int j = 0; j < 4; j++)
+                    xv[t][j] = _mm256_loadu_ps(x + (int64_t)(t0 + (t < count ? t : 0)) * k + b * 32 + 8 * j);
+            for (int r = 0; r < 4; r++) {
+                const float *wr = (const float *)(w + r * row_bytes) + b * 32;
+                for (int j = 0; j < 4; j++) {
+                    const __m256 wv = _mm256_loadu_ps(wr + 8 * j);
+                    for (int t = 0; t < PGQ_F32_TOKENS; t++)
+                        acc[r][t][j & 1] = _mm256_fmadd_ps(wv, xv[t][j], acc[r][t][j & 1]);
+                }
+            }
+        }
+        for (int t = 0; t < count; t++)
+            for (int r = 0; r < 4; r++) {
+                const __m256 v = _mm256_add_ps(acc[r][t][0], acc[r][t][1]);
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                out[(t0 + t) * out_stride + r] = _mm_cvtss_f32(h);
+            }
+    }
+}
+static int pgq_has_avx512vl(void) {
+    return pgq_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+}
+
 PGQ_AVX2 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {
     for (int64_t b = 0; b < k / 32; b++) {
         __m256 w[4];
@@ -301,7 +342,10 @@ static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const float *x, i
                          int64_t out_stride) {}
 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {}
 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x, float *out) {}
+static void pgq_rows4_f32_tokens(const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens, float *out,
+                                 int64_t out_stride) {}
 static int pgq_has_avx2(void) { return 0; }
+static int pgq_has_avx512vl(void) { return 0; }
 #endif
 
 typedef void (*pgq_row_fn)(int, const uint8_t *, int, const float *, int, float *, int64_t);
@@ -315,12 +359,14 @@ static void pgq_rows4_one_plain(int qtype, const uint8_t *w, int64_t row_bytes, 
 }
 static pgq_dequantize_fn pgq_dequantize_row = pgq_dequantize_row_plain;
 static pgq_rows4_one_fn pgq_rows4_one = pgq_rows4_one_plain;
+static int pgq_f32_tokens = 0;  /* pgq_rows4_f32_tokens runs here */
 static void pgq_init_float(void) {
     for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
     if (pgq_has_avx2()) {
         pgq_row = pgq_row_avx2;
         pgq_dequantize_row = pgq_dequantize_row_avx2;
         pgq_rows4_one = pgq_rows4_one_avx2;
+        pgq_f32_tokens = pgq_has_avx512vl();
     }
 }
 
