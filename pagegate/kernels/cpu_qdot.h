@@ -31,8 +31,8 @@
 
 /* Activations in Q8: m rows of k values; per 32-block i of row r (index r * k / 32 + b): the scale d[i], and
    s[PGQ_SUMS * i + h] = d * the sum of half h's 16 int8 values, s[PGQ_SUMS * i + 2] = the two added (the kernels'
-   c term). */
-#define PGQ_SUMS 3
+   c term), s[PGQ_SUMS * i + 3] = 128 * the sum of the 32 int8 values (exact: what interleaved Q8_0 takes off). */
+#define PGQ_SUMS 4
 typedef struct {
     int64_t k;
     int m;
@@ -98,6 +98,7 @@ static void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t fi
         s[0] = a->d[i] * (float)sum[0];
         s[1] = a->d[i] * (float)sum[1];
         s[2] = s[0] + s[1];
+        s[3] = 128.0f * (float)(sum[0] + sum[1]);
     }
 }
 
@@ -302,6 +303,7 @@ PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
 #define PGQ_TARGET PGQ_AVX2
 #define PGQ_DOT(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
 #define PGQ_DOT_BCAST(acc, u, q) _mm256_add_epi32(acc, PGQ_DOT(u, _mm256_set1_epi32(*(q))))
+#define PGQ_SATURATES 1  /* vpmaddubsw's pair sums are 16-bit */
 #include "cpu_qdot_isa.h"
 
 #define PGQ_ISA vnni
@@ -315,6 +317,7 @@ PGQ_VNNI_TARGET PGQ_INLINE __m256i pgq_dot_bcast_vnni(__m256i acc, __m256i u, co
     return acc;
 }
 #define PGQ_DOT_BCAST(acc, u, q) pgq_dot_bcast_vnni(acc, u, q)
+#define PGQ_SATURATES 0
 #include "cpu_qdot_isa.h"
 
 static int pgq_has_vnni(void) {

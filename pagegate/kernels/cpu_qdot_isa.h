@@ -312,6 +312,39 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q4_rows)(const int base, const uint8_t 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
 }
 
+/* The same for Q8_0, its values stored plus 128: the sum of (w + 128) q less 128 sum(q), exact in float (where 16-bit
+   pair sums saturate, AVX2's, the sign trick of pgq_quad_step instead). */
+PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q8_rows)(const uint8_t *group, const pgq_act *a, int r0, const int R,
+                                                  float *out, int64_t out_stride) {
+    const int64_t nb = a->k / 32;
+    __m256 f[4];
+    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = group + b * PGQ_X8_ROWS * 34;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        __m256i sums[4];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * c));
+            const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  /* PGQ_SATURATES: the signed values */
+            for (int r = 0; r < R; r++) {
+                const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + b) * 32) + c;
+                sums[r] = PGQ_SATURATES  /* |w| . (q with w's sign) = w . q: no 16-bit sum saturates */
+                    ? _mm256_add_epi32(sums[r], PGQ_DOT(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(*q), w)))
+                    : PGQ_DOT_BCAST(sums[r], v, q);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t x = (r0 + r) * nb + b;
+            const __m256 sum = _mm256_cvtepi32_ps(sums[r]);
+            const __m256 exact = PGQ_SATURATES ? sum : _mm256_sub_ps(sum, _mm256_set1_ps(a->s[PGQ_SUMS * x + 3]));
+            f[r] = _mm256_fmadd_ps(exact, _mm256_mul_ps(d, _mm256_set1_ps(a->d[x])), f[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
+}
+
 /* pgq_x8_dot_plain's contract, on this instruction set: a few activation rows a pass over the group's weights. */
 PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a,
                                           float *out, int64_t out_stride) {
@@ -331,6 +364,10 @@ PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_
             return;
         PGQ_X8_CASE(PGQ_Q4_0) PGQ_X8_CASE(PGQ_Q4_1) PGQ_X8_CASE(PGQ_Q5_0) PGQ_X8_CASE(PGQ_Q5_1)
 #undef PGQ_X8_CASE
+        case PGQ_Q8_0:
+            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q8_rows)(group, a, r0, 4, out, out_stride);
+            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q8_rows)(group, a, r0, 1, out, out_stride);
+            return;
         case PGQ_Q6_K:
             for (; r0 + 2 <= a->m; r0 += 2) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 2, out, out_stride);
             for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 1, out, out_stride);
@@ -362,3 +399,4 @@ PGQ_TARGET static void PGQ_FN(pgq_qdot)(int qtype, const uint8_t *w, int64_t row
 #undef PGQ_TARGET
 #undef PGQ_DOT
 #undef PGQ_DOT_BCAST
+#undef PGQ_SATURATES

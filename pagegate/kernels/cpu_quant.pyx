@@ -26,7 +26,7 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 
 BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
                Q6_K: 210}
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
-INTERLEAVED = (Q4_0, Q4_1, Q5_0, Q5_1, *K_QUANTS)  # the types interleaved() repacks
+INTERLEAVED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, *K_QUANTS)  # the types interleaved() repacks
 X8 = PGQ_X8  # such a type's id plus this: its rows interleaved eight at a time (interleaved(); cpu_qx8.h)
 BLOCK_BYTES.update({t + X8: BLOCK_BYTES[t] for t in INTERLEAVED})
 BLOCK_ELEMS = {t: 256 if t % X8 in K_QUANTS else 32 for t in BLOCK_BYTES}
@@ -99,9 +99,9 @@ def dequantize(blocks, int qtype, int k, rows=None):
 
 
 def interleaved(blocks, int qtype):
-    """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant repacked for the integer kernels: its
-    rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted), its type id qtype + X8; any other
-    matrix as it is."""
+    """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant repacked for the integer kernels:
+    its rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted; Q8_0's values plus 128), its type id
+    qtype + X8; any other matrix as it is."""
     if qtype not in INTERLEAVED or blocks.shape[0] < 8:
         return blocks, qtype
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[qtype]:

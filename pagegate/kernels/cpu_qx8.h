@@ -1,5 +1,5 @@
-/* Integer-block rows interleaved eight at a time: the layout the native step reads Q4_0, Q4_1, Q5_0, Q5_1 and the
-   K-quants (Q4_K, Q5_K, Q6_K) in.
+/* Integer-block rows interleaved eight at a time: the layout the native step reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+   the K-quants (Q4_K, Q5_K, Q6_K) in.
 
    The loader repacks such a matrix once (pgq_x8_pack): each group of eight rows keeps, super-block by
    super-block, the very bytes the file has, each field of the block (a scale, the packed values) stored unit by
@@ -7,10 +7,10 @@
    load then holds the same four bytes of all eight rows, a vector lane a row, so the integer dot products land per
    row in the lanes without horizontal adds, and the scales of eight rows are one vector (cpu_qdot_isa.h's
    pgq_x8_dot). A matrix of N rows keeps N / 8 groups, then its last N % 8 rows as the file has them, each at its
-   own offset; it is as large as the file's (a permutation of its bytes).
+   own offset; it is as large as the file's (a permutation of its bytes, Q8_0's values flipped).
 
    A repacked matrix says so by its type id: the ggml id plus PGQ_X8 (an id of pagegate's, never in a file).
-   Q8_0 keeps the file's layout: its signed values would need each row's sums beside them. */
+   Q8_0's values are kept plus 128 (the XOR of their sign bits), as the unsigned side of the integer products. */
 #ifndef PAGEGATE_CPU_QX8_H
 #define PAGEGATE_CPU_QX8_H
 
@@ -24,6 +24,7 @@ enum { PGQ_X8 = 100, PGQ_X8_ROWS = 8 };
 
 typedef struct {
     int offset, bytes, unit;  /* where the field lies in the file's block, its bytes a row, the bytes of a unit */
+    int flip;                 /* 1: each byte's top bit flipped (int8 -> uint8 + 128) */
 } pgq_x8_field;
 
 /* The fields of a block in file order; the number of them (0: a type kept as the file has it). */
@@ -32,6 +33,7 @@ static int pgq_x8_fields(int base, const pgq_x8_field **fields) {
     static const pgq_x8_field q4_1[] = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
     static const pgq_x8_field q5_0[] = {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
     static const pgq_x8_field q5_1[] = {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}};
+    static const pgq_x8_field q8_0[] = {{0, 2, 2}, {2, 32, 4, 1}};
     static const pgq_x8_field q4_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}};
     static const pgq_x8_field q5_k[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 4}, {48, 128, 4}};
     static const pgq_x8_field q6_k[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
@@ -40,6 +42,7 @@ static int pgq_x8_fields(int base, const pgq_x8_field **fields) {
         case 3: *fields = q4_1; return 3;
         case 6: *fields = q5_0; return 3;
         case 7: *fields = q5_1; return 4;
+        case 8: *fields = q8_0; return 2;
         case 12: *fields = q4_k; return 4;
         case 13: *fields = q5_k; return 5;
         case 14: *fields = q6_k; return 4;
@@ -59,8 +62,9 @@ static void pgq_x8_block(int base, uint8_t *group, uint8_t *file, int i, int to_
         const pgq_x8_field field = fields[f];
         for (int u = 0; u < field.bytes / field.unit; u++) {
             uint8_t *at = group + start + (PGQ_X8_ROWS * u + i) * field.unit, *in = file + field.offset + u * field.unit;
-            if (to_file) memcpy(in, at, field.unit);
-            else memcpy(at, in, field.unit);
+            uint8_t *to = to_file ? in : at;
+            memcpy(to, to_file ? at : in, field.unit);
+            for (int b = 0; b < field.unit && field.flip; b++) to[b] ^= 0x80;
         }
         start += PGQ_X8_ROWS * field.bytes;
     }

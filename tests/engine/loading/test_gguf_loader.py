@@ -114,10 +114,10 @@ def test_mixed_q4_0_q5_0_q8_0_shards_stay_in_blocks_as_exact_q8_0(wide_model: Sa
     kept = load_model(path).model
     layer = kept.model.layers[0]
     for packed in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
-        assert isinstance(packed, QuantLinear) and packed.qtype == int(Q.Q8_0)
+        assert isinstance(packed, QuantLinear) and packed.qtype == int(Q.Q8_0) + cpu_quant.X8  # rows eight at a time
     exact = _checkpoint_tensors(load_model(path, quantization="none").model)
     dequantized = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(dequantize_rows(layer.self_attn.qkv_proj.blocks, int(Q.Q8_0), WIDE["hidden_size"],
+    assert torch.equal(dequantize_rows(layer.self_attn.qkv_proj.blocks, layer.self_attn.qkv_proj.qtype, WIDE["hidden_size"],
                                        torch.arange(dequantized.shape[0])), dequantized)
 
 
