@@ -304,6 +304,7 @@ PGQ_AVX2 PGQ_INLINE float pgq_hsum(__m256 v) {
 #define PGQ_DOT(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
 #define PGQ_DOT_BCAST(acc, u, q) _mm256_add_epi32(acc, PGQ_DOT(u, _mm256_set1_epi32(*(q))))
 #define PGQ_SATURATES 1  /* vpmaddubsw's pair sums are 16-bit */
+#define PGQ_X8_TOKENS 4  /* activation rows an interleaved kernel's pass takes: as many as 16 registers hold */
 #include "cpu_qdot_isa.h"
 
 #define PGQ_ISA vnni
@@ -318,6 +319,7 @@ PGQ_VNNI_TARGET PGQ_INLINE __m256i pgq_dot_bcast_vnni(__m256i acc, __m256i u, co
 }
 #define PGQ_DOT_BCAST(acc, u, q) pgq_dot_bcast_vnni(acc, u, q)
 #define PGQ_SATURATES 0
+#define PGQ_X8_TOKENS 8  /* AVX-512's 32 registers */
 #include "cpu_qdot_isa.h"
 
 static int pgq_has_vnni(void) {

@@ -155,7 +155,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t 
     const __m256i six = _mm256_set1_epi32(0x3f3f3f3f), four = _mm256_set1_epi32(0x0f0f0f0f);
     const __m256i two = _mm256_set1_epi32(0x03030303), nibble = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
     const __m256i byte = _mm256_set1_epi32(0xff);
-    __m256 f[4];
+    __m256 f[PGQ_X8_TOKENS];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
@@ -172,7 +172,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t 
                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
         #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
-            __m256i sums[2][4];
+            __m256i sums[2][PGQ_X8_TOKENS];
             for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
             #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {  /* values 4c .. 4c + 3 of both sub-blocks */
@@ -280,7 +280,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q4_rows)(const int base, const uint8_t 
     const int one = base == PGQ_Q4_1 || base == PGQ_Q5_1, five = base == PGQ_Q5_0 || base == PGQ_Q5_1;
     const int high_at = 16 + 16 * one, values_at = high_at + 32 * five;
     const __m256i nibble = _mm256_set1_epi8(15);
-    __m256 f[4];
+    __m256 f[PGQ_X8_TOKENS];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = group + b * PGQ_X8_ROWS * bytes;
@@ -288,7 +288,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q4_rows)(const int base, const uint8_t 
         const __m256 c = one ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
                              : _mm256_mul_ps(d, _mm256_set1_ps(five ? -16.0f : -8.0f));
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(g + high_at)) : _mm256_setzero_si256();
-        __m256i sums[4];
+        __m256i sums[PGQ_X8_TOKENS];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         #pragma GCC unroll 4
         for (int c4 = 0; c4 < 4; c4++) {  /* values 4 c4 .. 4 c4 + 3 (low nibbles) and 16 more (high) */
@@ -317,12 +317,12 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q4_rows)(const int base, const uint8_t 
 PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q8_rows)(const uint8_t *group, const pgq_act *a, int r0, const int R,
                                                   float *out, int64_t out_stride) {
     const int64_t nb = a->k / 32;
-    __m256 f[4];
+    __m256 f[PGQ_X8_TOKENS];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = group + b * PGQ_X8_ROWS * 34;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        __m256i sums[4];
+        __m256i sums[PGQ_X8_TOKENS];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
@@ -349,30 +349,26 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q8_rows)(const uint8_t *group, const pg
 PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a,
                                           float *out, int64_t out_stride) {
     int r0 = 0;
+/* KERNEL(..., r0, R, out, out_stride) over every activation row: PGQ_X8_TOKENS rows a pass, then 4, then 1 */
+#define PGQ_X8_PASSES(KERNEL, ...)                                                                           \
+    for (; r0 + PGQ_X8_TOKENS <= a->m; r0 += PGQ_X8_TOKENS) KERNEL(__VA_ARGS__, r0, PGQ_X8_TOKENS, out, out_stride); \
+    for (; r0 + 4 <= a->m; r0 += 4) KERNEL(__VA_ARGS__, r0, 4, out, out_stride);                           \
+    for (; r0 < a->m; r0++) KERNEL(__VA_ARGS__, r0, 1, out, out_stride);                                     \
+    return;
     switch (base) {
-#define PGQ_X8_CASE(T)                                                                                       \
-        case T:                                                                                              \
-            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_k4_rows)(T, group, row_bytes, a, r0, 4, out, out_stride); \
-            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_k4_rows)(T, group, row_bytes, a, r0, 1, out, out_stride);  \
-            return;
-        PGQ_X8_CASE(PGQ_Q4_K) PGQ_X8_CASE(PGQ_Q5_K)
-#undef PGQ_X8_CASE
-#define PGQ_X8_CASE(T)                                                                                       \
-        case T:                                                                                              \
-            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q4_rows)(T, group, a, r0, 4, out, out_stride);      \
-            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q4_rows)(T, group, a, r0, 1, out, out_stride);             \
-            return;
-        PGQ_X8_CASE(PGQ_Q4_0) PGQ_X8_CASE(PGQ_Q4_1) PGQ_X8_CASE(PGQ_Q5_0) PGQ_X8_CASE(PGQ_Q5_1)
-#undef PGQ_X8_CASE
-        case PGQ_Q8_0:
-            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q8_rows)(group, a, r0, 4, out, out_stride);
-            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q8_rows)(group, a, r0, 1, out, out_stride);
-            return;
-        case PGQ_Q6_K:
+        case PGQ_Q4_K: PGQ_X8_PASSES(PGQ_FN(pgq_x8_k4_rows), PGQ_Q4_K, group, row_bytes, a)
+        case PGQ_Q5_K: PGQ_X8_PASSES(PGQ_FN(pgq_x8_k4_rows), PGQ_Q5_K, group, row_bytes, a)
+        case PGQ_Q4_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q4_0, group, a)
+        case PGQ_Q4_1: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q4_1, group, a)
+        case PGQ_Q5_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_0, group, a)
+        case PGQ_Q5_1: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_1, group, a)
+        case PGQ_Q8_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q8_rows), group, a)
+        case PGQ_Q6_K:  /* two rows a pass: a sub-block's halves keep eight sums a row */
             for (; r0 + 2 <= a->m; r0 += 2) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 2, out, out_stride);
             for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 1, out, out_stride);
             return;
     }
+#undef PGQ_X8_PASSES
 }
 
 #define PGQ_CASE(T, BODY)                                                                        \
@@ -400,3 +396,4 @@ PGQ_TARGET static void PGQ_FN(pgq_qdot)(int qtype, const uint8_t *w, int64_t row
 #undef PGQ_DOT
 #undef PGQ_DOT_BCAST
 #undef PGQ_SATURATES
+#undef PGQ_X8_TOKENS
