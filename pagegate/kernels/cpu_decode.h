@@ -155,12 +155,15 @@ static void pgd_group_dot(const pgd_model *m, const pgd_linear *l, int64_t first
 /* out[r * out_stride + first + i] (+)= part[r * part_stride + i] + bias for `count` rows from t0 and `rows` outputs. */
 static void pgd_store(const pgd_linear *l, const float *part, int64_t part_stride, int t0, int count, int64_t first,
                       int rows, float *out, int64_t out_stride, int accumulate) {
-    for (int r = 0; r < count; r++)
-        for (int i = 0; i < rows; i++) {
-            float *o = out + (t0 + r) * out_stride + first + i;
-            const float v = part[r * part_stride + i] + (l->bias ? l->bias[first + i] : 0.0f);
-            *o = accumulate ? *o + v : v;
-        }
+    const float *bias = l->bias ? l->bias + first : NULL;
+    for (int r = 0; r < count; r++) {  /* four plain loops the compiler vectorizes */
+        const float *p = part + r * part_stride;
+        float *o = out + (t0 + r) * out_stride + first;
+        if (accumulate && bias) for (int i = 0; i < rows; i++) o[i] += p[i] + bias[i];
+        else if (accumulate) for (int i = 0; i < rows; i++) o[i] += p[i];
+        else if (bias) for (int i = 0; i < rows; i++) o[i] = p[i] + bias[i];
+        else memcpy(o, p, rows * sizeof(float));
+    }
 }
 
 /* pgd_matmul for many tokens on integer blocks: eight weight rows at a time through pgq_gemm8 (a row's bits as the
