@@ -29,7 +29,6 @@
 #define PGD_PART_KEYS 256         /* keys of one attention part: a fixed span, aligned to key 0 */
 #define PGD_SPLIT_STATES 2048     /* part states a step may keep to split few (token, KV head) items over threads */
 #define PGD_TILE_GROUPS 4         /* weight row groups a thread takes together in a step of many tokens */
-#define PGD_GEMM_MIN_TOKENS 8     /* from this many tokens, integer blocks go through pgq_gemm8 where the CPU has it */
 
 /* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias; `rest`: the
    layer's next rows, in another type (a packed projection whose shards the file keeps in different types). */
@@ -166,39 +165,7 @@ static void pgd_store(const pgd_linear *l, const float *part, int64_t part_strid
     }
 }
 
-/* pgd_matmul for many tokens on integer blocks: eight weight rows at a time through pgq_gemm8 (a row's bits as the
-   few-row kernels give them), the tokens in chunks whose Q8 stays in L2 beside the tile. */
-static void pgd_matmul_gemm(const pgd_model *m, const pgd_linear *l, const pgq_act *act, int tokens, float *out,
-                            int64_t out_stride, int accumulate) {
-    const int64_t nb = act->k / 32, tiles = (l->n + PGQ_TILE_ROWS - 1) / PGQ_TILE_ROWS;
-    int chunk = (int)((256 << 10) / act->k) & ~3;
-    chunk = chunk < 16 ? 16 : chunk > PGD_MAX_TOKENS ? PGD_MAX_TOKENS : chunk;
-    for (int t0 = 0; t0 < tokens; t0 += chunk) {
-        const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
-        const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + PGQ_SUMS * t0 * nb};
-        #pragma omp for schedule(static) nowait
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t first = tile * PGQ_TILE_ROWS;
-            const int rows = (int)(l->n - first < PGQ_TILE_ROWS ? l->n - first : PGQ_TILE_ROWS);
-            float part[PGD_MAX_TOKENS * PGQ_TILE_ROWS];
-            if (rows == PGQ_TILE_ROWS
-                && pgq_gemm8(l->qtype, l->data + first * l->row_bytes, l->row_bytes, &part_act, part, PGQ_TILE_ROWS)) {
-                pgd_store(l, part, PGQ_TILE_ROWS, t0, count, first, rows, out, out_stride, accumulate);
-                continue;
-            }
-            for (int g = 0; g < rows; g += PGQ_GROUP)
-                for (int c0 = 0; c0 < count; c0 += PGQ_MAX_M) {
-                    const int n = count - c0 < PGQ_MAX_M ? count - c0 : PGQ_MAX_M;
-                    const int group_rows = rows - g < PGQ_GROUP ? rows - g : PGQ_GROUP;
-                    pgd_group_dot(m, l, first + g, group_rows, NULL, act, t0 + c0, n, part);
-                    pgd_store(l, part, PGQ_GROUP, t0 + c0, n, first + g, group_rows, out, out_stride, accumulate);
-                }
-        }
-    }
-    #pragma omp barrier
-}
-
-/* pgd_matmul for K-quant rows interleaved eight at a time (cpu_qx8.h): a group's eight rows against every token, the
+/* pgd_matmul for integer rows interleaved eight at a time (cpu_qx8.h): a group's eight rows against every token, the
    tokens in chunks whose Q8 stays in L2; the rows after the last group (in their file layout) four at a time. */
 static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act *act, int tokens, float *out,
                           int64_t out_stride, int accumulate) {
@@ -239,10 +206,6 @@ static void pgd_matmul_part(const pgd_model *m, const pgd_linear *l, const float
                             float *out, int64_t out_stride, int accumulate) {
     if (pgd_q8(m, l) && pgq_is_x8(l->qtype)) {
         pgd_matmul_x8(m, l, act, tokens, out, out_stride, accumulate);
-        return;
-    }
-    if (pgd_q8(m, l) && pgq_gemm8 != NULL && tokens >= PGD_GEMM_MIN_TOKENS) {
-        pgd_matmul_gemm(m, l, act, tokens, out, out_stride, accumulate);
         return;
     }
     const int64_t groups = (l->n + PGQ_GROUP - 1) / PGQ_GROUP, per_tile = tokens > PGQ_MAX_M ? PGD_TILE_GROUPS : 1;

@@ -10,8 +10,9 @@
        f = fma(float(isum), d * dx, f),  f = fma(c, s0 + s1, f)
    with isum the block's exact integer sum (Q6_K: its two halves, each with its own d and c:
    fma(isum0, d0 dx), fma(isum1, d1 dx), fma(c0, s0), fma(c1, s1); Q8_0: isum = sum(w q), no c).
-   The few-row kernels take four weight rows at once; the VNNI GEMM (many rows) puts eight weight
-   rows in the lanes of a vector; the portable C is scalar: all three give the same bits.
+   The few-row kernels take four weight rows of the file's layout at once; the interleaved kernels
+   (cpu_qx8.h's layout) put eight weight rows in the lanes of a vector; the portable C is scalar:
+   all give the same bits.
 
    Three builds of the kernels: AVX-512 VNNI on 256-bit vectors (vpdpbusd), AVX2 (vpmaddubsw)
    and portable C; the CPU picks one when
@@ -326,10 +327,7 @@ static int pgq_has_vnni(void) {
     return pgq_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
            && __builtin_cpu_supports("avx512bw");
 }
-#include "cpu_qgemm.h"
 #else
-static int pgq_gemm8_vnni(int qtype, const uint8_t *w, int64_t row_bytes, const pgq_act *a, float *out,
-                          int64_t out_stride) { return 0; }
 static void pgq_qdot_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
                           float *out, int64_t out_stride) {}
 static void pgq_qdot_vnni(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a,
@@ -352,25 +350,23 @@ static void pgq_x8_dot_plain(int base, const uint8_t *group, int64_t row_bytes, 
 }
 
 typedef void (*pgq_qdot_fn)(int, const uint8_t *, int64_t, int, const pgq_act *, float *, int64_t);
-typedef int (*pgq_gemm8_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
 typedef void (*pgq_x8_dot_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
 static pgq_qdot_fn pgq_qdot = pgq_qdot_plain;
 static pgq_x8_dot_fn pgq_x8_dot = pgq_x8_dot_plain;
-static pgq_gemm8_fn pgq_gemm8 = NULL;  /* eight weight rows against many activation rows; NULL: none on this ISA */
 static const char *pgq_isa = "portable";
 
 /* Use the named kernels ("vnni", "avx2", "portable") if this CPU runs them; returns whether it does. */
 static int pgq_set_isa(const char *name) {
     if (!strcmp(name, "vnni") && pgq_has_vnni()) {
-        pgq_qdot = pgq_qdot_vnni, pgq_gemm8 = pgq_gemm8_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = "vnni";
+        pgq_qdot = pgq_qdot_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = "vnni";
         return 1;
     }
     if (!strcmp(name, "avx2") && pgq_has_avx2()) {
-        pgq_qdot = pgq_qdot_avx2, pgq_gemm8 = NULL, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2";
+        pgq_qdot = pgq_qdot_avx2, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2";
         return 1;
     }
     if (!strcmp(name, "portable")) {
-        pgq_qdot = pgq_qdot_plain, pgq_gemm8 = NULL, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable";
+        pgq_qdot = pgq_qdot_plain, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable";
         return 1;
     }
     return 0;

@@ -25,8 +25,6 @@ cdef extern from "cpu_qdot.h":
     void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t first, int64_t last) noexcept nogil
     void pgq_qdot(int qtype, const uint8_t *w, int64_t row_bytes, int rows, const pgq_act *a, float *out,
                   int64_t out_stride) noexcept nogil
-    ctypedef int (*pgq_gemm8_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t) noexcept nogil
-    pgq_gemm8_fn pgq_gemm8
     enum:
         PGQ_X8  # added to a K-quant's type id: its rows interleaved eight at a time (cpu_qx8.h)
     int pgq_is_x8(int qtype) noexcept nogil

@@ -17,7 +17,7 @@ from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
 from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_SUMS, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
-                                        pgq_gemm8, pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
+                                        pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot, pgq_x8_pack)
 
 import torch
@@ -116,9 +116,9 @@ def interleaved(blocks, int qtype):
     return out, qtype + X8
 
 
-def matmul_q8(x, blocks, int qtype, bint gemm=False):
-    """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32. `gemm`: whole
-    tiles of eight weight rows through the many-row kernel where this ISA has one (the same bits: cpu_qdot.h)."""
+def matmul_q8(x, blocks, int qtype):
+    """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32. Interleaved
+    rows (interleaved()) go eight at a time through their own kernel: the same bits (cpu_qdot.h)."""
     cdef int k = x.shape[1]
     _check(blocks, qtype, k)
     if qtype not in INTEGER_TYPES:
@@ -143,10 +143,7 @@ def matmul_q8(x, blocks, int qtype, bint gemm=False):
             pgq_x8_dot(pgq_base_type(qtype), w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, stride)
         w, qtype = w + n // 8 * 8 * row_bytes, pgq_base_type(qtype)
         op, n = op + n // 8 * 8, n % 8
-    cdef int64_t tiles = n // 8 if gemm and pgq_gemm8 != NULL and m > 0 else 0
-    for g in prange(tiles, nogil=True, schedule="static"):
-        pgq_gemm8(qtype, w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, stride)
-    for g in prange(tiles * 2, (n + PGQ_GROUP - 1) // PGQ_GROUP, nogil=True, schedule="static"):
+    for g in prange((n + PGQ_GROUP - 1) // PGQ_GROUP, nogil=True, schedule="static"):
         _qdot_rows(qtype, w + g * PGQ_GROUP * row_bytes, row_bytes, min(PGQ_GROUP, n - g * PGQ_GROUP), &act,
                    op + g * PGQ_GROUP, stride)
     return out
