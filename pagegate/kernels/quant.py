@@ -48,7 +48,7 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
         out = kernel.matmul(x32, blocks, qtype)
     else:
         k = x32.shape[1]
-        rows = max(1, TILE_BYTES // (4 * k))
+        rows = max(8, TILE_BYTES // (4 * k) // 8 * 8)  # whole groups of interleaved rows (cpu_qx8.h) a tile
         out = torch.cat([x32 @ kernel.dequantize(blocks[i:i + rows], qtype, k).t()
                          for i in range(0, blocks.shape[0], rows)], dim=1)
     return out.to(x.dtype)

@@ -10,7 +10,7 @@ from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.kernels import cpu_quant
+from pagegate.kernels import cpu_quant, quant
 from pagegate.kernels.quant import FUSED_MAX_ROWS, linear, quantized_matmul
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256 weights a super-block; gguf-py decodes them but cannot encode
@@ -138,6 +138,18 @@ def test_interleaved_rows_are_the_files_bytes_permuted(qtype: Q, n: int, blocks_
     assert torch.equal(cpu_quant.dequantize(repacked, kind, k, rows), weights[rows])
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(cpu_quant.matmul(x, repacked, kind), cpu_quant.matmul(x, blocks, int(qtype)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K], ids=lambda q: q.name)
+def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many input rows take the weight in tiles of rows (dequantized, then a GEMM): a tile of an interleaved matrix
+    starts and ends on whole groups of eight, whatever its size asks for."""
+    k = 256 if qtype in K_QUANTS else 64
+    blocks, weights = quantized(qtype, 29, k)
+    repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
+    monkeypatch.setattr(quant, "TILE_BYTES", 4 * k * 3)  # three rows a tile, were it not held to eight
+    x = torch.randn(FUSED_MAX_ROWS + 3, k, dtype=torch.float64).float()
+    torch.testing.assert_close(quantized_matmul(x, repacked, kind), x @ weights.t(), rtol=1e-5, atol=1e-4)
 
 
 def test_the_fastest_instruction_set_is_chosen() -> None:
