@@ -462,10 +462,9 @@ static void pgd_gated(const pgd_model *m, int tokens, const float *gate_up, floa
             #pragma omp for schedule(static) nowait
             for (int64_t i = 0; i < n; i++)
                 o[i] = 0.5f * gate[i] * (1.0f + pg_tanh(beta * (gate[i] + kappa * (gate[i] * gate[i] * gate[i])))) * up[i];
-        } else {  /* a thread's share starts at a multiple of 8: the same vectors whatever the thread count */
-            const int64_t vectors = (n + 7) / 8, threads = omp_get_num_threads();
-            const int64_t per = (vectors + threads - 1) / threads * 8, first = omp_get_thread_num() * per;
-            if (first < n) pg_silu_mul(gate + first, up + first, n - first < per ? n - first : per, o + first);
+        } else {
+            #pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
         }
     }
     #pragma omp barrier
@@ -543,8 +542,10 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {
             float *xt = x + (int64_t)t * m->hidden;
-            if (m->embed.qtype == PGQ_F32) memcpy(xt, m->embed.data + ids[t] * m->embed.row_bytes, m->hidden * sizeof(float));
-            else pgq_dequantize_row_of(m->embed.qtype, m->embed.data, m->embed.n, ids[t], m->hidden, xt);
+            if (m->embed.qtype == PGQ_F32)
+                memcpy(xt, m->embed.data + ids[t] * m->embed.row_bytes, m->hidden * sizeof(float));
+            else
+                pgq_dequantize_row_of(m->embed.qtype, m->embed.data, m->embed.n, ids[t], m->hidden, xt);
             if (m->embed_scale != 0.0f) pg_scale(xt, m->embed_scale, m->hidden);
         }
         for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, l, s, x, b, &act);

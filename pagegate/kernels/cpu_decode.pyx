@@ -320,7 +320,8 @@ cdef class DecodeModel:
     """The decoder of one model over its KV pages; `forward` runs a step, `logits` the LM head.
 
     dims: (hidden, heads, kv_heads, head_dim, intermediate, eps, scale); linears are
-    (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes]; each layer is (attn_norm, ffn_norm,
+    (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes] (a layer's projection whose rows come in
+    parts of different types: a list of triples, part after part); each layer is (attn_norm, ffn_norm,
     qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm, post_attn_norm, post_ffn_norm, local_rope,
     softcap) with caches [pages, block_size, kv_heads, row] of one page format (kv_format.py): ffn_norm the norm before the MLP;
     q_norm and k_norm [head_dim] (QK-norm) and the post-norms [hidden] (Gemma) None where the layer has

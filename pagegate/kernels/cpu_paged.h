@@ -338,17 +338,6 @@ PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
 #  define PG_TILES_AVX2(format, head_dim) 0
 #endif
 
-/* o[i] = silu(gate[i]) * up[i] for i < n; an element's bits depend on its index only (whole vectors from 0). */
-__attribute__((unused)) static void pg_silu_mul(const float *gate, const float *up, int64_t n, float *o) {
-#if defined(PAGEGATE_CPU_TILES_AVX2_H)
-    if (pg_has_avx2()) {
-        pg_silu_mul_avx2(gate, up, n, o);
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
 /* p[j] = exp(p[j] - max) for j < n; returns their sum. */
 __attribute__((unused)) static float pg_exp_sum(float *p, int n, float max) {
 #if defined(PAGEGATE_CPU_TILES_AVX2_H)

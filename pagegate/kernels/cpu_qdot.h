@@ -30,7 +30,7 @@
 #endif
 #define PGQ_MAX_M 16  /* activation rows a kernel call takes */
 
-/* Activations in Q8: m rows of k values; per 32-block i of row r (index r * k / 32 + b): the scale d[i], and
+/* Activations in Q8: m rows of k values; per 32-block b of row r (i = r * k / 32 + b): the scale d[i], and
    s[PGQ_SUMS * i + h] = d * the sum of half h's 16 int8 values, s[PGQ_SUMS * i + 2] = the two added (the kernels'
    c term), s[PGQ_SUMS * i + 3] = 128 * the sum of the 32 int8 values (exact: what interleaved Q8_0 takes off). */
 #define PGQ_SUMS 4

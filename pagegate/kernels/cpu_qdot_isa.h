@@ -215,7 +215,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
     const int64_t nb = a->k / 32, bytes = 210;
     const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
     const __m256 minus32 = _mm256_set1_ps(-32.0f);
-    __m256 f[2];
+    __m256 f[4];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
@@ -223,7 +223,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pg
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 1664)));
         #pragma GCC unroll 2
         for (int n = 0; n < 2; n++) {  /* values 128 n .. 128 n + 127: sub-blocks 4 n + t */
-            __m256i sums[4][2][2];  /* [t][half][r] */
+            __m256i sums[4][2][4];  /* [t][half][r]: the first halves' wait in memory while the second's sum */
             for (int t = 0; t < 4; t++)
                 for (int r = 0; r < R; r++) sums[t][0][r] = sums[t][1][r] = _mm256_setzero_si256();
             #pragma GCC unroll 8
@@ -363,8 +363,8 @@ PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_
         case PGQ_Q5_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_0, group, a)
         case PGQ_Q5_1: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_1, group, a)
         case PGQ_Q8_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q8_rows), group, a)
-        case PGQ_Q6_K:  /* two rows a pass: a sub-block's halves keep eight sums a row */
-            for (; r0 + 2 <= a->m; r0 += 2) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 2, out, out_stride);
+        case PGQ_Q6_K:  /* four rows a pass at most: a sub-block's halves keep eight sums a row */
+            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 4, out, out_stride);
             for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 1, out, out_stride);
             return;
     }

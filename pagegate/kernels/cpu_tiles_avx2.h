@@ -152,35 +152,31 @@ PG_AVX2_TILES(i8, PG_I8)
 PG_AVX2_TILES(e4m3, PG_E4M3)
 PG_AVX2_TILES(e5m2, PG_E5M2)
 
-/* exp(x) for x <= 88 (so that it stays finite): Cephes' expf (a degree-6 polynomial on [-ln2/2, ln2/2] after taking
-   out n ln2, within 2 ulp of libm's); below -87.3 the result is 0. */
-PG_AVX2 static inline __attribute__((always_inline)) __m256 pg_exp_avx2(__m256 x0) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), low = _mm256_set1_ps(-87.3f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-    const __m256 x1 = _mm256_max_ps(x0, low);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 x = _mm256_fnmadd_ps(k, c1, x1);
-    x = _mm256_fnmadd_ps(k, c2, x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-    return _mm256_and_ps(y, _mm256_cmp_ps(x0, low, _CMP_GE_OQ));
-}
-
-/* p[j] = exp(p[j] - max) for j < n, returning their sum (pg_exp_avx2). */
+/* p[j] = exp(p[j] - max) for j < n, returning their sum: Cephes' expf (a degree-6 polynomial on
+   [-ln2/2, ln2/2] after taking out n ln2, within 2 ulp of libm's); below -87.3 the result is 0. */
 PG_AVX2 static float pg_exp_sum_avx2(float *p, int n, float max) {
-    const __m256 m = _mm256_set1_ps(max);
+    const __m256 m = _mm256_set1_ps(max), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 low = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
     __m256 total = _mm256_setzero_ps();
     float rest = 0.0f;
     int j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 y = pg_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+        const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(p + j), m);
+        const __m256 x1 = _mm256_max_ps(x0, low);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 x = _mm256_fnmadd_ps(k, c1, x1);
+        x = _mm256_fnmadd_ps(k, c2, x);
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        y = _mm256_and_ps(y, _mm256_cmp_ps(x0, low, _CMP_GE_OQ));
         _mm256_storeu_ps(p + j, y);
         total = _mm256_add_ps(total, y);
     }
@@ -191,19 +187,6 @@ PG_AVX2 static float pg_exp_sum_avx2(float *p, int n, float max) {
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
     const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))) + rest;
-}
-
-/* o[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for i < n (pg_exp_avx2; exp(-gate) capped at
-   exp(88), where the quotient is 0 all the same). */
-PG_AVX2 static void pg_silu_mul_avx2(const float *gate, const float *up, int64_t n, float *o) {
-    const __m256 one = _mm256_set1_ps(1.0f), cap = _mm256_set1_ps(88.0f), sign = _mm256_set1_ps(-0.0f);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = pg_exp_avx2(_mm256_min_ps(_mm256_xor_ps(g, sign), cap));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
-    }
-    for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 #endif /* PAGEGATE_CPU_TILES_AVX2_H */

@@ -55,8 +55,8 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
 
 
 def interleaved(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
-    """A K-quant matrix as the integer kernels read it best, and its type id: its rows interleaved eight at a time
-    (cpu_qx8.h: the file's bytes, permuted); any other matrix as it is."""
+    """An integer-block matrix (Q4_0 ... Q8_0, K-quants) as the integer kernels read it best, and its type id: its
+    rows interleaved eight at a time (cpu_qx8.h: the file's bytes, permuted); any other matrix as it is."""
     return _required_kernel().interleaved(blocks, qtype)
 
 

@@ -204,7 +204,7 @@ class GGUFFile:
             model.lm_head = embedding.as_linear()
 
     def _blocks(self, shards: list[tuple[str, GGUFTensor]], kinds: set[int]) -> tuple[torch.Tensor, int]:
-        """Shards of one type as one matrix of blocks and its type id (K-quants: rows eight at a time)."""
+        """Shards of one type as one matrix of blocks and its type id (integer types: rows eight at a time)."""
         qtype = next(iter(kinds)) if len(kinds) == 1 else int(shards[0][1].tensor_type)
         rows = [self._unpermuted(name, _blocks_as(tensor, qtype)) for name, tensor in shards]
         # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
