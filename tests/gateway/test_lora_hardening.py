@@ -23,7 +23,7 @@ from pagegate.testing.lora import lora_tensors, write_adapter
 from tests.gateway.conftest import SERVER_ARGS
 
 if os.environ.get("PAGEGATE_TEST_MODEL"):
-    pytest.skip("$PAGEGATE_TEST_MODEL replaces the embedded model, whose shapes the adapters written here take",
+    pytest.skip("the adapters written here are shaped for the embedded model; $PAGEGATE_TEST_MODEL serves another",
                 allow_module_level=True)
 
 _CONFIG = json.loads(Path("pagegate/engine/default_model/config.json").read_text())
