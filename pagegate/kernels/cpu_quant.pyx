@@ -107,8 +107,9 @@ def interleaved(blocks, int qtype):
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[qtype]:
         raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] tensor")
     blocks = blocks.contiguous()
-    out = blocks.clone()  # the last N % 8 rows stay as they are
     cdef int64_t row_bytes = blocks.shape[1], g, groups = blocks.shape[0] // 8
+    out = torch.empty_like(blocks)
+    out[groups * 8:] = blocks[groups * 8:]  # the last N % 8 rows stay as they are
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef uint8_t *o = <uint8_t *><size_t>out.data_ptr()
     for g in prange(groups, nogil=True, schedule="static"):
