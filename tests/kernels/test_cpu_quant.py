@@ -148,8 +148,9 @@ def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatc
     blocks, weights = quantized(qtype, 29, k)
     repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
     monkeypatch.setattr(quant, "TILE_BYTES", 4 * k * 3)  # three rows a tile, were it not held to eight
-    x = torch.randn(FUSED_MAX_ROWS + 3, k, dtype=torch.float64).float()
-    torch.testing.assert_close(quantized_matmul(x, repacked, kind), x @ weights.t(), rtol=1e-5, atol=1e-4)
+    x = torch.randn(FUSED_MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(0))
+    expected = (x.double() @ weights.double().t()).float()  # float32 sums of 256 terms differ by order: ~1e-4 here
+    torch.testing.assert_close(quantized_matmul(x, repacked, kind), expected, rtol=1e-4, atol=1e-3)
 
 
 def test_the_fastest_instruction_set_is_chosen() -> None:
