@@ -20,6 +20,7 @@ from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_SUMS, PGQ_X8, 
                                         pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot, pgq_x8_pack)
 
+import numpy as np
 import torch
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
@@ -101,16 +102,18 @@ def dequantize(blocks, int qtype, int k, rows=None):
 def interleaved(blocks, int qtype):
     """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant repacked for the integer kernels:
     its rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted; Q8_0's values plus 128), its type id
-    qtype + X8; any other matrix as it is."""
+    qtype + X8; any other matrix as it is. `blocks` may be a uint8 tensor or array, read-only (a file's mapping:
+    the repacked matrix is the one copy made of it)."""
     if qtype not in INTERLEAVED or blocks.shape[0] < 8:
         return blocks, qtype
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[qtype]:
-        raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] tensor")
-    blocks = blocks.contiguous()
-    cdef int64_t row_bytes = blocks.shape[1], g, groups = blocks.shape[0] // 8
-    out = torch.empty_like(blocks)
-    out[groups * 8:] = blocks[groups * 8:]  # the last N % 8 rows stay as they are
-    cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
+    source = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+    if source.dtype != np.uint8 or source.ndim != 2 or source.shape[1] % BLOCK_BYTES[qtype]:
+        raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrix")
+    cdef const uint8_t[:, ::1] rows = np.ascontiguousarray(source)
+    cdef int64_t row_bytes = rows.shape[1], g, groups = rows.shape[0] // 8
+    out = torch.empty(tuple(source.shape), dtype=torch.uint8)
+    out.numpy()[groups * 8:] = source[groups * 8:]  # the last N % 8 rows stay as they are
+    cdef const uint8_t *w = &rows[0, 0]
     cdef uint8_t *o = <uint8_t *><size_t>out.data_ptr()
     for g in prange(groups, nogil=True, schedule="static"):
         pgq_x8_pack(qtype, w + g * 8 * row_bytes, row_bytes, o + g * 8 * row_bytes)

@@ -208,9 +208,14 @@ class GGUFFile:
         qtype = next(iter(kinds)) if len(kinds) == 1 else int(shards[0][1].tensor_type)
         rows = [self._unpermuted(name, _blocks_as(tensor, qtype)) for name, tensor in shards]
         # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
-        # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken
-        blocks = np.concatenate(rows) if len(rows) > 1 else np.array(rows[0])
-        return interleaved(torch.from_numpy(blocks), qtype)
+        # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken. A
+        # matrix interleaved() repacks is read from the mapping itself (its repacked bytes are the one copy).
+        blocks = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        kept, kind = interleaved(blocks, qtype)
+        kept = kept if isinstance(kept, torch.Tensor) else torch.from_numpy(np.array(kept))
+        for _, tensor in shards:
+            self.reader.release(tensor)
+        return kept, kind
 
     def load_weights(self, model: CausalLM) -> None:
         """Dequantize every tensor not kept in blocks into the parameter the model's layout maps it to."""
@@ -229,6 +234,7 @@ class GGUFFile:
                                          f"expects {(rows, *param.shape[1:])}")
                 param.data[start:start + rows].copy_(values)
                 expected.discard(name)
+            self.reader.release(tensor)
         if expected:
             raise ModelLoadError(f"{self.path.name} is missing tensor(s): {', '.join(sorted(expected)[:5])}")
 

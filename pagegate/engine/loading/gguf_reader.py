@@ -14,6 +14,7 @@ naming the key, before any of it is built.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -56,7 +57,9 @@ class GGUFContents:
     magic, an unknown version or value type, a duplicate key or tensor) or is past a bound (MAX_*)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.data = np.memmap(path, mode="r")
+        with open(path, "rb") as file:
+            self._mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self._mapping, np.uint8)  # read-only, as the mapping
         self.bytes = self.data.data  # the same mapping as a memoryview, for struct
         self.offset = 0
         self.order: Literal["<", ">"] = "<"
@@ -79,6 +82,16 @@ class GGUFContents:
             self.metadata[key] = self._value(GGUFValueType(self._unpack("I")), key, [MAX_ARRAY_VALUES], 0)
         infos = [self._tensor_info() for _ in range(tensor_count)]
         self.tensors = self._tensors(infos, self._data_start())
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Take a tensor read in full out of this process's resident memory (its whole pages of the mapping; the
+        page cache keeps them): a load's peak is then what it keeps, not that plus the file."""
+        start, end = np.lib.array_utils.byte_bounds(tensor.data)
+        base = self.data.ctypes.data
+        first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (end - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _unpack(self, fmt: str) -> Any:
         fmt = fmt if fmt[0] in "<>" else self.order + fmt

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from pagegate import kernels
 from pagegate.engine.errors import ModelLoadError
@@ -33,7 +35,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | tor
     family = FAMILIES.get(config.architecture)
     if family is None:
         raise ModelLoadError(f"architecture {config.architecture} has no model class; known: {sorted(FAMILIES)}")
-    with torch.device("meta"):
+    with torch.device("meta"), _uninitialised():
         model = family(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each reference to a shared weight its own storage
@@ -42,3 +44,25 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str | tor
             module.build_cache()  # a non-persistent buffer: to_empty left it uninitialised
     model.use_kernels(kernels.AttentionOps(torch.device(device)))
     return model.eval().requires_grad_(False)
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+
+
+@contextmanager
+def _uninitialised() -> Iterator[None]:
+    """Modules built without their initialisers (the loader fills every weight). NOTE: on the meta device torch runs
+    them through torch._refs, which imports torch._dynamo and with it triton: 66 MB resident in a CPU engine core
+    for nothing. transformers' no_init_weights does the same."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, _unchanged)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
+
+
+def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor

@@ -83,7 +83,24 @@ def test_every_value_type_reads_as_the_gguf_package_reads_it(endianess: GGUFEndi
 
 def test_tensor_data_is_a_read_only_view_of_the_file(tmp_path: Path) -> None:
     tensor = GGUFContents(write_every_type(tmp_path / "every.gguf", GGUFEndian.LITTLE)).tensors[0]
-    assert isinstance(tensor.data, np.memmap) and not tensor.data.flags.writeable
+    assert not tensor.data.flags.owndata and not tensor.data.flags.writeable
+
+
+def test_a_released_tensor_reads_the_same_values_again(tmp_path: Path) -> None:
+    writer = GGUFWriter(str(tmp_path / "large.gguf"), "llama")
+    rng = np.random.default_rng(0)
+    for name in ("first", "second"):  # several pages each, the second's first page shared with the first's last
+        writer.add_tensor(name, rng.standard_normal((7, 4099)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    contents = GGUFContents(tmp_path / "large.gguf")
+    before = [np.array(tensor.data) for tensor in contents.tensors]
+    for tensor in contents.tensors:
+        contents.release(tensor)  # its whole pages leave this process's memory; the file still has them
+    for tensor, values in zip(contents.tensors, before, strict=True):
+        np.testing.assert_array_equal(tensor.data, values)
 
 
 @pytest.mark.parametrize("damage", ["magic", "truncated"])
