@@ -1,0 +1,194 @@
+"""What a server costs in memory: `pagegate serve` against `llama-server` on the same GGUF file (issue 57).
+
+    python -m bench.footprint [--model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf] [--streams 1,16,64]
+
+For each stream count, each server in turn (each with its defaults; llama-server with -np = streams and the same
+context per slot as pagegate's requests need) serves `streams` OpenAI SDK streams of 128 prompt + 128 output
+tokens, twice. RSS (VmRSS of every process of the server, summed from /proc) is sampled every 50 ms from the
+moment it is healthy; the peak is the larger of the samples' and the processes' own peaks (VmHWM, start-up
+included), and idle is the RSS a second after the first batch of streams. Then each process
+of the pagegate server is broken down by its /proc smaps: shared libraries (torch's apart), the model file's
+mapping, and anonymous memory (the Python heap, weights copied or repacked, KV pages). Writes docs/footprint.md
+and docs/bench-footprint.png (RSS over time, both servers, one panel per stream count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from bench import plots
+from bench.peers import llamacpp
+from bench.peers.served import PROMPT, SMOLLM2, gguf_vocab_size, load, start_llama_server
+from pagegate.testing.launcher import ServerProcess, descendants
+
+MIB = 2**20
+SAMPLE_S = 0.05
+
+
+def rss_bytes(pids: list[int], field: str = "VmRSS") -> int:
+    """The processes' `field` of /proc/PID/status summed (VmRSS: now; VmHWM: each one's peak)."""
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith(field + ":")), 0)
+    return total * 1024
+
+
+class Sampler(threading.Thread):
+    """RSS of a server's processes (its root and everything below it) every SAMPLE_S seconds, as (t, bytes)."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root, self.samples, self.started = root, list[tuple[float, int]](), time.monotonic()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(SAMPLE_S):
+            self.samples.append((time.monotonic() - self.started, rss_bytes([self.root, *descendants(self.root)])))
+
+    def now(self) -> int:
+        return self.samples[-1][1] if self.samples else 0
+
+    def stop(self) -> list[tuple[float, int]]:
+        self.done.set()
+        self.join()
+        return self.samples
+
+
+def smaps_breakdown(pid: int, model: Path) -> Counter[str]:
+    """Resident bytes of one process by what they are."""
+    kinds: Counter[str] = Counter()
+    kind = "anonymous"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            fields = line.split(None, 5)
+            name = fields[5] if len(fields) > 5 else ""
+            kind = ("model file" if name.endswith(model.name) else "torch libraries" if "/torch/" in name
+                    else "other libraries" if name.startswith("/") else "anonymous")
+        elif line.startswith("Rss:"):
+            kinds[kind] += int(line.split()[1]) * 1024
+    return kinds
+
+
+def process_name(pid: int) -> str:
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return "engine core" if b"pagegate.engine.serving.core_process" in command else "gateway"
+
+
+def serve_and_sample(start, streams: int, prompts: list[list[int]]) -> dict:
+    """Start a server (start() -> (stop, base_url, root pid)), run two batches of streams, sample its RSS."""
+    stop, base_url, root = start()
+    sampler = Sampler(root)
+    sampler.start()
+    try:
+        asyncio.run(load(base_url, prompts[:streams]))
+        time.sleep(1.0)
+        idle = sampler.now()
+        asyncio.run(load(base_url, prompts[streams:]))
+        pids = [root, *descendants(root)]
+        breakdown = {pid: (process_name(pid), smaps_breakdown(pid, start.model)) for pid in pids}
+        peak = rss_bytes(pids, "VmHWM")  # start-up included, which the samples begin after
+    finally:
+        samples = sampler.stop()
+        stop()
+    return {"peak": max(peak, *(b for _, b in samples)), "idle": idle, "samples": samples, "breakdown": breakdown}
+
+
+class PagegateServer:
+    def __init__(self, model: Path) -> None:
+        self.model = model
+
+    def __call__(self):
+        server = ServerProcess(["--model", str(self.model), "--disable-uvicorn-access-log", "--disable-dashboard",
+                                "--grpc-port", "0"]).start()
+        return server.stop, server.base_url + "/v1", server.process.pid
+
+
+class LlamaServer:
+    def __init__(self, model: Path, streams: int, threads: int, no_repack: bool) -> None:
+        self.model, self.streams, self.threads, self.no_repack = model, streams, threads, no_repack
+
+    def __call__(self):
+        process, served = start_llama_server(self.model, self.threads, self.streams, self.no_repack)
+
+        def stop() -> None:
+            process.terminate()
+            process.wait(30)
+
+        return stop, served.base_url, process.pid
+
+
+def table(results: dict[int, dict[str, dict]], model: Path) -> str:
+    lines = [f"`pagegate serve` / `llama-server` on {model.name}, each with its defaults (llama-server: -np streams, "
+             f"{PROMPT} + 192 tokens a slot), OpenAI SDK streams of 128 + 128 tokens, RSS of all processes summed.",
+             "", "| streams | peak RSS MiB | ratio | idle after the first streams MiB | ratio |", "|---|---|---|---|---|"]
+    for streams, sides in results.items():
+        ours, theirs = sides["pagegate"], sides["llama-server"]
+        lines.append(f"| {streams} | {ours['peak'] / MIB:.0f} / {theirs['peak'] / MIB:.0f} | "
+                     f"{ours['peak'] / theirs['peak']:.2f}× | {ours['idle'] / MIB:.0f} / {theirs['idle'] / MIB:.0f} | "
+                     f"{ours['idle'] / theirs['idle']:.2f}× |")
+    last = results[max(results)]["pagegate"]["breakdown"]
+    kinds = sorted({kind for _, parts in last.values() for kind in parts})
+    lines += ["", f"pagegate's processes at the end of the {max(results)}-stream run, resident MiB by kind (smaps):",
+              "", "| process | " + " | ".join(kinds) + " | total |", "|---" * (len(kinds) + 2) + "|"]
+    for name, parts in last.values():
+        lines.append(f"| {name} | " + " | ".join(f"{parts[kind] / MIB:.0f}" for kind in kinds)
+                     + f" | {sum(parts.values()) / MIB:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
+    fig, axes = plots.figure(ncols=len(results), width=3.0 * len(results), height=2.6, squeeze=False)
+    for ax, (streams, sides) in zip(axes[0], results.items(), strict=True):
+        for side, result in sides.items():
+            t, b = zip(*result["samples"], strict=True)
+            ax.plot(t, np.array(b) / MIB, label=side, color=plots.COLOURS.get(side, "#e76f51"))
+        ax.set_title(f"{streams} stream(s)")
+        ax.set_xlabel("seconds from start")
+    axes[0][0].set_ylabel("RSS MiB (all processes)")
+    axes[0][0].legend()
+    plots.save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=SMOLLM2)
+    parser.add_argument("--streams", default="1,16,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("docs/footprint.md"))
+    plots.add_png_argument(parser, "footprint")
+    args = parser.parse_args()
+    llamacpp.build()
+    no_repack = llamacpp.repack_crashes()
+    rng = np.random.default_rng(0)
+    vocab = gguf_vocab_size(args.model)
+    results: dict[int, dict[str, dict]] = {}
+    for streams in (int(s) for s in args.streams.split(",")):
+        prompts = [rng.integers(10, vocab, PROMPT).tolist() for _ in range(2 * streams)]
+        results[streams] = {
+            "pagegate": serve_and_sample(PagegateServer(args.model), streams, prompts),
+            "llama-server": serve_and_sample(LlamaServer(args.model, streams, args.threads, no_repack), streams,
+                                             prompts)}
+        ours, theirs = results[streams]["pagegate"], results[streams]["llama-server"]
+        print(f"{streams} streams: peak {ours['peak'] / MIB:.0f} / {theirs['peak'] / MIB:.0f} MiB, idle "
+              f"{ours['idle'] / MIB:.0f} / {theirs['idle'] / MIB:.0f} MiB", flush=True)
+    text = table(results, args.model)
+    print(text)
+    args.out.write_text(f"Made by `python -m bench.footprint --streams {args.streams}`.\n\n" + text)
+    if plots.wanted(args.png):
+        plot(results, args.png)
+
+
+if __name__ == "__main__":
+    main()
