@@ -101,8 +101,8 @@ def compare(model: Path, items: int, work: Path) -> dict[str, Scores]:
     """{"served": scores, "hf": scores} on the same folder and task."""
     folder = hf_folder(model, work)
     tasks = write_task(work / "tasks", items)
-    with ServerProcess([str(folder), "--dtype", "float32", "--device", "cpu", "--grpc-port", "0",
-                        "--disable-uvicorn-access-log"]) as server:
+    with ServerProcess([str(folder), "--dtype", "float32", "--kv-cache-dtype", "float32", "--device", "cpu",
+                        "--grpc-port", "0", "--disable-uvicorn-access-log"]) as server:
         served = lm_eval("local-completions",
                          f"base_url={server.base_url}/v1/completions,tokenizer_backend=remote,tokenized_requests=True,"
                          "num_concurrent=2,max_retries=1", tasks, work / "served", "--batch_size", "4")

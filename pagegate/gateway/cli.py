@@ -104,7 +104,7 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV pages (wins over budgets)")
     group.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes or like '2GiB'")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
-                       help="the KV pages' format, as vLLM's flag: auto is float16 on CPU and the model's dtype on "
+                       help="the KV pages' format, as vLLM's flag: auto is int8 on CPU and the model's dtype on "
                             "CUDA; int8 and fp8 keep one float16 scale per token and KV head inside the page")
     group.add_argument("--kv-events-config", type=_kv_events_config, default=None,
                        help="JSON, as vLLM's: publish prefix-cache changes over ZMQ for prefix-aware routers, e.g. "

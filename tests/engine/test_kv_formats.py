@@ -8,7 +8,7 @@ import torch
 
 from pagegate import LLM, SamplingParams
 from pagegate.kernels.dispatch import decode_kernel
-from pagegate.kernels.kv_format import FORMATS
+from pagegate.kernels.kv_format import FORMATS, resolve_format
 
 from .conftest import TINY, hf, save_hf_model
 from .test_llm import assert_all_pages_free, make_prompts
@@ -115,9 +115,11 @@ def test_preemption_gives_the_roomy_answer(llama_model, roomy, name, mode):
     assert_all_pages_free(llm)
 
 
-def test_float32_pages_are_the_model_dtype_default(llama_model):
+def test_int8_pages_are_the_cpu_default(llama_model):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=16)
-    assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float32
+    assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.int8
+    assert resolve_format("auto", torch.float32, torch.device("cpu")).name == "int8"
+    assert resolve_format("auto", torch.float16, torch.device("cuda")).name == "float16"  # the model's dtype
 
 
 @pytest.fixture(scope="module")

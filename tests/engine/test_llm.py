@@ -31,11 +31,13 @@ def assert_all_pages_free(llm: LLM) -> None:
     assert stats.cpu_used_blocks == 0
 
 
+# float32 pages by name (CPU's default is int8): held to transformers' float32 greedy tokens
 ENGINE_SETUPS = {
-    "roomy": dict(num_kv_blocks=64),
-    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=16),
-    "recompute": dict(num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128),
-    "swap": dict(num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128, swap_space=0.001),
+    "roomy": dict(num_kv_blocks=64, kv_cache_dtype="float32"),
+    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=16, kv_cache_dtype="float32"),
+    "recompute": dict(num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128, kv_cache_dtype="float32"),
+    "swap": dict(num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128, swap_space=0.001,
+                 kv_cache_dtype="float32"),
 }
 
 
@@ -66,7 +68,8 @@ def test_greedy_matches_transformers(arch, setup, request, references):
 def test_prompt_logits_match_transformers(llama_model):
     """Float32 logits of every prompt position within 1e-4 of transformers'."""
     # without prefix caching the first step takes the whole prompt (with it, the prompt stops at a hit's end first)
-    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, enable_prefix_caching=False,
+              kv_cache_dtype="float32")
     engine = llm.engine
     prompt = make_prompts()[5]
     request = engine.add_request("r", prompt, SamplingParams(max_tokens=1))

@@ -21,11 +21,14 @@ from pagegate.engine.sequence import Request, Sequence
 from .conftest import SavedModel
 
 PROMPT_LENGTHS = [5, 17, 1, 40, 9, 33]
+# pooled embeddings are held to transformers' float32 hidden states: float32 pages by name (CPU's default is int8)
+FLOAT32 = "float32"
 SETUPS = {
-    "roomy": dict(cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig()),
-    "chunked": dict(cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig(max_num_batched_tokens=16)),
-    "tight": dict(cache=CacheConfig(num_kv_blocks=16, block_size=4),
-                      scheduler=SchedulerConfig(max_num_batched_tokens=8, max_model_len=64)),
+    "roomy": dict(cache=CacheConfig(num_kv_blocks=64, kv_cache_dtype=FLOAT32), scheduler=SchedulerConfig()),
+    "chunked": dict(cache=CacheConfig(num_kv_blocks=64, kv_cache_dtype=FLOAT32),
+                    scheduler=SchedulerConfig(max_num_batched_tokens=16)),
+    "tight": dict(cache=CacheConfig(num_kv_blocks=16, block_size=4, kv_cache_dtype=FLOAT32),
+                  scheduler=SchedulerConfig(max_num_batched_tokens=8, max_model_len=64)),
 }
 
 
@@ -119,7 +122,8 @@ def test_a_recomputed_prompt_pools_afresh(mode: str):
 def test_llm_embed_answers_in_prompt_order(llama_model: SavedModel):
     from pagegate import LLM
 
-    llm = LLM(str(llama_model.path), device="cpu", dtype="float32", num_kv_blocks=64, pooling="mean")
+    llm = LLM(str(llama_model.path), device="cpu", dtype="float32", num_kv_blocks=64, pooling="mean",
+              kv_cache_dtype=FLOAT32)
     outputs = llm.embed(prompts(), use_tqdm=False)
     assert [out.prompt_token_ids for out in outputs] == prompts()
     for out, prompt in zip(outputs, prompts(), strict=True):
@@ -202,7 +206,7 @@ def long_inputs(inputs: int) -> list[list[int]]:
 
 def pooling_engine(saved: SavedModel) -> Engine:
     return Engine(EngineConfig(model=str(saved.path), device="cpu", dtype="float32", pooling="last",
-                               cache=CacheConfig(num_kv_blocks=512)))
+                               cache=CacheConfig(num_kv_blocks=512, kv_cache_dtype=FLOAT32)))
 
 
 @pytest.mark.parametrize("inputs", [2, 8])

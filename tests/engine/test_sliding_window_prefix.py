@@ -60,7 +60,8 @@ def prompt() -> list[int]:
 
 def cold_then_hit(path: Path, prompt: list[int]) -> tuple[RequestOutput, RequestOutput]:
     """The same greedy request twice on one engine: cold, then served from the prefix cache."""
-    llm = LLM(str(path), device="cpu", block_size=BLOCK, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(path), device="cpu", block_size=BLOCK, num_kv_blocks=128, max_model_len=256,
+              kv_cache_dtype="float32")  # by name: the float32 test holds it to transformers' tokens
     window = llm.engine.runner.model_config.sliding_window
     assert window == WINDOW and window < PROMPT and window > 2 * BLOCK
     cold, hit = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))

@@ -37,7 +37,8 @@ def smollm2_torch(smollm2_gguf: Path) -> LLM:
     """Every step on the torch forward: the exact weights in float32, as transformers computes."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
-        return LLM(str(smollm2_gguf), device="cpu", max_model_len=1024, kv_cache_memory="256MiB")
+        return LLM(str(smollm2_gguf), device="cpu", max_model_len=1024, kv_cache_memory="256MiB",
+                   kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,9 @@ def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: 
 
 
 def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
-    # not "What is the capital of France?": its first token is a near-tie (0.08 nats) that Q8 activations flip
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    # most phrasings' first token is a near-tie ("The" / "Le" / "La", <0.1 nats) that Q8 activations or the page
+    # format flip; this one's margin is 2.4 nats on float32 and int8 pages alike
+    messages = [{"role": "user", "content": "What is the name of the capital of France?"}]
     output = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert "Paris" in output.text
     assert output.finish_reason == "stop"  # <|im_end|> is an end-of-turn token

@@ -29,9 +29,9 @@ def test_greedy_matches_one_rank_and_transformers(fixture: str, request: pytest.
     saved = request.getfixturevalue(fixture)
     prompts = make_prompts()
     expected = [hf_greedy(saved, p, MAX_TOKENS) for p in prompts]
-    single = LLM(str(saved.path), device="cpu", num_kv_blocks=64)
+    single = LLM(str(saved.path), device="cpu", num_kv_blocks=64, kv_cache_dtype="float32")  # as transformers'
     assert [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)] == expected
-    tp = LLM(str(saved.path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    tp = LLM(str(saved.path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, kv_cache_dtype="float32")
     try:
         assert [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY, use_tqdm=False)] == expected
         assert_all_pages_free(tp)

@@ -48,7 +48,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def offline(adapters: dict[str, Path]) -> dict[str | None, str]:
     """Greedy answers of the offline LLM: the base and each adapter that fits."""
     llm = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64,
-              max_model_len=512)
+              max_model_len=512, kv_cache_dtype="float32")  # the test servers' pages
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     answers: dict[str | None, str] = {}
     for i, name in enumerate([None, "sql", "poet"]):
@@ -88,7 +88,7 @@ def test_a_request_naming_an_adapter_answers_as_the_offline_llm(server, adapters
 def offline_embeddings(adapters: dict[str, Path]) -> dict[str | None, np.ndarray]:
     """The prompt's embedding (the last token's hidden state, as the server pools) offline: the base and "sql"."""
     llm = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64,
-              max_model_len=512, pooling="last")
+              max_model_len=512, pooling="last", kv_cache_dtype="float32")  # the test servers' pages
     sql = LoRARequest("sql", 1, str(adapters["sql"]))
     base, adapted = llm.embed([PROMPT, PROMPT], use_tqdm=False, lora_request=[None, sql])
     return {None: np.array(base.outputs.embedding), "sql": np.array(adapted.outputs.embedding)}

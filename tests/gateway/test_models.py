@@ -27,7 +27,9 @@ from pagegate.testing.launcher import ServerProcess, core_pids, free_port, wait_
 from ..engine.conftest import TINY, hf, save_hf_model
 from ..engine.loading.gguf_files import write_gguf
 
-BASE_ARGS = ("--dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0")
+# float32 pages by name: the page sizes and budgets below are float32's (the CPU's default is int8)
+BASE_ARGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--device", "cpu", "--disable-uvicorn-access-log",
+             "--grpc-port", "0")
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
 PROMPT_IDS = [5, 17, 42, 9, 33, 71]  # the folder model has no tokenizer: token ids work for all three
 

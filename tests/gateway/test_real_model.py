@@ -10,8 +10,9 @@ import pytest
 
 from pagegate.testing.launcher import ServerProcess
 
-# not "What is the capital of France?": a near-tie at its first token that Q8 activations flip (see tests/engine)
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+# SmolLM2's first token of most phrasings is a near-tie ("The" / "Le" / "La", <0.1 nats) that Q8 activations or the
+# page format flip; this one's margin is 2.4 nats on float32 and int8 pages alike (see tests/engine)
+QUESTION = [{"role": "user", "content": "What is the name of the capital of France?"}]
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def test_half_checkpoint_is_served_in_the_dtype_asked_for(half_model: SavedModel
                         lambda *a, **k: attention_calls.append(1) or torch_attention(*a, **k))
     # a small pool and budget: chunked prefill, preemption and swap all run in the half dtype
     llm = LLM(str(half_model.path), device="cpu", dtype=name, num_kv_blocks=12, max_num_batched_tokens=32,
-              max_model_len=128, swap_space=0.001)
+              max_model_len=128, swap_space=0.001, kv_cache_dtype=name)
     assert llm.engine.runner.model.dtype == llm.engine.runner.kv_cache.layers[0][0].dtype == dtype
     prompts = make_prompts()[:6]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -54,7 +54,7 @@ def test_half_checkpoint_is_served_in_the_dtype_asked_for(half_model: SavedModel
 
 
 def test_half_checkpoint_under_auto_runs_in_float32(half_model: SavedModel) -> None:
-    llm = LLM(str(half_model.path), device="cpu", num_kv_blocks=64)
+    llm = LLM(str(half_model.path), device="cpu", num_kv_blocks=64, kv_cache_dtype="float32")
     assert llm.engine.runner.model.dtype == torch.float32
     upcast = SavedModel(half_model.path, copy.deepcopy(half_model.hf_model).float())
     prompts = make_prompts()[:4]
@@ -70,7 +70,8 @@ def test_sharded_checkpoint_generates_like_the_unsharded_one(sharded_model: Save
     assert len(set(index["weight_map"].values())) > 1
     prompts = make_prompts()[:4]
     tokens = [[o.outputs[0].token_ids for o in
-               LLM(str(folder), device="cpu", num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)]
+               LLM(str(folder), device="cpu", num_kv_blocks=64, kv_cache_dtype="float32").generate(
+                   prompts, GREEDY, use_tqdm=False)]
               for folder in (sharded_model.path, whole)]
     assert tokens[0] == tokens[1] == [hf_greedy(sharded_model, p, 10) for p in prompts]
 

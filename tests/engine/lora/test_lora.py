@@ -78,7 +78,9 @@ PATHS = ["native", "torch"]
 def lora_llm(model: str | Path, path: str = "torch", **kwargs: object) -> LLM:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference" if path == "torch" else "auto")
-        llm = LLM(str(model), device="cpu", enable_lora=True, max_lora_rank=8, **{"num_kv_blocks": 64, **kwargs})
+        # float32 pages by name: held to PEFT's float32 answers (CPU's default is int8)
+        llm = LLM(str(model), device="cpu", enable_lora=True, max_lora_rank=8,
+                  **{"num_kv_blocks": 64, "kv_cache_dtype": "float32", **kwargs})
     runner = llm.engine.runner
     assert (runner.native is None) == (runner.lora.table is None) == (path == "torch")
     if path == "native":
@@ -204,7 +206,8 @@ def test_adapters_that_do_not_fit_are_refused_by_name_and_take_no_pages(llama_mo
 
 def test_adapters_named_at_start_serve_by_name_and_unload_only_when_unused(llama_model, adapters, references):
     modules = tuple((name, a.request.lora_path) for name, a in adapters.items())
-    llm = LLM.from_config(EngineConfig(str(llama_model.path), device="cpu", cache=CacheConfig(num_kv_blocks=64),
+    llm = LLM.from_config(EngineConfig(str(llama_model.path), device="cpu",
+                                       cache=CacheConfig(num_kv_blocks=64, kv_cache_dtype="float32"),  # as PEFT's
                                        lora=LoRAConfig(max_lora_rank=8, modules=modules)))
     engine, lora = llm.engine, llm.engine.runner.lora
     assert [r.request.lora_int_id for r in lora.registered.values()] == [1, 2, 3] and lora.next_id == 4

@@ -20,8 +20,9 @@ from ..family_models import ORIGINAL_CONTEXT, convert, save_family
 from ..loading.gguf_files import requantize
 from ..test_llm import assert_all_pages_free
 
-# Phi-3 runs within its original context here, so transformers' short factors apply to every token
-ENGINE = {"max_model_len": ORIGINAL_CONTEXT}
+# Phi-3 runs within its original context here, so transformers' short factors apply to every token; pages in
+# float32 by name (CPU's default is int8): these tests hold pagegate to transformers' float32 answers
+ENGINE = {"max_model_len": ORIGINAL_CONTEXT, "kv_cache_dtype": "float32"}
 TOKENS = 64
 
 
@@ -129,7 +130,7 @@ def test_quantized_gguf_serves_like_transformers_on_the_same_file(outtype: str, 
     else:
         path = _convert(wide_family, tmp_path_factory, outtype)
     monkeypatch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")  # the torch path: float32 on the exact blocks
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, kv_cache_dtype="float32")
     kinds = {type(m).__name__ for m in llm.engine.runner.model.modules()}
     assert "QuantLinear" in kinds
     reference = _with_gguf_weights(wide_family.hf_model, path)
@@ -163,7 +164,7 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
 def test_phi3_past_its_original_context_uses_the_long_factors(phi3: SavedModel) -> None:
     """Served with a context past the original one, every position takes LongRoPE's long factors, as
     transformers does for a prompt longer than the original context."""
-    llm = LLM(str(phi3.path), device="cpu", num_kv_blocks=64)  # max_model_len: the config's 256
+    llm = LLM(str(phi3.path), device="cpu", num_kv_blocks=64, kv_cache_dtype="float32")  # max_model_len: 256
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, phi3.hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (130, 150)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)

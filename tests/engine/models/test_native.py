@@ -26,11 +26,12 @@ WIDE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_l
 
 def greedy(model: str | Path, native: str, monkeypatch: pytest.MonkeyPatch, max_tokens: int = 12,
            prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    """Greedy tokens with decode steps on `native`: "q8" (the server's choice), "exact", or "torch"."""
+    """Greedy tokens with decode steps on `native`: "q8" (the server's choice), "exact", or "torch"; float32 pages
+    by name (the paths, not the page formats, are compared here)."""
     with monkeypatch.context() as patch:
         if native == "torch":
             patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
-        llm = LLM(str(model), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+        llm = LLM(str(model), device="cpu", num_kv_blocks=64, enable_prefix_caching=False, kv_cache_dtype="float32")
     runner = llm.engine.runner
     assert (runner.native is None) == (native == "torch")
     if native == "exact":

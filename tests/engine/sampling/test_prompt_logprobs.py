@@ -33,7 +33,9 @@ def check(scored: list[Logprob | None] | None, expected: torch.Tensor, prompt: l
 
 
 def engine(model: SavedModel, **overrides: object) -> LLM:
-    return LLM(str(model.path), device="cpu", **{"num_kv_blocks": 64, "max_model_len": 256, **overrides})
+    """float32 pages by name (CPU's default is int8): prompt logprobs are held to transformers' within 1e-4."""
+    return LLM(str(model.path), device="cpu", **{"num_kv_blocks": 64, "max_model_len": 256,
+                                                 "kv_cache_dtype": "float32", **overrides})
 
 
 @pytest.mark.parametrize("chunk", [2048, 16, 24])
