@@ -10,6 +10,12 @@ included), and idle is the RSS a second after the first batch of streams. Then e
 of the pagegate server is broken down by its /proc smaps: shared libraries (torch's apart), the model file's
 mapping, and anonymous memory (the Python heap, weights copied or repacked, KV pages). Writes docs/footprint.md
 and docs/bench-footprint.png (RSS over time, both servers, one panel per stream count).
+
+    python -m bench.footprint --soak 2000
+
+instead serves 2,000 mixed requests (completions, chats, streams cut short, structured output, embeddings on a
+--pooling server), 8 at a time, and prints the server's RSS after the first 200 and after all of them (issue 57's
+"nothing grows").
 """
 
 from __future__ import annotations
@@ -106,12 +112,12 @@ def serve_and_sample(start, streams: int, prompts: list[list[int]]) -> dict:
 
 
 class PagegateServer:
-    def __init__(self, model: Path) -> None:
-        self.model = model
+    def __init__(self, model: Path, extra: list[str]) -> None:
+        self.model, self.extra = model, extra
 
     def __call__(self):
         server = ServerProcess(["--model", str(self.model), "--disable-uvicorn-access-log", "--disable-dashboard",
-                                "--grpc-port", "0"]).start()
+                                "--grpc-port", "0", *self.extra]).start()
         return server.stop, server.base_url + "/v1", server.process.pid
 
 
@@ -127,6 +133,58 @@ class LlamaServer:
             process.wait(30)
 
         return stop, served.base_url, process.pid
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+KINDS = ("completion", "chat", "cut", "json", "embed")
+
+
+def mixed_request(client, model: str, index: int, kind: str) -> None:
+    """One request of the soak's mix."""
+    prompt = f"Request {index}: tell me about the number {index * 7919 % 1000}."
+    if kind == "completion":
+        client.completions.create(model=model, prompt=prompt, max_tokens=16)
+    elif kind == "chat":
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16)
+    elif kind == "cut":  # a stream the client stops reading after a few chunks
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=64, stream=True)
+        for seen, _ in enumerate(stream):
+            if seen == 3:
+                stream.close()
+                break
+    elif kind == "json":
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A person as JSON."}],
+                                       max_tokens=32, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": SCHEMA, "strict": True}})
+    else:
+        client.embeddings.create(model=model, input=[prompt, prompt[::-1]])
+
+
+def soak(model: Path, requests: int, extra: list[str], kinds: tuple[str, ...] = KINDS) -> tuple[int, int]:
+    """RSS of the server after the first tenth of `requests` mixed requests and after all of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    server = ServerProcess(["--model", str(model), "--pooling", "last", "--disable-uvicorn-access-log",
+                            "--disable-dashboard", "--grpc-port", "0", *extra]).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        name = client.models.list().data[0].id
+        pids = [server.process.pid, *descendants(server.process.pid)]
+        figures = []
+        with ThreadPoolExecutor(8) as pool:
+            for first, last in ((0, requests // 10), (requests // 10, requests)):
+                list(pool.map(lambda i: mixed_request(client, name, i, kinds[i % len(kinds)]), range(first, last)))
+                figures.append(rss_bytes(pids))
+                print(f"after {last} requests: RSS {figures[-1] / MIB:.0f} MiB", flush=True)
+        return figures[0], figures[1]
+    finally:
+        server.stop()
 
 
 def table(results: dict[int, dict[str, dict]], model: Path) -> str:
@@ -166,9 +224,21 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=SMOLLM2)
     parser.add_argument("--streams", default="1,16,64")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="pagegate's (a model whose whole context does not fit the default KV budget needs one)")
+    parser.add_argument("--kv-cache-memory", default=None, help="pagegate's KV budget (default: its own)")
+    parser.add_argument("--soak", type=int, default=0, help="serve this many mixed requests instead (see above)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="the soak's mix, in turn")
     parser.add_argument("--out", type=Path, default=Path("docs/footprint.md"))
     plots.add_png_argument(parser, "footprint")
     args = parser.parse_args()
+    extra = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    extra += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+    if args.soak:
+        after_tenth, after_all = soak(args.model, args.soak, extra, tuple(args.kinds.split(",")))
+        print(f"{args.soak} mixed requests: RSS {after_tenth / MIB:.0f} -> {after_all / MIB:.0f} MiB "
+              f"({after_all / after_tenth - 1:+.1%})")
+        return
     llamacpp.build()
     no_repack = llamacpp.repack_crashes()
     rng = np.random.default_rng(0)
@@ -177,7 +247,7 @@ def main() -> None:
     for streams in (int(s) for s in args.streams.split(",")):
         prompts = [rng.integers(10, vocab, PROMPT).tolist() for _ in range(2 * streams)]
         results[streams] = {
-            "pagegate": serve_and_sample(PagegateServer(args.model), streams, prompts),
+            "pagegate": serve_and_sample(PagegateServer(args.model, extra), streams, prompts),
             "llama-server": serve_and_sample(LlamaServer(args.model, streams, args.threads, no_repack), streams,
                                              prompts)}
         ours, theirs = results[streams]["pagegate"], results[streams]["llama-server"]
@@ -185,7 +255,9 @@ def main() -> None:
               f"{ours['idle'] / MIB:.0f} / {theirs['idle'] / MIB:.0f} MiB", flush=True)
     text = table(results, args.model)
     print(text)
-    args.out.write_text(f"Made by `python -m bench.footprint --streams {args.streams}`.\n\n" + text)
+    flags = f" --max-model-len {args.max_model_len}" if args.max_model_len else ""
+    args.out.write_text(f"Made by `python -m bench.footprint --model {args.model} --streams {args.streams}{flags}`.\n\n"
+                        + text)
     if plots.wanted(args.png):
         plot(results, args.png)
 
