@@ -32,23 +32,11 @@ import numpy as np
 
 from bench import plots
 from bench.peers import llamacpp
-from bench.peers.served import PROMPT, SMOLLM2, gguf_vocab_size, load, start_llama_server
+from bench.peers.served import PROMPT, SMOLLM2, gguf_vocab_size, load, rss_bytes, start_llama_server
 from pagegate.testing.launcher import ServerProcess, descendants
 
 MIB = 2**20
 SAMPLE_S = 0.05
-
-
-def rss_bytes(pids: list[int], field: str = "VmRSS") -> int:
-    """The processes' `field` of /proc/PID/status summed (VmRSS: now; VmHWM: each one's peak)."""
-    total = 0
-    for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith(field + ":")), 0)
-    return total * 1024
 
 
 class Sampler(threading.Thread):

@@ -45,15 +45,20 @@ class Served:
     gateway_pid: int | None = None
 
 
-def peak_rss_mib(pids: list[int]) -> float:
+def rss_bytes(pids: list[int], field: str = "VmRSS") -> int:
+    """The processes' `field` of /proc/PID/status summed (VmRSS: now; VmHWM: each one's peak)."""
     total = 0
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
-    return total / 1024
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith(field + ":")), 0)
+    return total * 1024
+
+
+def peak_rss_mib(pids: list[int]) -> float:
+    return rss_bytes(pids, "VmHWM") / 2**20
 
 
 async def one_stream(client: openai.AsyncOpenAI, model: str, prompt: list[int]) -> tuple[float, int]:
