@@ -16,6 +16,11 @@ and docs/bench-footprint.png (RSS over time, both servers, one panel per stream 
 instead serves 2,000 mixed requests (completions, chats, streams cut short, structured output, embeddings on a
 --pooling server), 8 at a time, and prints the server's RSS after the first 200 and after all of them (issue 57's
 "nothing grows").
+
+    python -m bench.footprint --cycles 30
+
+serves the model and the embedded one from one server (--models-max 2) and prints its RSS after the first and
+after the last of 30 sleep/wake cycles of one and 30 unload/load cycles of the other, a request after each.
 """
 
 from __future__ import annotations
@@ -175,6 +180,35 @@ def soak(model: Path, requests: int, extra: list[str], kinds: tuple[str, ...] = 
         server.stop()
 
 
+def cycles(model: Path, count: int, extra: list[str]) -> None:
+    """RSS of a two-model server across `count` sleep/wake cycles of `model` and unload/load cycles of the other."""
+    import httpx
+    import openai
+
+    from pagegate.engine.loading.loader import DEFAULT_MODEL
+
+    server = ServerProcess(["--model", str(model), "--model", str(DEFAULT_MODEL), "--served-model-name", "main",
+                            "other", "--models-max", "2", "--disable-uvicorn-access-log", "--disable-dashboard",
+                            "--grpc-port", "0", *extra]).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        http = httpx.Client(base_url=server.base_url, timeout=600)
+        root = server.process.pid
+        for name, step in (("sleep/wake", lambda: http.post("/sleep", params={"model": "main"})),
+                           ("unload/load", lambda: http.post("/models/unload", json={"model": "other"}))):
+            model_name = "main" if name == "sleep/wake" else "other"
+            figures = []
+            for cycle in range(count):
+                client.completions.create(model=model_name, prompt=[5, 17, 42, 9, 33], max_tokens=8)
+                if cycle in (0, count - 1):
+                    figures.append(rss_bytes([root, *descendants(root)]))
+                step().raise_for_status()
+            print(f"{count} {name} cycles: RSS {figures[0] / MIB:.0f} -> {figures[1] / MIB:.0f} MiB "
+                  f"({figures[1] / figures[0] - 1:+.1%})", flush=True)
+    finally:
+        server.stop()
+
+
 def table(results: dict[int, dict[str, dict]], model: Path) -> str:
     lines = [f"`pagegate serve` / `llama-server` on {model.name}, each with its defaults (llama-server: -np streams, "
              f"{PROMPT} + 192 tokens a slot), OpenAI SDK streams of 128 + 128 tokens, RSS of all processes summed.",
@@ -217,11 +251,15 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="pagegate's KV budget (default: its own)")
     parser.add_argument("--soak", type=int, default=0, help="serve this many mixed requests instead (see above)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="the soak's mix, in turn")
+    parser.add_argument("--cycles", type=int, default=0, help="sleep/wake and unload/load cycles instead (see above)")
     parser.add_argument("--out", type=Path, default=Path("docs/footprint.md"))
     plots.add_png_argument(parser, "footprint")
     args = parser.parse_args()
     extra = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     extra += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+    if args.cycles:
+        cycles(args.model, args.cycles, extra)
+        return
     if args.soak:
         after_tenth, after_all = soak(args.model, args.soak, extra, tuple(args.kinds.split(",")))
         print(f"{args.soak} mixed requests: RSS {after_tenth / MIB:.0f} -> {after_all / MIB:.0f} MiB "

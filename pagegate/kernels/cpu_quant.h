@@ -248,7 +248,7 @@ PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const fl
     }
 }
 
-/* A decode step's float matvec: out[i] = x . row i for four F32/F16 rows of k (whole blocks) at once, each
+/* A decode step's float matvec: out[i] = x . row i for four F16 rows (or blocks, exact) of k at once, each
    row's two accumulators in registers (pgq_row_avx2's order of addition: rows = 1 gives its bits) and every
    F16 row prefetched PGQ_FLOAT_PREFETCH bytes ahead (rows are contiguous, so this runs on into the next rows). */
 #define PGQ_FLOAT_PREFETCH 1024
