@@ -20,12 +20,10 @@ import pytest
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.testing.launcher import ServerProcess
 from pagegate.testing.lora import lora_tensors, write_adapter
-from tests.gateway.conftest import SERVER_ARGS
+from tests.gateway.server_args import server_args
 
-if os.environ.get("PAGEGATE_TEST_MODEL"):
-    pytest.skip("the adapters written here are shaped for the embedded model; $PAGEGATE_TEST_MODEL serves another",
-                allow_module_level=True)
-
+# the adapters written here are shaped for the embedded model, so its servers serve it whatever $PAGEGATE_TEST_MODEL says
+SERVER_ARGS = server_args(embedded=True)
 _CONFIG = json.loads(Path("pagegate/engine/default_model/config.json").read_text())
 _HIDDEN, _HEAD_DIM = _CONFIG["hidden_size"], _CONFIG["head_dim"]
 SHAPES = {"q_proj": (_HIDDEN, _CONFIG["num_attention_heads"] * _HEAD_DIM),
