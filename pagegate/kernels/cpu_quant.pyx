@@ -102,10 +102,10 @@ def dequantize(blocks, int qtype, int k, rows=None):
 def interleaved(blocks, int qtype):
     """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant repacked for the integer kernels:
     its rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted; Q8_0's values plus 128), its type id
-    qtype + X8; any other matrix as it is. `blocks` may be a uint8 tensor or array, read-only (a file's mapping:
-    the repacked matrix is the one copy made of it)."""
+    qtype + X8; any other matrix as it is (an array copied into a tensor). `blocks` may be a uint8 tensor or array,
+    read-only (a file's mapping: the returned matrix is the one copy made of it)."""
     if qtype not in INTERLEAVED or blocks.shape[0] < 8:
-        return blocks, qtype
+        return (blocks if isinstance(blocks, torch.Tensor) else torch.from_numpy(np.array(blocks))), qtype
     source = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
     if source.dtype != np.uint8 or source.ndim != 2 or source.shape[1] % BLOCK_BYTES[qtype]:
         raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrix")

@@ -55,10 +55,10 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
     return out.to(x.dtype)
 
 
-def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Tensor | np.ndarray, int]:
+def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Tensor, int]:
     """An integer-block matrix (Q4_0 ... Q8_0, K-quants) as the integer kernels read it best, and its type id: its
     rows interleaved eight at a time (cpu_qx8.h: the file's bytes, permuted) in a new tensor; any other matrix as it
-    is. `blocks` may be a read-only array (a file's mapping)."""
+    is (an array copied into a tensor). `blocks` may be a read-only array (a file's mapping)."""
     return _required_kernel().interleaved(blocks, qtype)
 
 

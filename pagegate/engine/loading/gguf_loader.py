@@ -212,7 +212,6 @@ class GGUFFile:
         # matrix interleaved() repacks is read from the mapping itself (its repacked bytes are the one copy).
         blocks = np.concatenate(rows) if len(rows) > 1 else rows[0]
         kept, kind = interleaved(blocks, qtype)
-        kept = kept if isinstance(kept, torch.Tensor) else torch.from_numpy(np.array(kept))
         for _, tensor in shards:
             self.reader.release(tensor)
         return kept, kind
