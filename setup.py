@@ -31,7 +31,8 @@ extensions = [
                                   ("-ffp-contract=off",)),
                                  ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_tiles_avx2", "cpu_quant", "cpu_qdot",
                                                  "cpu_qx8", "cpu_qdot_isa", "cpu_lora"),
-                                  ("-ffp-contract=off",)))
+                                  ("-ffp-contract=off",)),
+                                 ("cpu_sample", ("cpu_sample", "cpu_paged", "cpu_tiles_avx2"), ()))
 ]
 
 setup(

@@ -3,9 +3,10 @@
 Order per row: repetition penalty (HF, prompt + output tokens), presence/frequency penalties (OpenAI,
 output tokens), logit_bias, min_tokens masking, the grammar's allowed tokens (structured outputs). Logprobs are log_softmax of these processed logits,
 before temperature and min-p/top-k/top-p. Then temperature (below GREEDY_TEMPERATURE: the argmax, its
-limit), the min-p/top-k/top-p filters and an exponential race (argmax of p / q, q ~ Exp(1)); a row with
-its own generator draws its q alone, so a seeded request samples the same tokens whatever else is in
-the batch.
+limit) and the min-p/top-k/top-p filters. On the CPU, rows that no processor touches (the common case) take all of
+it in C (kernels/cpu_sample.h: one uniform draw a row, the inverse CDF of the kept tokens); the others an
+exponential race in torch (argmax of p / q, q ~ Exp(1)). Either way a row with its own generator draws alone, so a
+seeded request samples the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
 from pagegate.engine.outputs import Logprob
+from pagegate.kernels import cpu_sample
 from pagegate.engine.sampling.grammar_masks import GrammarMasks, apply_allowed
 from pagegate.engine.sampling.params import SamplingParams
 
@@ -64,6 +67,7 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
 
 
 _MASK64 = 2**64 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -86,6 +90,8 @@ def _splitmix64(x: int) -> int:
 class Sampler:
     """Samples one token per logits row; owns the generator shared by unseeded rows."""
 
+    native = True  # CPU rows that no processor touches go to the C sampler (tests turn it off to check torch's)
+
     def __init__(self, eos_token_ids: Sequence[int], seed: int = 0,
                  device: str | torch.device = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -106,6 +112,8 @@ class Sampler:
                  allowed: tuple[Sequence[int], torch.Tensor] | None = None) -> list[SampleResult]:
         """Next token (and logprobs when asked) for each row of logits [B, V]; `allowed` is (rows,
         bool [R, V]) of the rows whose grammar restricts the next token, else taken from the rows' matchers."""
+        if self.native and allowed is None and logits.device.type == "cpu" and all(_plain(row) for row in rows):
+            return self._native(logits, rows)
         allowed = allowed or self._grammar_allowed(rows, logits.shape[1])
         logits = logits.float().clone()
         apply_penalties(logits, rows)
@@ -118,6 +126,31 @@ class Sampler:
         results = [SampleResult(token_id) for token_id in self._choose(logits, rows).tolist()]
         if logprobs is not None:
             _attach_logprobs(results, logprobs, wanted, rows)
+        return results
+
+    def _native(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """The rows on the C sampler (cpu_sample.h): one uniform draw a sampled row, from its own generator if it
+        has one; logprobs of the logits as they are (no processor touched them)."""
+        n, vocab = len(rows), logits.shape[1]
+        params = [row.params for row in rows]
+        sampled = [not p.greedy for p in params]
+        uniform = [float(torch.rand(1, generator=row.generator or self.generator)) if draw else 0.0
+                   for row, draw in zip(rows, sampled, strict=True)]
+        wanted = [-1 if p.logprobs is None else min(p.logprobs, vocab) for p in params]
+        width = max(0, *wanted)
+        tokens, chosen = np.empty(n, np.int32), np.empty(n, np.float32)
+        top_ids, top_values = np.empty((n, width), np.int32), np.empty((n, width), np.float32)
+        cpu_sample.sample(logits.float().contiguous().numpy(),
+                          np.array([min(p.temperature, _FLOAT32_MAX) if draw else 0.0
+                                    for p, draw in zip(params, sampled, strict=True)], np.float32),
+                          np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
+                          np.array([p.min_p for p in params], np.float32), np.array(uniform, np.float32),
+                          np.array(wanted, np.int32), tokens, chosen, top_ids, top_values, torch.get_num_threads())
+        results = [SampleResult(token) for token in tokens.tolist()]
+        for i, k in enumerate(wanted):
+            if k >= 0:
+                top = dict(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
+                results[i].logprob = Logprob(results[i].token_id, float(chosen[i]), top)
         return results
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -138,6 +171,13 @@ class Sampler:
             if row.generator is not None and not row.params.greedy:
                 noise[i].exponential_(generator=row.generator)
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # q = 0 would make p / q infinite
+
+
+def _plain(row: SamplingRow) -> bool:
+    """No penalty, bias, min_tokens mask or grammar touches the row's logits: the C sampler takes it."""
+    p = row.params
+    return (row.matcher is None and row.logit_bias is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and len(row.output_token_ids) >= p.min_tokens)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

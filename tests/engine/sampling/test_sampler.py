@@ -25,6 +25,13 @@ V = 64
 EOS = 3
 
 
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both paths: the C sampler (rows no processor touches) and torch's (the rest, and CUDA)."""
+    monkeypatch.setattr(Sampler, "native", request.param == "c")
+    return request.param
+
+
 def _row(prompt: list[int] = (), output: list[int] = (), generator: torch.Generator | None = None,
          **params: object) -> SamplingRow:
     sampling = SamplingParams(**params)
