@@ -19,9 +19,9 @@ import torch
 from llguidance import LLMatcher
 
 from pagegate.engine.outputs import Logprob
-from pagegate.kernels import cpu_sample
 from pagegate.engine.sampling.grammar_masks import GrammarMasks, apply_allowed
 from pagegate.engine.sampling.params import SamplingParams
+from pagegate.kernels import cpu_sample
 
 
 @dataclass(frozen=True)
