@@ -3,8 +3,9 @@
    logits, before temperature) with the top alternatives. One OpenMP team over the rows; each row's result depends on
    its own logits and its own uniform draw only.
 
-   A sampled row takes one uniform u in [0, 1): its kept tokens ordered by probability (ties: the lower id first), the
-   first whose cumulative mass passes u times their total. Only the candidates that can survive top-k / top-p are
+   A sampled row takes one uniform u in [0, 1): of its kept tokens, the first whose cumulative mass passes u times
+   their total, in id order where neither top-k nor top-p is on, else by logit (ties: the lower id first). Only the
+   candidates that can survive top-k / top-p are
    sorted: a pass buckets the tokens by the binary exponent of p / p_max, and the buckets up to the one where the
    count reaches k (or the mass reaches top_p) hold every token either filter keeps. */
 #ifndef PAGEGATE_CPU_SAMPLE_H
@@ -26,13 +27,14 @@ typedef struct {
 } pgs_params;
 
 typedef struct {
-    float p;
+    float logit, p;
     int32_t id;
 } pgs_token;
 
-static int pgs_by_probability(const void *a, const void *b) {
+/* By logit (probabilities of close logits can round to one value), ties: the lower id first. */
+static int pgs_by_logit(const void *a, const void *b) {
     const pgs_token *x = (const pgs_token *)a, *y = (const pgs_token *)b;
-    if (x->p != y->p) return x->p < y->p ? 1 : -1;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
@@ -66,13 +68,13 @@ static int pgs_cut_bucket(const float *e, int64_t n, int64_t count, double mass)
     return PGS_BUCKETS - 1;
 }
 
-/* The candidates (e above the cut bucket's floor) sorted by probability; their number. */
-static int64_t pgs_candidates(const float *e, int64_t n, int cut, pgs_token *out) {
+/* The candidates (e above the cut bucket's floor) in the order of their logits x; their number. */
+static int64_t pgs_candidates(const float *x, const float *e, int64_t n, int cut, pgs_token *out) {
     const float floor_e = cut >= PGS_BUCKETS - 1 ? 0.0f : ldexpf(1.0f, -cut - 1);
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++)
-        if (e[i] > 0.0f && e[i] >= floor_e) out[m++] = (pgs_token){e[i], (int32_t)i};
-    qsort(out, (size_t)m, sizeof(pgs_token), pgs_by_probability);
+        if (e[i] > 0.0f && e[i] >= floor_e) out[m++] = (pgs_token){x[i], e[i], (int32_t)i};
+    qsort(out, (size_t)m, sizeof(pgs_token), pgs_by_logit);
     return m;
 }
 
@@ -101,7 +103,7 @@ static int32_t pgs_draw(const float *x, int64_t n, const pgs_params *p, float *e
         return last;
     }
     const int cut = pgs_cut_bucket(e, n, top_k ? p->top_k : 0, top_k ? 0.0 : p->top_p * kept);
-    int64_t m = pgs_candidates(e, n, cut, cand);
+    int64_t m = pgs_candidates(x, e, n, cut, cand);
     double total = kept;  /* top-p's mass: the top k's, or every kept token's */
     if (top_k) {
         if (m > p->top_k) m = p->top_k;

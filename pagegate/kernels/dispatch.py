@@ -56,6 +56,11 @@ def decode_kernel() -> ModuleType | None:
     return _extension("cpu_decode")
 
 
+def sample_kernel() -> ModuleType | None:
+    """The C sampler extension (cpu_sample), or None."""
+    return _extension("cpu_sample")
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()

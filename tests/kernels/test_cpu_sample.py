@@ -27,12 +27,14 @@ def run(logits: np.ndarray, temperature, top_k=0, top_p=1.0, min_p=0.0, uniform=
 
 
 def kept_in_order(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple:
-    """(ids, probabilities) the filters keep, in the order a draw walks them (vLLM's filter order)."""
+    """(ids, probabilities) the filters keep, in the order a draw walks them (vLLM's filter order); the parameters
+    as the kernel gets them, in float32 (a top_p just under 1 is 1 there: off)."""
+    temperature, top_p, min_p = (float(np.float32(v)) for v in (temperature, top_p, min_p))
     e = np.exp((x.astype(np.float64) - x.max()) / temperature)
     ids = np.arange(len(x))[e >= min_p]
     if not (0 < top_k < len(x)) and top_p >= 1:
         return ids, e[ids]
-    ids = ids[np.lexsort((ids, -e[ids]))]
+    ids = ids[np.lexsort((ids, -x[ids]))]
     if 0 < top_k < len(x):
         ids = ids[:top_k]
     if top_p < 1:

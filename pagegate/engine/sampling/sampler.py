@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from llguidance import LLMatcher
 from pagegate.engine.outputs import Logprob
 from pagegate.engine.sampling.grammar_masks import GrammarMasks, apply_allowed
 from pagegate.engine.sampling.params import SamplingParams
-from pagegate.kernels import cpu_sample
+from pagegate.kernels.dispatch import sample_kernel
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,9 @@ class Sampler:
                  allowed: tuple[Sequence[int], torch.Tensor] | None = None) -> list[SampleResult]:
         """Next token (and logprobs when asked) for each row of logits [B, V]; `allowed` is (rows,
         bool [R, V]) of the rows whose grammar restricts the next token, else taken from the rows' matchers."""
-        if self.native and allowed is None and logits.device.type == "cpu" and all(_plain(row) for row in rows):
-            return self._native(logits, rows)
+        kernel = sample_kernel() if self.native and logits.device.type == "cpu" else None
+        if kernel is not None and allowed is None and all(_plain(row) for row in rows):
+            return self._native(kernel, logits, rows)
         allowed = allowed or self._grammar_allowed(rows, logits.shape[1])
         logits = logits.float().clone()
         apply_penalties(logits, rows)
@@ -128,7 +130,7 @@ class Sampler:
             _attach_logprobs(results, logprobs, wanted, rows)
         return results
 
-    def _native(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    def _native(self, kernel: ModuleType, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
         """The rows on the C sampler (cpu_sample.h): one uniform draw a sampled row, from its own generator if it
         has one; logprobs of the logits as they are (no processor touched them)."""
         n, vocab = len(rows), logits.shape[1]
@@ -140,7 +142,7 @@ class Sampler:
         width = max(0, *wanted)
         tokens, chosen = np.empty(n, np.int32), np.empty(n, np.float32)
         top_ids, top_values = np.empty((n, width), np.int32), np.empty((n, width), np.float32)
-        cpu_sample.sample(logits.float().contiguous().numpy(),
+        kernel.sample(logits.float().contiguous().numpy(),
                           np.array([min(p.temperature, _FLOAT32_MAX) if draw else 0.0
                                     for p, draw in zip(params, sampled, strict=True)], np.float32),
                           np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
