@@ -5,9 +5,9 @@
 
    A sampled row takes one uniform u in [0, 1): of its kept tokens, the first whose cumulative mass passes u times
    their total, in id order where neither top-k nor top-p is on, else by logit (ties: the lower id first). Only the
-   candidates that can survive top-k / top-p are
-   sorted: a pass buckets the tokens by the binary exponent of p / p_max, and the buckets up to the one where the
-   count reaches k (or the mass reaches top_p) hold every token either filter keeps. */
+   candidates that can survive top-k / top-p are sorted: a pass buckets the tokens by the binary exponent of
+   p / p_max, and the buckets up to the one where the count reaches k (or the mass reaches top_p) hold every token
+   either filter keeps. */
 #ifndef PAGEGATE_CPU_SAMPLE_H
 #define PAGEGATE_CPU_SAMPLE_H
 
