@@ -211,56 +211,48 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_k4_rows)(const int base, const uint8_t 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (r0 + r) * out_stride, f[r]);
 }
 
-/* The same for Q6_K: a sub-block's halves (16 values each) keep their own sums and scales. */
+/* The same for Q6_K: a sub-block's halves (16 values each) keep their own sums and scales. A super-block's 128-value
+   halves n hold four sub-blocks t each, their low four bits in ql (t = 0, 1: low nibbles of the two 32-byte runs;
+   2, 3: the high ones) and their top two in qh (bits 2t, 2t + 1); one sub-block at a time keeps 2R sums live. */
 PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_x8_q6_rows)(const uint8_t *group, const pgq_act *a, int r0, const int R,
                                                   float *out, int64_t out_stride) {
     const int64_t nb = a->k / 32, bytes = 210;
     const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
     const __m256 minus32 = _mm256_set1_ps(-32.0f);
-    __m256 f[4];
+    __m256 f[PGQ_X8_TOKENS];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
         if (r0 == 0) PGQ_FN(pgq_x8_prefetch)(g, PGQ_X8_ROWS * bytes);
         const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 1664)));
-        #pragma GCC unroll 2
-        for (int n = 0; n < 2; n++) {  /* values 128 n .. 128 n + 127: sub-blocks 4 n + t */
-            __m256i sums[4][2][4];  /* [t][half][r]: the first halves' wait in memory while the second's sum */
-            for (int t = 0; t < 4; t++)
-                for (int r = 0; r < R; r++) sums[t][0][r] = sums[t][1][r] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const int n = j / 4, t = j % 4;
+            __m256i sums[2][PGQ_X8_TOKENS];
+            for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
             #pragma GCC unroll 8
-            for (int l4 = 0; l4 < 8; l4++) {  /* values 4 l4 .. 4 l4 + 3 of each of the four sub-blocks */
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(g + 32 * (16 * n + l4)));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(g + 32 * (16 * n + 8 + l4)));
+            for (int l4 = 0; l4 < 8; l4++) {  /* values 4 l4 .. 4 l4 + 3 of sub-block j */
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(g + 32 * (16 * n + 8 * (t & 1) + l4)));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + 1024 + 32 * (8 * n + l4)));
-                const __m256i u[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, nibble), _mm256_slli_epi16(_mm256_and_si256(qh, pair), 4)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, nibble),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), pair), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nibble),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), pair), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nibble),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), pair), 4))};
-                for (int t = 0; t < 4; t++)
-                    for (int r = 0; r < R; r++) {
-                        const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + 4 * n + t) * 32);
-                        sums[t][l4 / 4][r] = PGQ_DOT_BCAST(sums[t][l4 / 4][r], u[t], q + l4);
-                    }
-            }
-            #pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                const int j = 4 * n + t;
-                const __m256 d0 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1536 + 16 * j)), 1));
-                const __m256 d1 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1544 + 16 * j)), 1));
-                const __m256 c0 = _mm256_mul_ps(minus32, d0), c1 = _mm256_mul_ps(minus32, d1);
+                const __m256i low = t < 2 ? ql : _mm256_srli_epi16(ql, 4);
+                const __m256i high = t == 0 ? qh : _mm256_srli_epi16(qh, 2 * t);
+                const __m256i u = _mm256_or_si256(_mm256_and_si256(low, nibble),
+                                                  _mm256_slli_epi16(_mm256_and_si256(high, pair), 4));
                 for (int r = 0; r < R; r++) {
-                    const int64_t x = (r0 + r) * nb + 8 * sb + j;
-                    const __m256 dx = _mm256_set1_ps(a->d[x]);
-                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][0][r]), _mm256_mul_ps(d0, dx), f[r]);
-                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][1][r]), _mm256_mul_ps(d1, dx), f[r]);
-                    f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[PGQ_SUMS * x]), f[r]);
-                    f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[PGQ_SUMS * x + 1]), f[r]);
+                    const int32_t *q = (const int32_t *)(a->q + ((r0 + r) * nb + 8 * sb + j) * 32);
+                    sums[l4 / 4][r] = PGQ_DOT_BCAST(sums[l4 / 4][r], u, q + l4);
                 }
+            }
+            const __m256 d0 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1536 + 16 * j)), 1));
+            const __m256 d1 = _mm256_mul_ps(dd, pgq_bytes_to_float(_mm_loadl_epi64((const __m128i *)(g + 1544 + 16 * j)), 1));
+            const __m256 c0 = _mm256_mul_ps(minus32, d0), c1 = _mm256_mul_ps(minus32, d1);
+            for (int r = 0; r < R; r++) {
+                const int64_t x = (r0 + r) * nb + 8 * sb + j;
+                const __m256 dx = _mm256_set1_ps(a->d[x]);
+                f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][r]), _mm256_mul_ps(d0, dx), f[r]);
+                f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][r]), _mm256_mul_ps(d1, dx), f[r]);
+                f[r] = _mm256_fmadd_ps(c0, _mm256_set1_ps(a->s[PGQ_SUMS * x]), f[r]);
+                f[r] = _mm256_fmadd_ps(c1, _mm256_set1_ps(a->s[PGQ_SUMS * x + 1]), f[r]);
             }
         }
     }
@@ -365,10 +357,7 @@ PGQ_TARGET static void PGQ_FN(pgq_x8_dot)(int base, const uint8_t *group, int64_
         case PGQ_Q5_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_0, group, a)
         case PGQ_Q5_1: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q4_rows), PGQ_Q5_1, group, a)
         case PGQ_Q8_0: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q8_rows), group, a)
-        case PGQ_Q6_K:  /* four rows a pass at most: a sub-block's halves keep eight sums a row */
-            for (; r0 + 4 <= a->m; r0 += 4) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 4, out, out_stride);
-            for (; r0 < a->m; r0++) PGQ_FN(pgq_x8_q6_rows)(group, a, r0, 1, out, out_stride);
-            return;
+        case PGQ_Q6_K: PGQ_X8_PASSES(PGQ_FN(pgq_x8_q6_rows), group, a)
     }
 #undef PGQ_X8_PASSES
 }
