@@ -10,7 +10,7 @@ llama.cpp's convert_lora_to_gguf.py for llama-server). Each side serves: `stream
 spread over the 8 adapters ("mixed") against the same prompts on the base model alone, and 1 prompt with an
 adapter against without; output tok/s (ignore_eos), median over rounds, and the ratios. pagegate serves them
 with --enable-lora --lora-modules (a request's `model` names its adapter); llama-server takes its adapters with --lora ... --lora-init-without-apply and a per-request `lora` list (its
-README: requests with different adapters are not batched together). Writes docs/lora.md.
+docs/models-and-lora.md: requests with different adapters are not batched together). Writes docs/lora.md.
 """
 
 from __future__ import annotations

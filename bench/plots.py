@@ -1,7 +1,7 @@
 """The benchmarks' pictures: small PNGs (matplotlib, Agg) written beside their tables.
 
 Each benchmark takes `--png PATH` (default docs/bench-<name>.png; `--png ''` writes none) and draws with
-`figure()` and `save_figure()`: small sizes and dpi 80 keep every PNG well under 100 KB for the README.
+`figure()` and `save_figure()`: small sizes and dpi 80 keep every PNG well under 100 KB for the docs.
 """
 
 from __future__ import annotations

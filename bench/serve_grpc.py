@@ -5,7 +5,7 @@
 
 The transports, requests, statistics, CPU accounting and flags are bench/serve.py's (`--protocol grpc`
 there runs one transport); this runs `--protocols` (default all three) against one launched server,
-alternating them within each round so they share the machine's noise, and prints the README's table;
+alternating them within each round so they share the machine's noise, and prints the table of docs/performance.md;
 writes docs/bench-transports.png (throughput, TTFT and TPOT CDFs per transport; `--png PATH`, `--png ''` for none).
 """
 
@@ -91,7 +91,7 @@ def median_round(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(medians: dict[str, dict[str, Any]]) -> str:
-    """A Markdown table, the README's format."""
+    """A Markdown table, docs/performance.md's format."""
     head = ("| transport | output tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean (ms) | ITL p50 (ms) "
             "| tokens/chunk | server CPU s | client CPU s | failed |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]

@@ -1,4 +1,4 @@
-"""The README's picture of the dashboard under load: docs/dashboard.png.
+"""The picture of the dashboard under load (docs/serving.md): docs/dashboard.png.
 
     python scripts/dashboard_screenshot.py [--seconds 75] [--out docs/dashboard.png]
 

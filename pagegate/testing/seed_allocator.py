@@ -1,4 +1,4 @@
-"""The seed's pure-Python BlockAllocator (../shared/seed, section 3.3.2), copied as the baseline (two annotations added for mypy)."""
+"""The seed's pure-Python BlockAllocator (the document pagegate grew from, section 3.3.2), copied as the baseline (two annotations added for mypy)."""
 
 
 class BlockAllocator:

@@ -1,4 +1,4 @@
-"""The Ray application's arguments and the README's config file, without starting Ray."""
+"""The Ray application's arguments and its config file (docs/ray-serve.yaml), without starting Ray."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SHARED_PROMPT = "And God said, Let there be light: and there was light. " * 8  # several full pages
 GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
-SCREENSHOTS_ENV = "PAGEGATE_DASHBOARD_SCREENSHOTS"  # a folder to copy the screenshots to (the README's)
+SCREENSHOTS_ENV = "PAGEGATE_DASHBOARD_SCREENSHOTS"  # a folder to copy the screenshots to (docs/dashboard.png's)
 
 
 @pytest.fixture(scope="module")

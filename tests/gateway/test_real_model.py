@@ -50,7 +50,7 @@ WEATHER = {"type": "function", "function": {
 
 
 def test_required_tool_call_answers_a_weather_question(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
-    """SmolLM2-135M writes no call by itself (tool_choice auto: it answers in prose, README); required makes it
+    """SmolLM2-135M writes no call by itself (tool_choice auto: it answers in prose, docs/serving.md); required makes it
     call, and it fills in the city from the question. With parallel calls allowed it ends its list by itself."""
     for city in ("Paris", "London"):
         ask = {"model": smollm2_gguf.name, "messages": [{"role": "user", "content": f"What is the weather like in {city}?"}],

@@ -3,7 +3,7 @@ tokenizer; each sequence then holds its own matcher (grammar_masks.py turns them
 
 A compiled grammar is a prototype matcher in an LRU cache bounded by (estimated) bytes; each sequence gets a
 deep copy (microseconds). The gateway compiles in its preparation threads, so the engine loop only ever copies
-from the cache. What a client may have compiled is bounded here, in one place (the README's Security list).
+from the cache. What a client may have compiled is bounded here, in one place (docs/security.md).
 """
 
 from __future__ import annotations
