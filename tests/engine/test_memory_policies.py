@@ -1,12 +1,12 @@
 """Prefix caching, shared pages for n > 1, oversubscription in both preemption modes, aging, health."""
 
-import time
 
 import pytest
 
 from pagegate import LLM, SamplingParams
 from pagegate.config import HealthThresholds
 from pagegate.engine.observe.metrics import health_grade
+from pagegate.testing.launcher import wait_for
 
 from .test_llm import assert_all_pages_free, make_prompts
 
@@ -99,12 +99,17 @@ def test_aging_lets_a_low_priority_request_finish_under_a_flood(llama_model):
     low = engine.add_request("low", [9] * 20, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                              priority=10)
     urgent = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    deadline, count = time.monotonic() + 30, 0
-    while not low.finished and time.monotonic() < deadline:
+    count = 0
+
+    def flood_and_step() -> bool:
+        nonlocal count
         while len(engine.requests) < 6:  # a steady flood of urgent requests
             engine.add_request(f"u{count}", [5] * 20, urgent, priority=0)
             count += 1
         engine.step()
+        return low.finished
+
+    wait_for(flood_and_step, "the low-priority request to finish", timeout_s=120, poll_s=0)
     assert low.finished and count > 4
     for request_id in list(engine.requests):
         engine.abort(request_id)

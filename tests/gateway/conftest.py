@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -10,7 +9,7 @@ import openai
 import pytest
 
 import pagegate
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, wait_for
 from tests.gateway.server_args import server_args
 
 DEFAULT_MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
@@ -76,13 +75,15 @@ class KVPages:
         return value - pinned
 
     def wait_free(self, timeout_s: float = 10.0) -> float:
-        """Poll until no page is in use (or the timeout); returns the last reading."""
-        deadline = time.monotonic() + timeout_s
-        used = self.in_use()
-        while used > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            used = self.in_use()
-        return used
+        """Poll until no page is in use; returns that reading (AssertionError, from wait_for, after `timeout_s`)."""
+        readings = [self.in_use()]
+
+        def free() -> bool:
+            readings.append(self.in_use())
+            return readings[-1] <= 0
+
+        wait_for(free, f"every KV page to be free (in use: {readings[-1]:g} at first)", timeout_s, poll_s=0.05)
+        return readings[-1]
 
 
 @pytest.fixture(scope="session")

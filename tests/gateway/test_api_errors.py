@@ -10,6 +10,8 @@ import msgpack
 import openai
 import pytest
 
+from pagegate.testing.launcher import wait_for
+
 PROMPT = "Hello"
 
 
@@ -149,11 +151,9 @@ def abandon_upload(server, head: bytes, sent: bytes) -> None:
         time.sleep(0.3)
 
 
-def log_since(server, start: int, wanted: str, timeout_s: float = 10.0) -> str:
-    """The server's log after offset `start`, once it mentions `wanted` (or the timeout passed)."""
-    deadline = time.monotonic() + timeout_s
-    while wanted not in server.log()[start:] and time.monotonic() < deadline:
-        time.sleep(0.1)
+def log_since(server, start: int, wanted: str, timeout_s: float = 60.0) -> str:
+    """The server's log after offset `start`, once it mentions `wanted` (AssertionError after the timeout)."""
+    wait_for(lambda: wanted in server.log()[start:], f"the log to mention {wanted!r}", timeout_s)
     return server.log()[start:]
 
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pagegate.testing.launcher import ServerProcess, cores_stopped
+from pagegate.testing.launcher import ServerProcess, cores_stopped, wait_for
 from tests.gateway.server_args import server_args
 
 KEYS = ["key-one", "key-two"]
@@ -66,33 +66,27 @@ def held_streams(server: ServerProcess, count: int) -> Iterator[None]:
         for _ in range(count):
             session = stack.enter_context(httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60))
             stack.enter_context(session.stream("POST", "/v1/completions", json=body))
-        assert _wait_pending(server, count - 1), "the held requests never queued"
+        wait_for(lambda: _pending(server) >= count - 1, "the held requests to queue", timeout_s=60, poll_s=0.05)
         yield
 
 
-def _wait_pending(server: ServerProcess, wanted: int, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        metrics = httpx.get(server.base_url + "/metrics").text
-        line = next(x for x in metrics.splitlines() if x.startswith("pagegate:http_requests_pending "))
-        if float(line.split()[1]) >= wanted:
-            return True
-        time.sleep(0.05)
-    return False
+def _pending(server: ServerProcess) -> float:
+    metrics = httpx.get(server.base_url + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("pagegate:http_requests_pending "))
+    return float(line.split()[1])
 
 
-def test_overload_gets_429_and_health_stays_fast(guarded: ServerProcess) -> None:
+def test_overload_gets_429_and_health_still_answers(guarded: ServerProcess) -> None:
     # one running, one waiting = --max-queue; the core stopped meanwhile, so the running one cannot finish and let
-    # the waiting one in, however fast the machine
+    # the waiting one in, however fast the machine. /health answers while the core is stopped: it waits on nothing
+    # the core must do (were it to, it would hang until the block ends, and its generous timeout fail it)
     with held_streams(guarded, 2), cores_stopped(guarded.process.pid):  # type: ignore[union-attr]
-        started = time.monotonic()
-        health = httpx.get(guarded.base_url + "/health", timeout=5)
-        health_s = time.monotonic() - started
+        health = httpx.get(guarded.base_url + "/health", timeout=60)
         refused = httpx.post(guarded.base_url + "/v1/completions", json={"prompt": "x"}, headers=AUTH)
         with pytest.raises(openai.RateLimitError) as caught:  # the SDK sees the same 429
             sdk(guarded, KEYS[0]).chat.completions.create(model=_model(guarded), max_tokens=1,
                                                           messages=[{"role": "user", "content": "x"}])
-    assert health.status_code == 200 and health_s < 1.0
+    assert health.status_code == 200
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error" and "waiting" in refused.json()["error"]["message"]
     assert caught.value.status_code == 429

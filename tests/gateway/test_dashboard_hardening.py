@@ -29,7 +29,7 @@ from pagegate.gateway.dashboard.feed import DashboardFeed
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
 from pagegate.gateway.request_id import RequestIdMiddleware
 from pagegate.gateway.settings import GatewayConfig
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, wait_for
 
 KEYS = ["key-alpha-0123", "key-beta-4567"]
 ALPHA, BETA = ({"Authorization": f"Bearer {key}"} for key in KEYS)
@@ -63,7 +63,7 @@ class ThreadedServer:
     def start(self) -> ThreadedServer:
         self.thread.start()
         host = self.app.state.host
-        wait_for(lambda: host.state == "failed" or _healthy(self.base_url), "the server never became healthy")
+        wait_for(lambda: host.state == "failed" or _healthy(self.base_url), "the server to become healthy", DEADLINE_S)
         assert host.state != "failed", host.reason
         return self
 
@@ -85,13 +85,6 @@ def _healthy(base_url: str) -> bool:
         return httpx.get(base_url + "/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def wait_for(condition: Callable[[], bool], failure: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +148,7 @@ def test_viewers_past_the_cap_get_503_and_one_frame_serves_them_all(served: Thre
         more_ticks, more_encoded = served.on_loop(counts)
         assert more_ticks > ticks
         assert more_encoded - encoded == more_ticks - ticks  # one frame per snapshot for the three viewers
-    wait_for(lambda: served.on_loop(lambda: len(served.dashboard.viewers)) == 0, "the viewers never left")
+    wait_for(lambda: served.on_loop(lambda: len(served.dashboard.viewers)) == 0, "the viewers to leave", DEADLINE_S)
     with feeds(served, BETA):  # their slots are free again
         pass
 
@@ -173,12 +166,14 @@ def test_a_viewer_that_does_not_read_is_dropped(served: ThreadedServer) -> None:
 
             thread = threading.Thread(target=keep_reading, daemon=True)
             thread.start()
-            wait_for(lambda: _tcp_state(stuck) in CLOSED_BY_SERVER, "the stuck viewer's connection stayed open")
+            wait_for(lambda: _tcp_state(stuck) in CLOSED_BY_SERVER, "the server to close the stuck viewer's connection",
+                     DEADLINE_S, poll_s=0.05)
             reading.clear()
-            wait_for(reading.is_set, "the reading viewer was dropped too")
+            wait_for(reading.is_set, "the reading viewer to get a frame (was it dropped too?)", DEADLINE_S, poll_s=0.05)
             stop.set()
             thread.join(DEADLINE_S)
-        wait_for(lambda: served.on_loop(lambda: len(served.dashboard.viewers)) == 0, "a viewer was kept")
+        wait_for(lambda: served.on_loop(lambda: len(served.dashboard.viewers)) == 0, "every viewer to be dropped",
+                 DEADLINE_S, poll_s=0.05)
     finally:
         served.on_loop(lambda: setattr(served.dashboard, "frame_interval_s", 0.1))
 
@@ -211,10 +206,14 @@ def test_a_hover_query_during_a_long_engine_step_gets_503_with_retry_after(serve
     served.on_loop(lambda: setattr(served.dashboard, "query_timeout_s", 0.2))  # the wait, not the subject
     os.kill(core, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        answer = httpx.get(served.base_url + "/dashboard/api/page?id=0", headers=ALPHA, timeout=DEADLINE_S)
-        while answer.status_code == 200 and time.monotonic() < deadline:  # a snapshot from before, still fresh
-            answer = httpx.get(served.base_url + "/dashboard/api/page?id=0", headers=ALPHA, timeout=DEADLINE_S)
+        answers: list[httpx.Response] = []
+
+        def refused() -> bool:  # a 200 is a snapshot from before, still fresh
+            answers[:] = [httpx.get(served.base_url + "/dashboard/api/page?id=0", headers=ALPHA, timeout=DEADLINE_S)]
+            return answers[0].status_code != 200
+
+        wait_for(refused, "a hover query that the stopped core cannot answer", DEADLINE_S, poll_s=0)
+        [answer] = answers
         assert answer.status_code == 503, answer.text
         assert answer.headers["Retry-After"] == "1" and answer.json()["error"]["code"] == "engine_busy"
     finally:
@@ -232,10 +231,13 @@ def test_a_viewer_sees_only_its_own_keys_request_ids(served: ThreadedServer) -> 
             client.stream("POST", "/v1/completions", json=body) as generation:
         assert generation.status_code == 200
         for reader in (alpha, beta):
-            deadline = time.monotonic() + DEADLINE_S
-            while not reader.queues["running"]["count"]:
-                assert time.monotonic() < deadline, "the request never showed as running"
+            def running(reader: FeedReader = reader) -> bool:
+                if reader.queues["running"]["count"]:
+                    return True
                 reader.next_frame()
+                return False
+
+            wait_for(running, "the request to show as running", DEADLINE_S, poll_s=0)
         [own_id] = [rid for rid, _, _ in alpha.queues["running"]["requests"]]
         assert marker in own_id
         assert beta.queues["running"]["requests"][0][0] is None  # listed, counted, not named

@@ -25,7 +25,7 @@ from pagegate.clients import GrpcClient, MsgpackClient
 from pagegate.clients.errors import PagegateError
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.shutdown import GracefulShutdown
-from pagegate.testing.launcher import ServerProcess, alive, core_pids, cores_stopped, free_port
+from pagegate.testing.launcher import ServerProcess, alive, core_pids, cores_stopped, free_port, wait_for
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
@@ -106,14 +106,17 @@ def _server(shutdown_timeout_s: float) -> tuple[ServerProcess, int]:
     return ServerProcess(args).start(), grpc_port
 
 
-def _wait_health_503(server: ServerProcess, within_s: float = 10.0) -> dict:
-    deadline = time.monotonic() + within_s
-    while True:
-        response = httpx.get(server.base_url + "/health", timeout=2)
-        if response.status_code == 503 or time.monotonic() > deadline:
-            assert response.status_code == 503, response.text
-            return response.json()
-        time.sleep(0.01)
+def _wait_health_503(server: ServerProcess) -> dict:
+    """/health's report once it says 503. The callers hold the drain open (the core stopped, or the requests
+    unfinished), so that it answers 503 while requests are still in flight is shown by the report, not by a clock."""
+    last: list[httpx.Response] = []
+
+    def refused() -> bool:
+        last[:] = [httpx.get(server.base_url + "/health", timeout=30)]
+        return last[0].status_code == 503
+
+    wait_for(refused, "/health to answer 503", timeout_s=120, poll_s=0.01)
+    return last[0].json()
 
 
 def _assert_new_requests_refused(server: ServerProcess, grpc_port: int) -> None:
@@ -259,15 +262,13 @@ def _check_answer(kind: str, answer: Any) -> None:
 
 def _wait_admitted(server: ServerProcess, count: int, calls: dict[str, Call]) -> None:
     """Until the gateway has started the engine work of `count` requests (the core, stopped, finishes none)."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        report = httpx.get(server.base_url + "/health", timeout=5).json()
+    def admitted() -> bool:
+        report = httpx.get(server.base_url + "/health", timeout=30).json()
         failed = {kind: repr(call.error) for kind, call in calls.items() if call.error is not None}
         assert not failed, failed
-        if report.get("admitted") == count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not all {count} requests were admitted: {report}")
+        return report.get("admitted") == count
+
+    wait_for(admitted, f"all {count} requests to be admitted", timeout_s=90, poll_s=0.05)
 
 
 @dataclass

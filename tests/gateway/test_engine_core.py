@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import openai
 import zmq
 
 from pagegate.testing.kv_index import PageIndex
-from pagegate.testing.launcher import ServerProcess, core_pids, descendants, free_port, wait_gone
+from pagegate.testing.launcher import ServerProcess, core_pids, descendants, free_port, wait_for, wait_gone
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
@@ -49,16 +48,20 @@ def test_one_core_serves_kv_events_and_metrics_and_sigterm_leaves_nothing() -> N
         gateway_maps = mapped_libraries(server.process.pid)
         assert "libtorch" not in gateway_maps and "libgomp" not in gateway_maps  # no OpenMP team of its own
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
-        index, attempt = PageIndex(), 0
-        deadline = time.monotonic() + DEADLINE_S
-        while not index.pages and time.monotonic() < deadline:  # PUB/SUB drops what is sent before it connects
-            attempt += 1  # new pages each time: a cached prompt would store (and publish) nothing
-            prompt = f"Attempt {attempt}: the pages of the cache are shared between requests that begin alike. " * 3
-            client.completions.create(model="pagegate-default", prompt=prompt, max_tokens=2)
+        index, prompts = PageIndex(), []
+
+        def published() -> bool:  # PUB/SUB drops what is sent before it connects: send until an event arrives
+            # new pages each time: a cached prompt would store (and publish) nothing
+            prompts.append(f"Attempt {len(prompts) + 1}: the pages of the cache are shared between requests that "
+                           "begin alike. " * 3)
+            client.completions.create(model="pagegate-default", prompt=prompts[-1], max_tokens=2)
             while subscriber.poll(300):
                 _, _, payload = subscriber.recv_multipart()
                 index.apply(payload)
-        assert index.pages, "no KV event reached the subscriber"
+            return bool(index.pages)
+
+        wait_for(published, "a KV event at the subscriber", DEADLINE_S, poll_s=0)
+        prompt = prompts[-1]
         second = client.completions.create(model="pagegate-default", prompt=prompt, max_tokens=2)
         assert second.usage.prompt_tokens_details.cached_tokens > 0
         metrics = httpx.get(server.base_url + "/metrics").text

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pagegate.testing.launcher import ServerProcess, alive, core_pids
+from pagegate.testing.launcher import ServerProcess, alive, core_pids, wait_for
 from tests.gateway.conftest import metric_value
 from tests.gateway.server_args import server_args
 
@@ -58,13 +57,14 @@ def _health(server: ServerProcess) -> httpx.Response:
 
 
 def _wait_health(server: ServerProcess, status: int) -> dict:
-    deadline = time.monotonic() + WAIT_S
-    response = _health(server)
-    while response.status_code != status and time.monotonic() < deadline:
-        time.sleep(0.1)
-        response = _health(server)
-    assert response.status_code == status, response.text
-    return response.json()
+    last: list[httpx.Response] = []
+
+    def answers() -> bool:
+        last[:] = [_health(server)]
+        return last[0].status_code == status
+
+    wait_for(answers, f"/health to answer {status}", WAIT_S)
+    return last[0].json()
 
 
 def _assert_stalled_error(lines: Iterator[str]) -> None:
@@ -76,12 +76,14 @@ def _assert_stalled_error(lines: Iterator[str]) -> None:
 
 
 def _wait_pages_free(server: ServerProcess) -> float | None:
-    deadline = time.monotonic() + WAIT_S
-    used = metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, "pagegate:kv_blocks_used")
-    while used and time.monotonic() < deadline:
-        time.sleep(0.1)
-        used = metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, "pagegate:kv_blocks_used")
-    return used
+    used: list[float | None] = []
+
+    def free() -> bool:
+        used[:] = [metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, "pagegate:kv_blocks_used")]
+        return not used[0]
+
+    wait_for(free, "every KV page to be free", WAIT_S)
+    return used[0]
 
 
 def _running_on(metrics: str) -> list[float]:
@@ -94,10 +96,7 @@ def _running_on(metrics: str) -> list[float]:
 
 
 def _wait_admitted(server: ServerProcess, count: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while _health(server).json().get("admitted") != count and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _health(server).json().get("admitted") == count
+    wait_for(lambda: _health(server).json().get("admitted") == count, f"{count} requests admitted", WAIT_S, 0.02)
 
 
 def test_a_hung_core_is_routed_around_and_its_requests_fail() -> None:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from pagegate.gateway import protocol, schemas
 from pagegate.gateway.proto import pagegate_pb2 as pb
 from pagegate.gateway.proto import pagegate_pb2_grpc as pb_grpc
 from pagegate.gateway.proto.convert import body_to_request, request_to_body
-from pagegate.testing.launcher import cores_stopped, free_port
+from pagegate.testing.launcher import cores_stopped, free_port, wait_for
 from tests.gateway.conftest import KVPages, metric_value
 from tests.gateway.server_args import server_args
 
@@ -78,16 +77,19 @@ class Served:
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Poll the gRPC side until ListModels answers, recording what it said meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def answered() -> bool:
             assert self.process.poll() is None, f"the server exited:\n{self.log()}"
             seen = self._probe()
             if seen is not None:
                 self.startup.append(seen)
-                if seen[1] == "OK":
-                    return
-            time.sleep(0.05)
-        raise TimeoutError(f"no gRPC answer after {timeout_s}s:\n{self.log()}")
+            return seen is not None and seen[1] == "OK"
+
+        try:
+            wait_for(answered, "a gRPC answer", timeout_s, poll_s=0.05)
+        except AssertionError as exc:
+            if self.process.poll() is not None:
+                raise
+            raise AssertionError(f"{exc}:\n{self.log()}") from exc
 
     def _probe(self) -> tuple[str, str] | None:
         """(health status, ListModels outcome), or None while the port is not open yet. The call goes
@@ -476,11 +478,8 @@ def _gauge(served: Served, name: str) -> float:
     return metric_value(httpx.get(served.base_url + "/metrics").text, name) or 0.0
 
 
-def _wait_gauge(served: Served, name: str, wanted: float, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _gauge(served, name) < wanted:
-        assert time.monotonic() < deadline, f"{name} never reached {wanted}"
-        time.sleep(0.05)
+def _wait_gauge(served: Served, name: str, wanted: float, timeout_s: float = 60.0) -> None:
+    wait_for(lambda: _gauge(served, name) >= wanted, f"{name} to reach {wanted}", timeout_s, poll_s=0.05)
 
 
 def test_full_queue_is_resource_exhausted(served: Served, kv_pages: KVPages) -> None:
@@ -504,18 +503,23 @@ def test_full_queue_is_resource_exhausted(served: Served, kv_pages: KVPages) -> 
 
 
 def test_cancelled_stream_frees_pages(served: Served, client: GrpcClient, kv_pages: KVPages) -> None:
+    """Each stream is cut short, not run on to its 1,500th token: the server's token count says so, not a clock."""
     assert kv_pages.wait_free() == 0
+    before = _gauge(served, "vllm:generation_tokens_total")
     call = served.stub.CompleteStream(body_to_request(LONG, pb.CompletionRequest), metadata=AUTH)
     for index, _ in enumerate(call):
         if index == 2:
             break
     assert kv_pages.in_use() > 0
     call.cancel()
-    assert kv_pages.wait_free(timeout_s=5) == 0
+    assert kv_pages.wait_free(timeout_s=120) == 0
+    assert _gauge(served, "vllm:generation_tokens_total") - before < 1500
+    before = _gauge(served, "vllm:generation_tokens_total")
     for index, _ in enumerate(client.stream_chat(MESSAGES, max_tokens=1500, ignore_eos=True)):
         if index == 3:
             break  # leaving the loop closes the generator, which cancels the call
-    assert kv_pages.wait_free(timeout_s=5) == 0
+    assert kv_pages.wait_free(timeout_s=120) == 0
+    assert _gauge(served, "vllm:generation_tokens_total") - before < 1500
 
 
 def test_deadline_frees_pages(served: Served, kv_pages: KVPages) -> None:
@@ -525,10 +529,7 @@ def test_deadline_frees_pages(served: Served, kv_pages: KVPages) -> None:
     deadline_s = 5.0
     request = body_to_request({**LONG, "n": 2}, pb.CompletionRequest)
     future = served.stub.Complete.future(request, metadata=AUTH, timeout=deadline_s)
-    deadline = time.monotonic() + deadline_s
-    while kv_pages.in_use() == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert kv_pages.in_use() > 0, "the request never held pages"
+    wait_for(lambda: kv_pages.in_use() > 0, "the request to hold pages", deadline_s, poll_s=0.02)  # freed after
     with cores_stopped(served.process.pid), pytest.raises(grpc.RpcError) as caught:
         future.result()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -16,7 +16,7 @@ from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.testing.launcher import ServerProcess
 
 BIG_TEXT = "All work and no play makes Jack a dull boy. " * 230_000  # ~10 MB, under the 16 MiB body limit
-HEALTH_BOUND_S = 2.0  # generous: the real figure comes from bench/health_latency.py
+HANG_S = 120  # only a hang runs into it: how fast /health answers is bench/health_latency.py's to measure
 
 
 def assert_openai_error(response: httpx.Response, status: int, code: str, param: str | None) -> str:
@@ -33,48 +33,44 @@ def assert_refused_before_tokenizing(response: httpx.Response, param: str) -> No
 
 
 def test_health_answers_while_a_10mb_prompt_is_refused(server: ServerProcess, http: httpx.Client, model: str) -> None:
-    answer: dict[str, object] = {}
+    """Every /health probe made while the 10 MB prompt is on its way and refused answers 200, and the refusal
+    comes from the character bound, before any tokenizing (the message says so): no clock decides either."""
+    answer: dict[str, httpx.Response] = {}
 
     def send() -> None:
-        started = time.monotonic()
         body = {"model": model, "prompt": BIG_TEXT, "max_tokens": 1}
-        answer["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
-        answer["seconds"] = time.monotonic() - started
+        answer["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=HANG_S)
 
     sender = threading.Thread(target=send)
     sender.start()
-    slowest = 0.0
+    probes = 0
     while True:  # at least one probe, however fast the refusal
-        started = time.monotonic()
-        assert http.get("/health", timeout=30).status_code == 200
-        slowest = max(slowest, time.monotonic() - started)
+        assert http.get("/health", timeout=HANG_S).status_code == 200
+        probes += 1
         if not sender.is_alive():
             break
         time.sleep(0.01)
     sender.join()
-    assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f}s while a 10 MB prompt was refused"
+    assert probes >= 1 and "response" in answer
     assert_refused_before_tokenizing(answer["response"], "prompt")
-    assert answer["seconds"] < 10, f"the refusal took {answer['seconds']:.1f}s"
 
 
 @pytest.mark.parametrize(("path", "field", "param"), [
     ("/v1/chat/completions", "messages", "messages"),
     ("/tokenize", "prompt", "prompt"),
 ])
-def test_other_doors_refuse_a_10mb_text_quickly(http: httpx.Client, model: str, path: str, field: str,
-                                                param: str) -> None:
+def test_other_doors_refuse_a_10mb_text_before_tokenizing(http: httpx.Client, model: str, path: str, field: str,
+                                                          param: str) -> None:
     value = [{"role": "user", "content": BIG_TEXT}] if field == "messages" else BIG_TEXT
-    started = time.monotonic()
-    response = http.post(path, json={"model": model, field: value})
-    assert_refused_before_tokenizing(response, param)
-    assert time.monotonic() - started < 10
+    response = http.post(path, json={"model": model, field: value}, timeout=HANG_S)
+    assert_refused_before_tokenizing(response, param)  # the character bound: nothing was tokenized
 
 
 def raw_get(server: ServerProcess, header_bytes: int) -> tuple[int, bytes]:
     """GET /health with one header of `header_bytes` bytes, over a plain socket: (status, body)."""
     head = (b"GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\nX-Padding: " + b"p" * header_bytes
             + b"\r\n\r\n")
-    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+    with socket.create_connection((server.host, server.port), timeout=HANG_S) as sock:
         sock.sendall(head)
         chunks = []
         while chunk := sock.recv(1 << 16):
@@ -87,10 +83,8 @@ def raw_get(server: ServerProcess, header_bytes: int) -> tuple[int, bytes]:
 @pytest.mark.parametrize("header_bytes", [100 * 1024, 16 * 1024 * 1024])
 def test_oversized_head_gets_431_and_the_server_keeps_serving(server: ServerProcess, http: httpx.Client,
                                                               header_bytes: int) -> None:
-    started = time.monotonic()
-    status, body = raw_get(server, header_bytes)
+    status, body = raw_get(server, header_bytes)  # a server that read on and on would hang it into HANG_S
     assert status == 431 and json.loads(body)["error"]["code"] == "request_header_fields_too_large"
-    assert time.monotonic() - started < 10
     assert http.get("/health").status_code == 200
 
 
@@ -113,13 +107,14 @@ def impatient() -> ServerProcess:
 
 
 def answer_to(server: ServerProcess, sent: bytes) -> bytes:
-    """What the server says (until it closes) to a client that sends `sent` and then nothing."""
-    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+    """What the server says (until it closes) to a client that sends `sent` and then nothing. The socket's
+    timeout fails only a hang: 20 times the impatient server's 1 s, yet short of the 30 s default, so a server
+    that ignored --request-timeout would still be caught."""
+    with socket.create_connection((server.host, server.port), timeout=20) as sock:
         sock.sendall(sent)
-        started, reply = time.monotonic(), b""
+        reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
-        assert time.monotonic() - started < 5
     return reply
 
 

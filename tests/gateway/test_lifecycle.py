@@ -5,11 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 
-from pagegate.testing.launcher import ServerProcess, cores_stopped, free_port
+from pagegate.testing.launcher import ServerProcess, cores_stopped, free_port, wait_for
 from tests.gateway.server_args import server_args
 
 ARGS = server_args("--num-kv-blocks", "80", "--max-model-len", "1024")
@@ -23,13 +22,18 @@ def test_loading_503_then_serving_line_then_clean_sigterm() -> None:
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
     seen: list[int] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and 200 not in seen and process.poll() is None:
+
+    def serving_or_gone() -> bool:
         try:
-            seen.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code)
+            seen.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code)
         except httpx.HTTPError:
-            pass
-        time.sleep(0.02)
+            pass  # not listening yet
+        return 200 in seen or process.poll() is not None
+
+    try:
+        wait_for(serving_or_gone, "/health to answer 200", timeout_s=180, poll_s=0.02)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {seen[-3:]} {''.join(output)[-3000:]}") from exc
     assert seen and seen[0] == 503 and seen[-1] == 200, (seen[-3:], "".join(output)[-3000:])
     base = f"http://127.0.0.1:{port}"
     events: list[str] = []

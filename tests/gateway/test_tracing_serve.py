@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, wait_for
 from tests.gateway.server_args import server_args
 
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -45,16 +45,18 @@ class Collector(ThreadingHTTPServer):
             self.spans += [span_dict(span) for rs in request.resource_spans for ss in rs.scope_spans
                            for span in ss.spans]
 
-    def request_spans(self, request_id_prefix: str, count: int = 1, timeout_s: float = 15.0) -> list[dict]:
+    def request_spans(self, request_id_prefix: str, count: int = 1, timeout_s: float = 60.0) -> list[dict]:
         """The llm_request spans of an API request's engine requests (waiting for `count` of them)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        found: list[dict] = []
+
+        def arrived() -> bool:
             with self.lock:
-                found = [s for s in self.spans if s["name"] == "llm_request"
-                         and s["attributes"]["gen_ai.request.id"].startswith(request_id_prefix + "-")]
-            if len(found) >= count or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
+                found[:] = [s for s in self.spans if s["name"] == "llm_request"
+                            and s["attributes"]["gen_ai.request.id"].startswith(request_id_prefix + "-")]
+            return len(found) >= count
+
+        wait_for(arrived, f"{count} llm_request span(s) of {request_id_prefix}", timeout_s, poll_s=0.05)
+        return found
 
     def children(self, parent: dict) -> list[dict]:
         with self.lock:

@@ -4,12 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from pagegate.engine.kv_tiers import DiskTier
+from pagegate.testing.launcher import wait_for
 
 from .pages import BLOCK_SIZE, FINGERPRINT, page_data, page_key
 
@@ -38,11 +38,9 @@ def run_writer_and_kill(directory: Path, first_hash: int, min_pages: int) -> Non
     root = Path(__file__).resolve().parents[3]
     writer = subprocess.Popen([sys.executable, "-c", code, str(directory), str(first_hash)], cwd=root)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and writer.poll() is None:
-            if len({hash for hash in page_hashes(directory) if hash >= first_hash}) >= min_pages:
-                break
-            time.sleep(0.01)
+        wait_for(lambda: writer.poll() is not None
+                 or len({hash for hash in page_hashes(directory) if hash >= first_hash}) >= min_pages,
+                 f"{min_pages} pages on disk", timeout_s=60, poll_s=0.01)
         assert writer.poll() is None, "the writer died by itself"
     finally:
         writer.send_signal(signal.SIGKILL)
