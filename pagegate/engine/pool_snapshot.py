@@ -8,8 +8,8 @@ later, on the reader's thread, the first time it is asked.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -69,22 +69,6 @@ class PoolSnapshot:
                         tables.setdefault(request_id, ([], []))[name == "swapped"].append(pages)
             self._holders = {rid: (_union(d), _union(c)) for rid, (d, c) in tables.items()}
         return self._holders
-
-    def to_wire(self) -> dict[str, Any]:
-        """msgpack-ready: the arrays as raw bytes (the core process sends it to the gateway)."""
-        return {"taken_at": self.taken_at, "device": self.device_states.tobytes(), "cpu": self.cpu_states.tobytes(),
-                "stats": [getattr(self.stats, f.name) for f in fields(self.stats)], "health": self.health,
-                "health_reason": self.health_reason,
-                "seq_pages": {q: [[rid, pages.astype(np.int32).tobytes()] for rid, pages in entries]
-                              for q, entries in self.seq_pages.items()}}
-
-    @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> PoolSnapshot:
-        seq_pages = {q: [(rid, np.frombuffer(raw, dtype=np.int32)) for rid, raw in entries]
-                     for q, entries in wire["seq_pages"].items()}
-        return cls(wire["taken_at"], np.frombuffer(wire["device"], dtype=np.uint8),
-                   np.frombuffer(wire["cpu"], dtype=np.uint8), EngineStats.from_values(wire["stats"]), wire["health"],
-                   wire["health_reason"], seq_pages)
 
     def pages_of(self, request_id: str) -> tuple[Pages, Pages] | None:
         return self.holders().get(request_id)

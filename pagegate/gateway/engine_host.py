@@ -14,8 +14,9 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
+
+import msgspec
 
 from pagegate.config import EngineConfig
 from pagegate.engine.observe.stats import EngineStats
@@ -259,8 +260,8 @@ class EngineHost:
         if self.state != READY or self.engine is None:
             return 503, {"status": self.state, "reason": self.reason}
         try:
-            report = {**asdict(self.engine.health()), "status": "ok", "sleeping": self.slots[0].state == SLEEPING,
-                      **counts}
+            report = {**msgspec.structs.asdict(self.engine.health()), "status": "ok",
+                      "sleeping": self.slots[0].state == SLEEPING, **counts}
             stalled = self.engine.stalled()
         except Exception as exc:
             return 503, {"status": "dead", "reason": f"engine health failed: {exc}"}

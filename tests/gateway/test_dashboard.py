@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
@@ -95,7 +95,7 @@ def test_history_points_are_per_interval_and_sent_once() -> None:
     history.sample(STATS, 0.0)
     assert history.count == 0  # the first sample is the baseline
     def at(t: int) -> EngineStats:
-        return replace(STATS, prefix_cache_queries=10 + 10 * t, prefix_cache_hits=4 + 5 * t, preemptions=t,
+        return msgspec.structs.replace(STATS, prefix_cache_queries=10 + 10 * t, prefix_cache_hits=4 + 5 * t, preemptions=t,
                        swap_outs=2 * t)
 
     for t in range(1, 6):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -86,7 +86,7 @@ class EngineMetrics:
         self.tier_counters = {name: Counter(f"pagegate:kv_tier_{name}", documentation, ["model_name", "tier"],
                                             registry=self.registry) for name, documentation in _TIER_COUNTERS.items()}
         self._last_tiers: dict[str, TierStats] = {}
-        zeros: dict = {f.name: 0 for f in fields(SchedulerStats)}
+        zeros: dict = dict.fromkeys(SchedulerStats.__struct_fields__, 0)
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
     def update_tiers(self, stats: StackStats) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from pagegate.config import EngineConfig, KVEventsConfig
 from pagegate.core import BlockPool
@@ -90,7 +91,7 @@ class EngineMonitor:
         return roots
 
     def stats(self, scheduler: SchedulerStats, num_requests: int) -> EngineStats:
-        return EngineStats(**{f.name: getattr(scheduler, f.name) for f in fields(scheduler)},
+        return EngineStats(**msgspec.structs.asdict(scheduler),
                            requests=num_requests, prompt_tokens=self.num_prompt_tokens,
                            generation_tokens=self.num_generation_tokens)
 

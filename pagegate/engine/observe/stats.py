@@ -1,12 +1,12 @@
-"""Typed snapshots of the engine's state: what the metrics, /health and the gateway read."""
+"""Typed snapshots of the engine's state: what the metrics, /health and the gateway read. msgspec Structs,
+positional on the wire: a core sends them with every outputs frame (serving.frames.CoreLoad)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct, frozen=True, array_like=True):
     running: int  # sequences
     waiting: int
     swapped: int
@@ -39,21 +39,13 @@ class SchedulerStats:
     lora_loads: int  # adapters read into pages since start (an evicted one is read again on demand)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats(SchedulerStats):
+class EngineStats(SchedulerStats, frozen=True, array_like=True):
     requests: int  # unfinished
     prompt_tokens: int  # totals since start
     generation_tokens: int
 
-    @classmethod
-    def from_values(cls, values: list) -> EngineStats:
-        """From its field values in order, as a wire format (msgpack: tuples as lists) carries them."""
-        stats = cls(*values)
-        return replace(stats, spec_accepted_per_position=tuple(stats.spec_accepted_per_position))
 
-
-@dataclass(frozen=True, slots=True)
-class EngineHealth:
+class EngineHealth(msgspec.Struct, frozen=True, array_like=True):
     grade: str  # OK, GOOD, WARNING, CRITICAL (metrics.HEALTH_GRADES)
     reason: str
     kv_cache_usage: float

@@ -12,8 +12,9 @@ import os
 import subprocess
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
-from typing import Any
+from typing import TypeVar
+
+import msgspec
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import (
@@ -23,7 +24,6 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
-from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
@@ -34,7 +34,9 @@ from pagegate.engine.serving.frames import (
     Abort,
     Add,
     Call,
+    CallArg,
     CallName,
+    CallResult,
     CoreLoad,
     CoreSpec,
     Failed,
@@ -47,6 +49,7 @@ from pagegate.engine.serving.frames import (
     Shutdown,
     ToGateway,
     Unpin,
+    WireSnapshot,
     add_frame,
     framed,
 )
@@ -54,6 +57,8 @@ from pagegate.engine.serving.page_ledger import ElasticSpec
 from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
 
 log = logging.getLogger("pagegate.gateway")
+
+R = TypeVar("R", int, bytes, WireSnapshot, None)
 
 STOP_TIMEOUT_S = 15.0  # a core that does not exit after `shutdown` in this long is killed
 MAX_STALL_CHECK_S = 1.0  # how often, at most this far apart, a core's silence is checked (--engine-step-timeout)
@@ -84,13 +89,12 @@ class CoreClient:
         self.dead_error: BaseException | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, asyncio.Future[Reply]] = {}
         self._call_ids = itertools.count()
         self._seqs_sent = self._abort_seqs_sent = 0
         self._open_seqs: dict[str, int] = {}  # request id -> its sequences, while its stream is open
         self._stopping = False
         self._ready: asyncio.Future[Ready] | None = None
-        self._load_wire: list[Any] = []
         self._load: CoreLoad | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.grammars: GrammarCompiler | None = None
@@ -142,8 +146,8 @@ class CoreClient:
         self.vocab_size = ready.vocab_size
         self.default_sampling = ready.default_sampling
         self.eos_token_ids = ready.eos_token_ids
-        self.tokenizer = Tokenizer.from_wire(ready.tokenizer) if ready.tokenizer is not None else None
-        self._load_wire, self._load = ready.load, None
+        self.tokenizer = ready.tokenizer.tokenizer() if ready.tokenizer is not None else None
+        self._load = ready.load
         if self.tokenizer is not None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
@@ -276,11 +280,11 @@ class CoreClient:
                     stream = self._streams.get(delta.request_id)
                     if stream is not None:
                         stream.put_nowait(delta)
-                self._load_wire, self._load = load, None
-            case Reply(call_id, ok, result):
+                self._load = load
+            case Reply(call_id):
                 future = self._calls.pop(call_id, None)
                 if future is not None and not future.done():
-                    future.set_result(result) if ok else future.set_exception(RuntimeError(result))
+                    future.set_result(frame)
             case Ready() if self._ready is not None:
                 self._ready.set_result(frame)
             case Failed(name, message) if self._ready is not None and not self._ready.done():
@@ -290,17 +294,27 @@ class CoreClient:
     def _send(self, frame: Frame) -> None:
         self._transport.write(framed(frame))  # buffered by the transport: the event loop never blocks on it
 
-    async def _call(self, name: CallName, arg: Any = None) -> Any:
+    async def _ask(self, name: CallName, arg: CallArg = None) -> Reply:
         """A question the core answers between two steps."""
         self._giving_work()
         call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         self._send(Call(call_id, name, arg))
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
+
+    async def _call(self, name: CallName, answer: type[R], arg: CallArg = None) -> R:
+        """The call's result, of the type it answers with; a failed call raises RuntimeError("Type: message")."""
+        reply = await self._ask(name, arg)
+        if reply.error is not None:
+            raise reply.error.exception()
+        result: CallResult = reply.result
+        if not isinstance(result, answer):
+            raise RuntimeError(f"the engine core answered {name} with {type(result).__name__}")
+        return result
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -391,9 +405,9 @@ class CoreClient:
 
     @property
     def load(self) -> CoreLoad:
-        """The core's latest counts (decoded when read: most frames' are never looked at)."""
+        """The core's latest counts."""
         if self._load is None:
-            self._load = CoreLoad.from_wire(self._load_wire)
+            raise RuntimeError("the engine core has sent no counts yet: it is not ready")
         return self._load
 
     def queue_load(self) -> tuple[int, int]:
@@ -407,45 +421,44 @@ class CoreClient:
         return self.load.stats
 
     def health(self) -> EngineHealth:
-        return replace(self.load.health, engine_running=self.is_running)
+        return msgspec.structs.replace(self.load.health, engine_running=self.is_running)
 
     async def pool_snapshot(self) -> PoolSnapshot:
-        return PoolSnapshot.from_wire(await self._call("snapshot"))
+        return (await self._call("snapshot", WireSnapshot)).snapshot()
 
     async def metrics_text(self) -> bytes:
         """The core's Prometheus registry, rendered in the core."""
-        return bytes(await self._call("metrics"))
+        return await self._call("metrics", bytes)
 
     async def sleep(self) -> None:
         """Free the core's KV pages, keep its weights (an idle core; pagegate.engine.sleep)."""
-        await self._call("sleep")
+        await self._call("sleep", type(None))
 
     async def wake_up(self, kv_bytes: int | None = None) -> int:
         """KV pages again after `sleep` (`kv_bytes` of them; None: as before); how many."""
-        return int(await self._call("wake", kv_bytes))
+        return await self._call("wake", int, kv_bytes)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Register a LoRA adapter in the core; InvalidParamError (param lora_path) naming why it does not fit."""
-        await self._lora_call("load_lora", [name, path])
+        await self._lora_call("load_lora", (name, path))
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Forget a LoRA adapter; InvalidParamError: code model_not_found (unknown) or adapter_busy (in use)."""
         await self._lora_call("unload_lora", name)
 
-    async def _lora_call(self, name: CallName, arg: Any) -> None:
-        try:
-            await self._call(name, arg)
-        except RuntimeError as error:  # the core's "Type: message"
-            kind, _, message = str(error).partition(": ")
-            if kind == "InvalidParamError":
-                raise InvalidParamError(message, "lora_name", "model_not_found") from None
-            if kind == "ValueError":
-                busy = name == "unload_lora"
-                raise InvalidParamError(message, "lora_name" if busy else "lora_path",
-                                        "adapter_busy" if busy else "invalid_value") from None
-            raise
+    async def _lora_call(self, name: CallName, arg: CallArg) -> None:
+        error = (await self._ask(name, arg)).error
+        if error is None:
+            return
+        if error.type == "InvalidParamError":
+            raise InvalidParamError(error.message, "lora_name", "model_not_found")
+        if error.type == "ValueError":
+            busy = name == "unload_lora"
+            raise InvalidParamError(error.message, "lora_name" if busy else "lora_path",
+                                    "adapter_busy" if busy else "invalid_value")
+        raise error.exception()
 
     async def resize(self, kv_bytes: int) -> int:
         """An idle core's pool to `kv_bytes` of pages (an elastic pool's limit moves in place, its prefix cache below
         it kept; a fixed pool is allocated again, its prefix cache lost); how many pages it has now."""
-        return int(await self._call("resize", kv_bytes))
+        return await self._call("resize", int, kv_bytes)

@@ -43,6 +43,10 @@ from pagegate.engine.serving.frames import (
     Abort,
     Add,
     Call,
+    CallArg,
+    CallError,
+    CallName,
+    CallResult,
     CoreLoad,
     CoreSpec,
     DeltaWriter,
@@ -57,6 +61,8 @@ from pagegate.engine.serving.frames import (
     ToCore,
     Unpin,
     WireError,
+    WireSnapshot,
+    WireTokenizer,
     framed,
 )
 from pagegate.engine.serving.page_ledger import receive_ledger
@@ -195,24 +201,26 @@ class CoreLoop:
         except Exception as error:  # that request fails, not the core
             self._send(Outputs([RequestDelta(frame.request_id, True, WireError.of(error))], self.load()))
 
-    def _answer(self, call_id: int, name: str, arg: Any = None) -> None:
+    def _answer(self, call_id: int, name: CallName, arg: CallArg = None) -> None:
         try:
-            with_arg: dict[str, Callable[[Any], Any]] = {"wake": self._wake, "resize": self._resize,
-                                                         "unload_lora": self._unload_lora}
+            with_arg: dict[str, Callable[[Any], CallResult]] = {"wake": self._wake, "resize": self._resize,
+                                                                "unload_lora": self._unload_lora}
             if name == "load_lora":
                 self._load_lora(call_id, arg)
                 return  # answered once the loader has read it (_finish_loads)
             if name in with_arg:
-                result: Any = with_arg[name](arg)
+                result = with_arg[name](arg)
             else:
-                result = {"snapshot": self._snapshot, "metrics": self._metrics, "sleep": self._sleep}[name]()
-            self._send(Reply(call_id, True, result))
+                without_arg: dict[str, Callable[[], CallResult]] = {"snapshot": self._snapshot,
+                                                                    "metrics": self._metrics, "sleep": self._sleep}
+                result = without_arg[name]()
+            self._send(Reply(call_id, result))
         except Exception as error:
             log.exception("call %s failed", name)
-            self._send(Reply(call_id, False, f"{type(error).__name__}: {error}"))
+            self._send(Reply(call_id, error=CallError.of(error)))
 
-    def _snapshot(self) -> dict[str, Any]:
-        return take_snapshot(self.engine).to_wire()
+    def _snapshot(self) -> WireSnapshot:
+        return WireSnapshot.of(take_snapshot(self.engine))
 
     def _sleep(self) -> None:
         """Free the KV pages, keep the weights (vLLM's sleep level 1: on CPU the weights already live in host
@@ -285,11 +293,12 @@ class CoreLoop:
         self.poller.register(loader.wake_fd, select.POLLIN)
         return loader
 
-    def _load_lora(self, call_id: int, name_and_path: list[str]) -> None:
+    def _load_lora(self, call_id: int, name_and_path: CallArg) -> None:
         """Register an adapter at run time: its files are read and checked on the loader's thread (this loop keeps
         stepping), then _finish_loads installs it and answers with its id. ValueError naming what does not fit."""
         if self.loader is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
+        assert isinstance(name_and_path, tuple)
         name, path = name_and_path
         self.loader.submit(LoadJob(call_id, name, path))
 
@@ -304,10 +313,10 @@ class CoreLoop:
                     raise done.result
                 assert lora is not None
                 registered = lora.install(LoRARequest(done.job.name, lora.next_id, done.job.path), done.result)
-                self._send(Reply(done.job.call_id, True, registered.request.lora_int_id))
+                self._send(Reply(done.job.call_id, registered.request.lora_int_id))
             except Exception as error:
                 log.warning("loading LoRA adapter %r failed: %s", done.job.name, error)
-                self._send(Reply(done.job.call_id, False, f"{type(error).__name__}: {error}"))
+                self._send(Reply(done.job.call_id, error=CallError.of(error)))
 
     def _unload_lora(self, name: str) -> None:
         """Forget an adapter: InvalidParamError (model_not_found) for an unknown one, ValueError while requests use
@@ -333,10 +342,10 @@ class CoreLoop:
 
         return generate_latest(self.engine.metrics.registry)
 
-    def load(self) -> list[Any]:
+    def load(self) -> CoreLoad:
         engine, scheduler = self.engine, self.engine.scheduler
         return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
-                        self.seqs_taken, self.seqs_aborted).to_wire()
+                        self.seqs_taken, self.seqs_aborted)
 
     def _send(self, frame: Frame) -> None:
         self.sock.sendall(framed(frame))
@@ -346,7 +355,7 @@ def ready_frame(loop: CoreLoop) -> Ready:
     engine = loop.engine
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.runner.generation.sampling_overrides(),
-                 engine.tokenizer.to_wire() if engine.tokenizer is not None else None, loop.load())
+                 WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load())
 
 
 def _never_outlive(parent_pid: int) -> None:

@@ -6,6 +6,10 @@ Gateway -> core: `Add`, `Abort`, `Unpin`, `Call` (a question answered between tw
 Core -> gateway: `Ready` (what the gateway needs to know of the model), `Outputs` (one frame per step: what each
 request that moved gained in it, then the core's counts), `Reply`, `Failed` (the core could not start).
 
+Every payload is typed: what a frame carries of the engine's own types crosses as a positional Struct of its own
+(`WireSampling`, `WireTimings`, `WireTokenizer`, `WireSnapshot`, `CoreLoad`), so a frame of the wrong shape is
+refused whole when it is read, and a call's error crosses as its type's name and its message (`CallError`).
+
 NOTE: outputs cross as deltas (the new token ids, text and logprobs of each choice), not cumulative lists: a
 frame's size and its encoding stay O(batch), however long the generations get, and the gateway's renderers
 append them as they come. Nothing here imports torch.
@@ -17,15 +21,18 @@ NOTE: a socketpair, not ZMQ: each side's own thread writes and reads the socket,
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 import msgspec
+import numpy as np
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
+from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
+from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.page_ledger import ElasticSpec
@@ -35,9 +42,6 @@ if TYPE_CHECKING:
 
 CPUS_ENV = "PAGEGATE_CORE_CPUS"  # the CPUs a core pins itself to, e.g. "0,1" (one share under data parallelism)
 
-_STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
-_HEALTH_FIELDS = tuple(f.name for f in fields(EngineHealth))
-
 
 class Frame(msgspec.Struct, array_like=True, tag=True):
     """A frame; its tag (the class's `tag=`) is the first element of its array on the wire."""
@@ -46,16 +50,71 @@ class Frame(msgspec.Struct, array_like=True, tag=True):
 # ---- gateway -> core -----------------------------------------------------------------------------------
 
 
+class WireStructured(msgspec.Struct, array_like=True):
+    """StructuredOutputsParams, field for field (a choice's tuple arrives as a list)."""
+
+    json: str | dict[str, object] | None  # a JSON schema: any JSON value under its keys
+    regex: str | None
+    choice: list[str] | None
+    grammar: str | None
+    json_object: bool
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**msgspec.structs.asdict(self))
+
+
+class WireSampling(msgspec.Struct, array_like=True):
+    """SamplingParams' init fields, in their order (test_frames holds the two to it): the core builds the
+    SamplingParams, and so validates it, when it takes the request, so a bad one fails that request alone."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float] | None
+    max_tokens: int | None
+    min_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    include_stop_str_in_output: bool
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    skip_special_tokens: bool
+    structured_outputs: WireStructured | None
+    grammar_after_token: int | None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> WireSampling:
+        """Checked against the wire's types here, where a bad one fails its request and not the core; a whole
+        number given as a float (top_k=20.0) becomes the int the field is."""
+        wire = {f.name: getattr(params, f.name) for f in fields(params) if f.init}
+        if (structured := params.structured_outputs) is not None:
+            wire["structured_outputs"] = [getattr(structured, f.name) for f in fields(structured)]
+        return msgspec.convert(list(wire.values()), cls, strict=False)
+
+    def params(self) -> SamplingParams:
+        wire = msgspec.structs.asdict(self)
+        if self.structured_outputs is not None:
+            wire["structured_outputs"] = self.structured_outputs.params()
+        return SamplingParams(**wire)
+
+
 class Add(Frame, tag="add"):
-    """A request: its prompt (the text, when it came as text, for the outputs), sampling parameters as
-    `params_to_wire` writes them, and `embed` for an embedding request (its prompt pooled, not continued);
+    """A request: its prompt (the text, when it came as text, for the outputs), its sampling parameters, and
+    `embed` for an embedding request (its prompt pooled, not continued);
     `lora_name`: the registered LoRA adapter it runs with (None: the base model); `tenant`: the identity of the API
     key that sent it where each key keeps its own prefix cache (a field of the chain root, never joined to the salt)."""
 
     request_id: str
     prompt: str | None
     token_ids: list[int]
-    params: dict[str, Any]
+    params: WireSampling
     priority: int = 0
     cache_salt: str | None = None
     pin: Pin | None = None
@@ -65,7 +124,8 @@ class Add(Frame, tag="add"):
 
     @property
     def sampling(self) -> SamplingParams:
-        return params_from_wire(dict(self.params))
+        """Built (and validated) on each read."""
+        return self.params.params()
 
 
 class Abort(Frame, tag="abort"):
@@ -80,16 +140,17 @@ class Unpin(Frame, tag="unpin"):
 
 
 CallName = Literal["snapshot", "metrics", "sleep", "wake", "resize", "load_lora", "unload_lora"]
+CallArg = int | str | tuple[str, str] | None
 
 
 class Call(Frame, tag="call"):
     """A question answered between two steps; `sleep` frees an idle core's KV pages, `wake` allocates them again
     and `resize` does both at once (`arg`: the pages' new budget in bytes; None: as before); `load_lora` registers
-    an adapter (`arg`: [name, path]) and `unload_lora` forgets one (`arg`: its name)."""
+    an adapter (`arg`: (name, path)) and `unload_lora` forgets one (`arg`: its name)."""
 
     call_id: int
     name: CallName
-    arg: Any = None
+    arg: CallArg = None
 
 
 class Shutdown(Frame, tag="shutdown"):
@@ -120,6 +181,25 @@ class WireError(msgspec.Struct, array_like=True):
         return InvalidParamError(self.message, self.param, self.code) if self.invalid else RequestFailedError(self.message)
 
 
+class WireTimings(msgspec.Struct, array_like=True):
+    """Request.timings(): core monotonic times of its milestones (None: not reached), then its timeline's."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    prefix_hit_pages: int = 0
+    pages_held: int = 0
+    preemptions: list[tuple[str, float, int, int, float | None]] | None = None  # Preemption.to_wire, each
+
+    def metrics(self) -> dict[str, object]:
+        """As Request.timings() wrote them: a milestone not reached and an empty timeline left out."""
+        metrics = {name: value for name, value in msgspec.structs.asdict(self).items() if value is not None}
+        if self.preemptions is not None:
+            metrics["preemptions"] = [list(preemption) for preemption in self.preemptions]
+        return metrics
+
+
 class RequestDelta(msgspec.Struct, array_like=True):
     """What one request gained since its last delta: each choice's new part, the prompt's logprobs (once, when all
     are in), its timings (once, when it finishes), an embedding request's vector (little-endian float32 bytes)."""
@@ -128,7 +208,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     error: WireError | None = None
     num_cached_tokens: int = 0
-    timings: dict[str, Any] | None = None
+    timings: WireTimings | None = None
     choices: list[CompletionOutput] = msgspec.field(default_factory=list)
     prompt_logprobs: list[Logprob | None] | None = None
     embedding: bytes | None = None
@@ -136,8 +216,37 @@ class RequestDelta(msgspec.Struct, array_like=True):
     def output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
         """This delta as the engine's output type (its choices hold only what is new)."""
         return RequestOutput(self.request_id, prompt, prompt_token_ids, self.choices, self.finished,
-                             self.num_cached_tokens, self.timings or {},
+                             self.num_cached_tokens, self.timings.metrics() if self.timings is not None else {},
                              self.error.message if self.error is not None else None, self.prompt_logprobs)
+
+
+class WireTokenizer(msgspec.Struct, array_like=True):
+    """Tokenizer.to_wire, field for field: what rebuilds the model's tokenizer in the gateway."""
+
+    backend: str  # tokenizer.json
+    special_tokens: dict[str, str | None]
+    chat_template: str | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> WireTokenizer:
+        return cls(**tokenizer.to_wire())
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_wire(msgspec.structs.asdict(self))
+
+
+class CoreLoad(msgspec.Struct, array_like=True, frozen=True):
+    """Sent with every outputs frame: the core's counts after the step, what admission control weighs (waiting
+    sequences counting n choices each, running slots free), and how many sequences the core has taken from the
+    gateway so far and how many aborts' sequences it has dropped (the rest are still in flight)."""
+
+    stats: EngineStats
+    health: EngineHealth
+    waiting_seqs: int = 0
+    free_slots: int = 0
+    seqs_taken: int = 0
+    seqs_aborted: int = 0
 
 
 class Ready(Frame, tag="ready"):
@@ -148,20 +257,65 @@ class Ready(Frame, tag="ready"):
     kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
     vocab_size: int
     eos_token_ids: list[int]
-    default_sampling: dict[str, float]  # generation_config.json, as SamplingParams keywords
-    tokenizer: dict[str, Any] | None  # Tokenizer.to_wire
-    load: list[Any]  # CoreLoad.to_wire
+    default_sampling: dict[str, int | float]  # generation_config.json, as SamplingParams keywords (top_k an int)
+    tokenizer: WireTokenizer | None
+    load: CoreLoad
 
 
 class Outputs(Frame, tag="outputs"):
     deltas: list[RequestDelta]
-    load: list[Any]  # CoreLoad.to_wire: decoded only when the gateway reads it
+    load: CoreLoad
+
+
+class WireSnapshot(msgspec.Struct, array_like=True):
+    """A PoolSnapshot, its arrays as raw bytes (page states uint8, block tables int32)."""
+
+    taken_at: float
+    device_states: bytes
+    cpu_states: bytes
+    stats: EngineStats
+    health: str
+    health_reason: str
+    seq_pages: dict[str, list[tuple[str, bytes]]]
+
+    @classmethod
+    def of(cls, snapshot: PoolSnapshot) -> WireSnapshot:
+        seq_pages = {queue: [(rid, pages.astype(np.int32).tobytes()) for rid, pages in entries]
+                     for queue, entries in snapshot.seq_pages.items()}
+        return cls(snapshot.taken_at, snapshot.device_states.tobytes(), snapshot.cpu_states.tobytes(),
+                   snapshot.stats, snapshot.health, snapshot.health_reason, seq_pages)
+
+    def snapshot(self) -> PoolSnapshot:
+        seq_pages = {queue: [(rid, np.frombuffer(raw, dtype=np.int32)) for rid, raw in entries]
+                     for queue, entries in self.seq_pages.items()}
+        return PoolSnapshot(self.taken_at, np.frombuffer(self.device_states, dtype=np.uint8),
+                            np.frombuffer(self.cpu_states, dtype=np.uint8), self.stats, self.health,
+                            self.health_reason, seq_pages)
+
+
+CallResult = int | bytes | WireSnapshot | None  # a page count or an adapter's id, the metrics' text, a snapshot
+
+
+class CallError(msgspec.Struct, array_like=True):
+    """Why a call failed: the exception's type name and its message."""
+
+    type: str
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> CallError:
+        return cls(type(error).__name__, str(error))
+
+    def exception(self) -> RuntimeError:
+        return RuntimeError(f"{self.type}: {self.message}")
 
 
 class Reply(Frame, tag="reply"):
+    """A call's answer: its result, or the error it failed with."""
+
     call_id: int
-    ok: bool
-    result: Any  # the answer, or the error's text when not ok
+    result: CallResult = None
+    error: CallError | None = None
 
 
 class Failed(Frame, tag="failed"):
@@ -185,7 +339,7 @@ class FrameReader(Generic[F]):
     """Bytes off the socket in, whole frames of one direction out (a frame may arrive in pieces, several in one
     read); a frame that is not of that direction's types raises msgspec.ValidationError."""
 
-    def __init__(self, kinds: Any) -> None:
+    def __init__(self, kinds: object) -> None:
         self._decoder: msgspec.msgpack.Decoder[F] = msgspec.msgpack.Decoder(kinds)
         self._buffer = bytearray()
 
@@ -217,52 +371,11 @@ class CoreSpec:
 # ---- requests ------------------------------------------------------------------------------------------
 
 
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    wire = {f.name: getattr(params, f.name) for f in fields(params) if f.init}
-    if params.structured_outputs is not None:
-        wire["structured_outputs"] = {f.name: getattr(params.structured_outputs, f.name)
-                                      for f in fields(params.structured_outputs)}
-    return wire
-
-
-def params_from_wire(wire: dict[str, Any]) -> SamplingParams:
-    structured = wire.pop("structured_outputs", None)
-    if structured is not None:
-        wire["structured_outputs"] = StructuredOutputsParams(**structured)
-    return SamplingParams(**wire)
-
-
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
               cache_salt: str | None = None, pin: Pin | None = None, embed: bool = False,
               lora_name: str | None = None, tenant: str | None = None) -> Add:
-    return Add(request_id, prompt, token_ids, params_to_wire(params), priority, cache_salt, pin, embed, lora_name,
+    return Add(request_id, prompt, token_ids, WireSampling.of(params), priority, cache_salt, pin, embed, lora_name,
                tenant)
-
-
-# ---- the core's counts ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CoreLoad:
-    """Sent with every outputs frame: the core's counts after the step, what admission control weighs (waiting
-    sequences counting n choices each, running slots free), and how many sequences the core has taken from the
-    gateway so far and how many aborts' sequences it has dropped (the rest are still in flight)."""
-
-    stats: EngineStats
-    health: EngineHealth
-    waiting_seqs: int = 0
-    free_slots: int = 0
-    seqs_taken: int = 0
-    seqs_aborted: int = 0
-
-    def to_wire(self) -> list[Any]:
-        return [[getattr(self.stats, n) for n in _STATS_FIELDS], [getattr(self.health, n) for n in _HEALTH_FIELDS],
-                self.waiting_seqs, self.free_slots, self.seqs_taken, self.seqs_aborted]
-
-    @classmethod
-    def from_wire(cls, wire: list[Any]) -> CoreLoad:
-        stats, health, *counts = wire
-        return cls(EngineStats.from_values(stats), EngineHealth(*health), *counts)
 
 
 # ---- outputs: deltas out of the core -------------------------------------------------------------------
@@ -301,7 +414,8 @@ class DeltaWriter:
             self.forget(request.request_id)
         return RequestDelta(request.request_id, request.finished,
                             WireError.of(request.error) if request.error is not None else None,
-                            request.num_cached_tokens, request.timings() if finished else None, choices, scored,
+                            request.num_cached_tokens, WireTimings(**request.timings()) if finished else None,
+                            choices, scored,
                             request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None)
 
     def forget(self, request_id: str) -> None:

@@ -10,9 +10,10 @@ import re
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -194,9 +195,10 @@ class Replicas:
         healths = [core.health() for core in self.cores]
         worst = max(healths, key=lambda h: HEALTH_GRADES.index(h.grade) if h.grade in HEALTH_GRADES else 0)
         stats = self.stats()
-        return replace(worst, kv_cache_usage=stats.kv_cache_usage, waiting=stats.waiting, running=stats.running,
-                       swapped=stats.swapped, swaps_in_window=sum(h.swaps_in_window for h in healths),
-                       engine_running=self.is_running)
+        return msgspec.structs.replace(worst, kv_cache_usage=stats.kv_cache_usage, waiting=stats.waiting,
+                                       running=stats.running, swapped=stats.swapped,
+                                       swaps_in_window=sum(h.swaps_in_window for h in healths),
+                                       engine_running=self.is_running)
 
     async def pool_snapshot(self) -> PoolSnapshot:
         """The first core's pool (page ids are per pool, so pools are not merged)."""
@@ -266,8 +268,8 @@ def _nth_endpoint(endpoint: str, index: int) -> str:
 
 
 def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
-    totals: dict[str, Any] = {f.name: sum(getattr(s, f.name) for s in all_stats) for f in fields(EngineStats)
-                    if f.name != "spec_accepted_per_position"}
+    totals: dict[str, Any] = {name: sum(getattr(s, name) for s in all_stats) for name in EngineStats.__struct_fields__
+                    if name != "spec_accepted_per_position"}
     per_position = [tuple(s.spec_accepted_per_position) for s in all_stats]
     totals["spec_accepted_per_position"] = tuple(map(sum, itertools.zip_longest(*per_position, fillvalue=0)))
     totals["kv_cache_usage"] = totals["used_blocks"] / totals["num_blocks"] if totals["num_blocks"] else 0.0
