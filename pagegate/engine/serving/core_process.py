@@ -71,7 +71,7 @@ from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, SPARE_FLAG, SP
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
 
-log = logging.getLogger("pagegate.core")
+log = logging.getLogger("pagegate.engine_core")  # the engine-core process (not the page core, pagegate.core)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

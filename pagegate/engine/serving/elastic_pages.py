@@ -30,7 +30,7 @@ from pagegate.engine.runner import ModelRunner
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 
-log = logging.getLogger("pagegate.core")
+log = logging.getLogger("pagegate.engine_core")  # the engine-core process (not the page core, pagegate.core)
 
 REBALANCE_IDLE_S = 2.0  # a core with no request this long shrinks to its floor
 GROW_CHUNK = 16  # a pool grows by at least 1/GROW_CHUNK of its capacity at a time
