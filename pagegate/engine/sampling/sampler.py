@@ -139,15 +139,14 @@ class Sampler:
         uniform = [float(torch.rand(1, generator=row.generator or self.generator)) if draw else 0.0
                    for row, draw in zip(rows, sampled, strict=True)]
         wanted = [-1 if p.logprobs is None else min(p.logprobs, vocab) for p in params]
-        width = max(0, *wanted)
+        width = max([0, *wanted])
+        temperature = [min(p.temperature, _FLOAT32_MAX) if draw else 0.0 for p, draw in zip(params, sampled, strict=True)]
         tokens, chosen = np.empty(n, np.int32), np.empty(n, np.float32)
         top_ids, top_values = np.empty((n, width), np.int32), np.empty((n, width), np.float32)
-        kernel.sample(logits.float().contiguous().numpy(),
-                          np.array([min(p.temperature, _FLOAT32_MAX) if draw else 0.0
-                                    for p, draw in zip(params, sampled, strict=True)], np.float32),
-                          np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
-                          np.array([p.min_p for p in params], np.float32), np.array(uniform, np.float32),
-                          np.array(wanted, np.int32), tokens, chosen, top_ids, top_values, torch.get_num_threads())
+        kernel.sample(logits.float().contiguous().numpy(), np.array(temperature, np.float32),
+                      np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
+                      np.array([p.min_p for p in params], np.float32), np.array(uniform, np.float32),
+                      np.array(wanted, np.int32), tokens, chosen, top_ids, top_values, torch.get_num_threads())
         results = [SampleResult(token) for token in tokens.tolist()]
         for i, k in enumerate(wanted):
             if k >= 0:

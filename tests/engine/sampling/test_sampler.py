@@ -206,6 +206,10 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+def test_no_rows_sample_nothing() -> None:
+    assert Sampler([EOS])(torch.zeros(0, V), []) == []
+
+
 @pytest.mark.parametrize("temperature", [1e-39, 5e-324, 1e-6])
 def test_vanishing_temperature_is_greedy(temperature: float) -> None:
     """Dividing by it would overflow float32 to inf and NaN; its limit is the argmax (issue 12)."""
