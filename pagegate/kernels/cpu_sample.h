@@ -104,6 +104,7 @@ static int32_t pgs_draw(const float *x, int64_t n, const pgs_params *p, float *e
     }
     const int cut = pgs_cut_bucket(e, n, top_k ? p->top_k : 0, top_k ? 0.0 : p->top_p * kept);
     int64_t m = pgs_candidates(x, e, n, cut, cand);
+    if (m == 0) return pgs_argmax(x, n);  /* NaN logits leave no candidate */
     double total = kept;  /* top-p's mass: the top k's, or every kept token's */
     if (top_k) {
         if (m > p->top_k) m = p->top_k;
