@@ -298,7 +298,8 @@ class CoreLoop:
         stepping), then _finish_loads installs it and answers with its id. ValueError naming what does not fit."""
         if self.loader is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
-        assert isinstance(name_and_path, tuple)
+        if not isinstance(name_and_path, tuple):  # an assert would vanish under python -O
+            raise ValueError(f"load_lora takes (name, path), not {type(name_and_path).__name__}")
         name, path = name_and_path
         self.loader.submit(LoadJob(call_id, name, path))
 
