@@ -305,40 +305,53 @@ PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row
 }
 
 /* Many tokens' float matmul: out[t * out_stride + i] = x_t . row i for four F32 rows of k (whole blocks) and
-   `tokens` activation rows, two tokens a pass over the rows' blocks so that each weight vector loaded serves both:
-   16 accumulators, on AVX-512's 32 registers. Each (row, token) sums in pgq_row_avx2's order: its bits. */
-#define PGQ_F32_TOKENS 2
+   `tokens` activation rows, up to six tokens a pass so that each weight vector loaded serves them all: 24 zmm
+   accumulators of AVX-512's 32 registers. Lanes 0-7 of (row, token)'s accumulator sum the first halves of the
+   16-float chunks and lanes 8-15 the second halves: pgq_row_avx2's two accumulators side by side, so its bits. */
 static int pgq_has_avx2(void);
-__attribute__((target("avx2,fma,avx512f,avx512vl"))) static void pgq_rows4_f32_tokens(
-        const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens, float *out, int64_t out_stride) {
-    int t0 = 0;
-    for (; t0 < tokens; t0 += PGQ_F32_TOKENS) {
-        const int count = tokens - t0 < PGQ_F32_TOKENS ? tokens - t0 : PGQ_F32_TOKENS;
-        __m256 acc[4][PGQ_F32_TOKENS][2];
-        for (int r = 0; r < 4; r++)
-            for (int t = 0; t < PGQ_F32_TOKENS; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < k / 32; b++) {
-            __m256 xv[PGQ_F32_TOKENS][4];
-            for (int t = 0; t < PGQ_F32_TOKENS; t++)  /* a missing second token reads the first's row again */
-                for (int j = 0; j < 4; j++)
-                    xv[t][j] = _mm256_loadu_ps(x + (int64_t)(t0 + (t < count ? t : 0)) * k + b * 32 + 8 * j);
-            for (int r = 0; r < 4; r++) {
-                const float *wr = (const float *)(w + r * row_bytes) + b * 32;
-                for (int j = 0; j < 4; j++) {
-                    const __m256 wv = _mm256_loadu_ps(wr + 8 * j);
-                    for (int t = 0; t < PGQ_F32_TOKENS; t++)
-                        acc[r][t][j & 1] = _mm256_fmadd_ps(wv, xv[t][j], acc[r][t][j & 1]);
-                }
-            }
+#define PGQ_F32_PASS 6
+#define PGQ_AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
+PGQ_AVX512 static inline __attribute__((always_inline)) void pgq_rows4_f32_pass(
+        const uint8_t *w, int64_t row_bytes, int k, const float *x, const int tokens, float *out, int64_t out_stride) {
+    const float *w0 = (const float *)w, *w1 = (const float *)(w + row_bytes);
+    const float *w2 = (const float *)(w + 2 * row_bytes), *w3 = (const float *)(w + 3 * row_bytes);
+    __m512 acc[4][PGQ_F32_PASS];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < tokens; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m512 v0 = _mm512_loadu_ps(w0 + i), v1 = _mm512_loadu_ps(w1 + i);
+        const __m512 v2 = _mm512_loadu_ps(w2 + i), v3 = _mm512_loadu_ps(w3 + i);
+        for (int t = 0; t < tokens; t++) {
+            const __m512 xv = _mm512_loadu_ps(x + (int64_t)t * k + i);
+            acc[0][t] = _mm512_fmadd_ps(v0, xv, acc[0][t]);
+            acc[1][t] = _mm512_fmadd_ps(v1, xv, acc[1][t]);
+            acc[2][t] = _mm512_fmadd_ps(v2, xv, acc[2][t]);
+            acc[3][t] = _mm512_fmadd_ps(v3, xv, acc[3][t]);
         }
-        for (int t = 0; t < count; t++)
-            for (int r = 0; r < 4; r++) {
-                const __m256 v = _mm256_add_ps(acc[r][t][0], acc[r][t][1]);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                out[(t0 + t) * out_stride + r] = _mm_cvtss_f32(h);
-            }
+    }
+    for (int t = 0; t < tokens; t++)
+        for (int r = 0; r < 4; r++) {
+            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1));
+            const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), high);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[t * out_stride + r] = _mm_cvtss_f32(h);
+        }
+}
+PGQ_AVX512 static void pgq_rows4_f32_tokens(const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens,
+                                            float *out, int64_t out_stride) {
+    for (int t0 = 0; t0 < tokens; t0 += PGQ_F32_PASS) {
+        const float *xt = x + (int64_t)t0 * k;
+        float *o = out + t0 * out_stride;
+        switch (tokens - t0 < PGQ_F32_PASS ? tokens - t0 : PGQ_F32_PASS) {  /* a constant count: registers */
+            case 1: pgq_rows4_f32_pass(w, row_bytes, k, xt, 1, o, out_stride); break;
+            case 2: pgq_rows4_f32_pass(w, row_bytes, k, xt, 2, o, out_stride); break;
+            case 3: pgq_rows4_f32_pass(w, row_bytes, k, xt, 3, o, out_stride); break;
+            case 4: pgq_rows4_f32_pass(w, row_bytes, k, xt, 4, o, out_stride); break;
+            case 5: pgq_rows4_f32_pass(w, row_bytes, k, xt, 5, o, out_stride); break;
+            default: pgq_rows4_f32_pass(w, row_bytes, k, xt, PGQ_F32_PASS, o, out_stride);
+        }
     }
 }
 static int pgq_has_avx512vl(void) {
