@@ -128,13 +128,13 @@ _STEP_ERRORS = {1: "the step needs 1 to {} tokens in sequences that cover them".
 ACTIVATIONS = {"silu": PGD_SILU, "gelu_tanh": PGD_GELU_TANH}  # the gated MLP's activations
 
 
-def isa() -> str:
-    """The instruction set of the integer dot products: "vnni", "avx2" or "portable"."""
+def _isa() -> str:
+    """The integer dot products' instruction set here (dispatch.integer_isa)."""
     return pgq_isa.decode()
 
 
-def set_isa(name: str) -> bool:
-    """Run the integer dot products on the named instruction set if this CPU has it."""
+def _set_isa(name: str) -> bool:
+    """dispatch.set_integer_isa for this module."""
     return bool(pgq_set_isa(name.encode()))
 
 

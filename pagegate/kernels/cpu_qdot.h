@@ -103,58 +103,6 @@ static void pgq_quantize_row(const float *x, const pgq_act *a, int r, int64_t fi
     }
 }
 
-/* Sub-block b of a row as 32 unsigned bytes u with w = d[h] * u + c[h] for half h (Q8_0: the
-   int8 values themselves, c = -128 d: u is q + 128, which the kernels form). */
-static inline void pgq_unpack(int qtype, const uint8_t *row, int64_t b, uint8_t *u, float *d, float *c) {
-    const uint8_t *blk = pgq_block_of(qtype, row, b);
-    const int j = (int)(b % 8);
-    switch (qtype) {
-        case PGQ_Q8_0:
-            d[0] = pgq_half(blk);
-            c[0] = -128.0f * d[0];
-            for (int l = 0; l < 32; l++) u[l] = (uint8_t)(blk[2 + l] ^ 0x80);
-            break;
-        case PGQ_Q4_0: case PGQ_Q4_1: case PGQ_Q5_0: case PGQ_Q5_1: {
-            const int one = qtype == PGQ_Q4_1 || qtype == PGQ_Q5_1, five = qtype == PGQ_Q5_0 || qtype == PGQ_Q5_1;
-            d[0] = pgq_half(blk);
-            c[0] = one ? pgq_half(blk + 2) : (five ? -16.0f : -8.0f) * d[0];
-            const uint32_t qh = five ? pgq_u32(blk + (one ? 4 : 2)) : 0;
-            const uint8_t *q = blk + (one ? 4 : 2) + (five ? 4 : 0);
-            for (int l = 0; l < 32; l++)
-                u[l] = (uint8_t)((l < 16 ? q[l] & 15 : q[l - 16] >> 4) | ((qh >> l) & 1) << 4);
-            break;
-        }
-        case PGQ_Q4_K: case PGQ_Q5_K: {
-            int scale, min;
-            pgq_scale_min_k4(j, blk + 4, &scale, &min);
-            d[0] = pgq_half(blk) * (float)scale;
-            c[0] = -pgq_half(blk + 2) * (float)min;
-            const int five = qtype == PGQ_Q5_K;
-            const uint8_t *qh = blk + 16, *q = blk + (five ? 48 : 16) + 32 * (j / 2);
-            for (int l = 0; l < 32; l++)
-                u[l] = (uint8_t)(((j & 1) ? q[l] >> 4 : q[l] & 15) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
-            break;
-        }
-        case PGQ_Q6_K: {
-            const int n = j / 4, t = j % 4;
-            const uint8_t *ql = blk + 64 * n + 32 * (t & 1), *qh = blk + 128 + 32 * n;
-            const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
-            const float dd = pgq_half(blk + 208);
-            for (int h = 0; h < 2; h++) {
-                d[h] = dd * (float)scales[h];
-                c[h] = -32.0f * d[h];
-            }
-            for (int l = 0; l < 32; l++)
-                u[l] = (uint8_t)(((ql[l] >> (4 * (t >> 1))) & 15) | ((qh[l] >> (2 * t)) & 3) << 4);
-            return;
-        }
-        default:
-            d[0] = c[0] = 0.0f;
-    }
-    d[1] = d[0];
-    c[1] = c[0];
-}
-
 /* Row i's block b against activation block x of row r, in the canonical order (the NOTE above) into f. */
 static inline float pgq_block_plain(int qtype, const uint8_t *w, int64_t b, const pgq_act *a, int64_t x, float f) {
     uint8_t u[32];

@@ -35,13 +35,13 @@ INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
 pgq_init()
 
 
-def isa() -> str:
-    """The instruction set matmul_q8 runs on: "vnni", "avx2" or "portable"."""
+def _isa() -> str:
+    """The integer dot products' instruction set here (dispatch.integer_isa)."""
     return pgq_isa.decode()
 
 
-def set_isa(name: str) -> bool:
-    """Run matmul_q8 on the named instruction set if this CPU has it (tests force each one)."""
+def _set_isa(name: str) -> bool:
+    """dispatch.set_integer_isa for this module."""
     return bool(pgq_set_isa(name.encode()))
 
 

@@ -8,6 +8,7 @@
 #define PAGEGATE_CPU_TILES_AVX2_H
 
 #include <immintrin.h>
+#include "cpu_page_rows.h"
 
 #define PG_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define PG_AVX2_INLINE PG_AVX2 static inline __attribute__((always_inline))

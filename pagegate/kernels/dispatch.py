@@ -61,6 +61,36 @@ def sample_kernel() -> ModuleType | None:
     return _extension("cpu_sample")
 
 
+INTEGER_ISAS = ("vnni", "avx2", "portable")  # the integer dot products' instruction sets, fastest first
+
+
+def _integer_modules() -> list[ModuleType]:
+    """The built extensions that run integer dot products; each links its own copy of cpu_qdot.h and keeps its own
+    instruction set, so these functions set them together."""
+    return [m for m in (quant_kernel(), decode_kernel()) if m is not None]
+
+
+def integer_isa() -> str:
+    """The instruction set the integer dot products run on: one of INTEGER_ISAS."""
+    modules = _integer_modules()
+    return str(modules[0]._isa()) if modules else "portable"
+
+
+def set_integer_isa(name: str) -> bool:
+    """Run the integer dot products on `name` if this CPU has it (tests force each one); False, changing nothing,
+    if not (the modules share their C, so they accept the same names)."""
+    return name in INTEGER_ISAS and all([bool(m._set_isa(name)) for m in _integer_modules()])
+
+
+def integer_isas() -> list[str]:
+    """The instruction sets of INTEGER_ISAS this CPU has, fastest first."""
+    before = integer_isa()
+    try:
+        return [name for name in INTEGER_ISAS if set_integer_isa(name)]
+    finally:
+        set_integer_isa(before)
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()

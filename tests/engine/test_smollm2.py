@@ -10,7 +10,7 @@ import torch
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.loading.loader import weight_bytes
-from pagegate.kernels import cpu_decode
+from pagegate.kernels import dispatch
 
 from .conftest import hf
 
@@ -81,7 +81,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(smollm2_torch: LLM, hf_smo
     assert identical >= len(PROMPTS) // 2
 
 
-@pytest.mark.parametrize("isa", [isa for isa in ("vnni", "avx2", "portable") if cpu_decode.set_isa(isa)])
+@pytest.mark.parametrize("isa", dispatch.integer_isas())
 def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: LLM,
                                                          hf_smollm2: torch.nn.Module) -> None:
     """Each token the native step picks is within 0.35 nats of the best one by transformers' log-probabilities
@@ -92,10 +92,10 @@ def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: 
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2 if isa == "portable" else None]]
     params = SamplingParams(temperature=0, max_tokens=6 if isa == "portable" else MAX_TOKENS, ignore_eos=True)
     try:
-        assert cpu_decode.set_isa(isa)
+        assert dispatch.set_integer_isa(isa)
         ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        cpu_decode.set_isa(next(i for i in ("vnni", "avx2", "portable") if cpu_decode.set_isa(i)))
+        dispatch.set_integer_isa(dispatch.integer_isas()[0])
     every = []
     for prompt, mine in zip(prompts, ours, strict=True):
         with torch.inference_mode():

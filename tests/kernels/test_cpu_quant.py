@@ -10,15 +10,14 @@ from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagegate.kernels import cpu_quant, quant
+from pagegate.kernels import cpu_decode, cpu_quant, dispatch, quant
 from pagegate.kernels.quant import FUSED_MAX_ROWS, linear, quantized_matmul
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256 weights a super-block; gguf-py decodes them but cannot encode
 INTEGER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS]
 TYPES = [Q.F32, Q.F16, *INTEGER]
 HALF_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a super-block's float16 scales
-ISAS = [isa for isa in ("vnni", "avx2", "portable") if cpu_quant.set_isa(isa)]
-cpu_quant.set_isa(ISAS[0])
+ISAS = dispatch.integer_isas()
 
 
 def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +89,10 @@ def test_matmul_q8_is_q8_activations_times_the_exact_weights(qtype: Q, m: int, n
     tolerance = 1e-5 * float((q8(x).abs() @ weights.double().abs().t()).max())
     try:
         for isa in ISAS:
-            assert cpu_quant.set_isa(isa)
+            assert dispatch.set_integer_isa(isa)
             torch.testing.assert_close(cpu_quant.matmul_q8(x, blocks, int(qtype)), expected, rtol=0, atol=tolerance)
     finally:
-        cpu_quant.set_isa(ISAS[0])
+        dispatch.set_integer_isa(ISAS[0])
 
 
 @settings(max_examples=60, deadline=None)
@@ -110,12 +109,12 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
     try:
         results = []
         for isa in ISAS:
-            assert cpu_quant.set_isa(isa)
+            assert dispatch.set_integer_isa(isa)
             for weights, kind in layouts:
                 results.append(cpu_quant.matmul_q8(x, weights, kind))
                 results.append(torch.cat([cpu_quant.matmul_q8(x[i:i + 1], weights, kind) for i in range(m)]))
     finally:
-        cpu_quant.set_isa(ISAS[0])
+        dispatch.set_integer_isa(ISAS[0])
     for other in results[1:]:
         assert torch.equal(other, results[0])
 
@@ -154,8 +153,18 @@ def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatc
 
 
 def test_the_fastest_instruction_set_is_chosen() -> None:
-    assert cpu_quant.isa() == ISAS[0]
-    assert not cpu_quant.set_isa("sse1")
+    assert dispatch.integer_isa() == ISAS[0]
+    assert not dispatch.set_integer_isa("sse1")
+    assert dispatch.integer_isa() == ISAS[0]
+
+
+def test_every_extension_runs_on_the_instruction_set_set() -> None:
+    try:
+        for isa in ISAS:
+            assert dispatch.set_integer_isa(isa)
+            assert cpu_quant._isa() == cpu_decode._isa() == dispatch.integer_isa() == isa
+    finally:
+        dispatch.set_integer_isa(ISAS[0])
 
 
 @pytest.mark.parametrize("qtype, k, match", [(Q.Q2_K, 256, "no CPU kernel"), (Q.Q4_1, 48, "multiple of 32"),
