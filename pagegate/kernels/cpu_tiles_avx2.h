@@ -153,31 +153,34 @@ PG_AVX2_TILES(i8, PG_I8)
 PG_AVX2_TILES(e4m3, PG_E4M3)
 PG_AVX2_TILES(e5m2, PG_E5M2)
 
-/* p[j] = exp(p[j] - max) for j < n, returning their sum: Cephes' expf (a degree-6 polynomial on
-   [-ln2/2, ln2/2] after taking out n ln2, within 2 ulp of libm's); below -87.3 the result is 0. */
+/* exp(x) for x >= -87.3 (0 below): Cephes' expf, a degree-6 polynomial on [-ln2/2, ln2/2] after taking out
+   n ln2, within 2 ulp of libm's. x <= 88 (the callers keep it there). */
+PG_AVX2_INLINE __m256 pg_exp8(const __m256 x0) {
+    const __m256 low = _mm256_set1_ps(-87.3f), x1 = _mm256_max_ps(x0, low);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x1, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 x = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x1);
+    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(y, _mm256_cmp_ps(x0, low, _CMP_GE_OQ));
+}
+
+/* p[j] = exp(p[j] - max) for j < n (all <= max), returning their sum. */
 PG_AVX2 static float pg_exp_sum_avx2(float *p, int n, float max) {
-    const __m256 m = _mm256_set1_ps(max), log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-    const __m256 low = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
+    const __m256 m = _mm256_set1_ps(max);
     __m256 total = _mm256_setzero_ps();
     float rest = 0.0f;
     int j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(p + j), m);
-        const __m256 x1 = _mm256_max_ps(x0, low);
-        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x1, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256 x = _mm256_fnmadd_ps(k, c1, x1);
-        x = _mm256_fnmadd_ps(k, c2, x);
-        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-        y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
-        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        y = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-        y = _mm256_and_ps(y, _mm256_cmp_ps(x0, low, _CMP_GE_OQ));
+        const __m256 y = pg_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
         _mm256_storeu_ps(p + j, y);
         total = _mm256_add_ps(total, y);
     }
@@ -188,6 +191,15 @@ PG_AVX2 static float pg_exp_sum_avx2(float *p, int n, float max) {
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
     const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))) + rest;
+}
+
+/* out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for eight values (SwiGLU); exp's argument is
+   held at 88, where 1 + exp already swamps any gate. */
+PG_AVX2 static void pg_silu_mul8(const float *gate, const float *up, float *out) {
+    const __m256 g = _mm256_loadu_ps(gate);
+    const __m256 e = pg_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out, _mm256_mul_ps(silu, _mm256_loadu_ps(up)));
 }
 
 #endif /* PAGEGATE_CPU_TILES_AVX2_H */
