@@ -86,10 +86,7 @@ class _Host:
     def __init__(self, engine: MainThreadEngine) -> None:
         self.engine, self.state, self.model, self.draining = engine, READY, None, False
         self.config = GatewayConfig()
-        self.engine_requests = EngineRequests(self.config, TimingRecorder(), self.require_engine, lambda: [engine])
-
-    def require_engine(self, name: str | None = None) -> tuple[MainThreadEngine, None]:
-        return self.engine, None
+        self.engine_requests = EngineRequests(self.config, TimingRecorder(), lambda acquired: None, lambda: [engine])
 
     def engine_for_viewers(self) -> MainThreadEngine:
         return self.engine

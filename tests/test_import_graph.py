@@ -31,9 +31,14 @@ ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine
          "pagegate.engine.kv_tiers", "pagegate.engine.lora")
 LOOP = ("pagegate.engine.engine", "pagegate.engine.llm", "pagegate.engine.runner", "pagegate.engine.intake",
         "pagegate.engine.postprocess", "pagegate.engine.scheduler", "pagegate.engine.tp_workers",
-        "pagegate.engine.forward", "pagegate.engine.serving.core_process")
+        "pagegate.engine.forward", "pagegate.engine.memory.pool", "pagegate.engine.memory.elastic_pages",
+        "pagegate.engine.serving.core_process")
 # the only importers of engine.py
 ENGINE_FRONT = ("pagegate.engine.llm", "pagegate.engine.serving.core_process")
+# what the serving room reaches only through Engine's public face (and its `memory`), never by name or attribute
+ENGINE_PARTS = ("pagegate.engine.runner", "pagegate.engine.runners", "pagegate.engine.encoder_runner",
+                "pagegate.engine.scheduler")
+REACHED_ATTRIBUTES = ("runner", "scheduler")
 
 _CYTHON_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s|c?import\s+([\w.]+))", re.M)
 
@@ -192,6 +197,48 @@ def test_the_core_frames_stay_in_the_serving_room():
     assert not [module for module in room if "pagegate.engine.limits" in graph[module]]
 
 
+def engine_part_classes() -> set[str]:
+    """The classes defined in the engine's parts (ENGINE_PARTS) and its memory package."""
+    paths = [PACKAGE.parent / (module.replace(".", "/") + ".py") for module in ENGINE_PARTS]
+    paths += sorted((PACKAGE / "engine" / "memory").glob("*.py"))
+    return {node.name for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)}
+
+
+def engine_reaches(source: str, classes: set[str]) -> list[str]:
+    """Where `source` reaches past Engine's public face: an `x.runner` / `x.scheduler` attribute, or an `isinstance`
+    that asks whether something is one of `classes` (line: what)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in REACHED_ATTRIBUTES:
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} if len(node.args) > 1 else set()
+            found += [(node.lineno, f"isinstance(..., {name})") for name in sorted(named & classes)]
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_checks_catch_a_reach_into_the_engine():
+    source = ("def f(engine, runner):\n    engine.runner.lora.install()\n    assert isinstance(runner, ModelRunner)\n"
+              "    return engine.scheduler.pool, isinstance(runner, (int, str)), engine.memory.limit\n")
+    assert engine_reaches(source, {"ModelRunner"}) == ["2: .runner", "3: isinstance(..., ModelRunner)",
+                                                       "4: .scheduler"]
+
+
+def test_the_serving_room_uses_only_the_engines_public_face():
+    """The core process turns frames into calls on Engine (and its memory: pagegate.engine.memory); it names no
+    runner or scheduler class, reaches no `.runner` / `.scheduler` and asks no `isinstance` of the engine's parts."""
+    graph = import_graph()
+    room = sorted(module for module in graph if _within(module, ("pagegate.engine.serving",)))
+    assert not [f"{module} -> {target}" for module in room for target in sorted(graph[module])
+                if _within(target, ENGINE_PARTS)]
+    classes = engine_part_classes()
+    assert {"ModelRunner", "EncoderRunner", "Scheduler", "KVPool"} <= classes
+    reaches = [f"{path.name}:{reach}" for path in sorted((PACKAGE / "engine" / "serving").glob("*.py"))
+               for reach in engine_reaches(path.read_text(), classes)]
+    assert reaches == []
+
+
 def test_the_gateway_process_never_imports_torch():
     """So it never starts an OpenMP thread team of its own (one owner of every thread: the core)."""
     code = ("import sys, pagegate.gateway.cli, pagegate.engine.serving.core_client, pagegate.engine.serving.replicas; "
@@ -210,7 +257,8 @@ def test_no_private_names_cross_modules():
 
 
 def test_engine_py_is_small():
-    """The loop keeps add/abort/step/sample/fork/finish and stats; the rest lives in its rooms."""
+    """The loop keeps add/abort/step/sample/fork/finish and stats, and one line into memory/ for each of sleep, wake,
+    resize and adapters in and out; the rest lives in its rooms."""
     path = PACKAGE / "engine" / "engine.py"
-    assert len(path.read_text().splitlines()) <= 200
-    assert len(import_graph()["pagegate.engine.engine"]) <= 10
+    assert len(path.read_text().splitlines()) <= 230
+    assert len(import_graph()["pagegate.engine.engine"]) <= 11

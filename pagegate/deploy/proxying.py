@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,14 +76,16 @@ def _text_of(value: Any) -> str:
     return ""
 
 
-async def call_asgi(app: ASGIApp, request: ProxiedRequest) -> AsyncIterator[ResponseHead | bytes]:
+async def call_asgi(app: ASGIApp, request: ProxiedRequest,
+                    state: Mapping[str, Any] | None = None) -> AsyncIterator[ResponseHead | bytes]:
     """Run `request` through `app` in this process: yield the response head, then body chunks as the app
-    sends them. Closing the iterator early tells the app that the client disconnected."""
+    sends them. Closing the iterator early tells the app that the client disconnected. `state`: what the app's
+    lifespan yielded, which the request's scope carries a copy of (as an ASGI server's does)."""
     scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
         "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
         "query_string": request.query_string, "headers": request.headers, "client": request.client,
-        "server": None,
+        "server": None, "state": dict(state or {}),
     }
     pending_body = [{"type": "http.request", "body": request.body, "more_body": False}]
     client_left = asyncio.Event()

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagegate.deploy.proxying import ProxiedRequest, ResponseHead, call_asgi, routing_text
-from pagegate.gateway.app import build_app
+from pagegate.gateway.app import build_app, build_state
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.engine_host import FAILED, READY, EngineHost
@@ -94,11 +94,13 @@ class PagegateServer:
         engine_config, gateway_config = configs_from_args(build_parser().parse_args(engine_argv))
         gateway_config = replace(gateway_config, grpc_port=0)  # replicas share nodes; Serve's proxy is the way in
         _log_to_stderr(gateway_config.log_level)
-        app = build_app(engine_config, gateway_config)
-        self._host: EngineHost = app.state.host
+        state = build_state(engine_config, gateway_config)
+        app = build_app(state)
+        self._host: EngineHost = state["host"]
         lifespan = app.router.lifespan_context(app)
         self._lifespan: AbstractAsyncContextManager[Any] | None = lifespan
         await lifespan.__aenter__()
+        self._state = state  # the lifespan's state, a copy of which each request's scope carries
         while self._host.state not in (READY, FAILED):  # Serve counts the replica only once it serves
             await asyncio.sleep(LOAD_POLL_S)
         if self._host.state == FAILED:
@@ -109,7 +111,7 @@ class PagegateServer:
 
     async def forward(self, request: ProxiedRequest) -> AsyncIterator[ResponseHead | bytes]:
         """The response to `request`: its head (naming this replica), then its body chunks."""
-        async for item in call_asgi(self._app, request):
+        async for item in call_asgi(self._app, request, self._state):
             if isinstance(item, ResponseHead):
                 item = ResponseHead(item.status, [*item.headers, (REPLICA_HEADER.encode(), self._replica_id.encode())])
             yield item
@@ -127,7 +129,7 @@ class PagegateServer:
             return {"replica_id": self._replica_id}
         return {"replica_id": self._replica_id, "prefix_cache_hits": stats.prefix_cache_hits,
                 "prefix_cache_queries": stats.prefix_cache_queries, "kv_cache_usage": stats.kv_cache_usage,
-                "running": stats.running, "waiting": stats.waiting}
+                "running": stats.running, "waiting": stats.waiting, "generation_tokens": stats.generation_tokens}
 
     async def __del__(self) -> None:  # Serve awaits this when it stops the replica
         await self._stop()

@@ -8,40 +8,39 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagegate.config import EngineConfig
 from pagegate.engine.intake import RequestIntake
-from pagegate.engine.observe import EngineHealth, EngineMonitor, EngineStats
+from pagegate.engine.memory.pool import KVPool
+from pagegate.engine.observe import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.postprocess import PostProcessor
-from pagegate.engine.runners import make_runner
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import Sampler, SampleResult, SamplingRow
-from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from pagegate.engine.memory.page_ledger import ElasticSpec
+    from pagegate.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.runner = runner = make_runner(config)
-        try:
-            self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                       runner.max_model_len, config.speculative, runner.draft, runner.tiers,
-                                       runner.lora)
-            self.scheduler.generates = runner.serves.generate  # an encoder's embeddings run in whole steps
-            runner.bind(self.scheduler.tables)
-            self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers, runner.lora)
-        except BaseException:
-            runner.close(graceful=False)
-            raise
+    def __init__(self, config: EngineConfig, elastic: ElasticSpec | None = None,
+                 on_worker_death: Callable[[str], None] | None = None) -> None:
+        """`elastic`: the pool's share of a page budget several models' cores hold (memory/elastic_pages.py);
+        `on_worker_death(message)`: called when a tensor-parallel worker dies."""
+        self.memory = memory = KVPool.build(config, elastic, on_worker_death)  # the runner, its pages, the scheduler
+        self.config, self.runner, self.monitor = memory.config, memory.runner, memory.monitor
+        config, runner = self.config, self.runner  # an elastic pool's config: its cache sized for the whole budget
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
-        self.monitor.metrics.kv_page_format(runner.kv_format, runner.kv_bytes_per_token)
+        self.generation = runner.generation  # the sampling defaults the model's folder sets
         self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids,
                                     runner.max_model_len, config.scheduler, runner.device, runner.serves)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)
@@ -50,10 +49,13 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.memory.scheduler  # a wake builds a fresh one
+
     def close(self) -> None:
         """End the tensor-parallel workers and the KV-event publisher."""
-        self.runner.close(pool=self.scheduler.pool)
-        self.monitor.close()
+        self.memory.close()
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -62,6 +64,8 @@ class Engine:
         checks them against its live streams), so a repeated one is a ValueError."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.memory.asleep:
+            raise RuntimeError("the model is asleep: wake it up first")
         request.order = next(self._order)
         self.requests[request.request_id] = request
         self.scheduler.add(self.intake.new_sequence(request, 0, list(request.prompt_token_ids)))
@@ -187,14 +191,40 @@ class Engine:
         self.abort(request.request_id)
         return request
 
+    # ---- memory: one call each into memory/pool.py ------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the KV pages, keep the weights; refused while requests run."""
+        self.memory.sleep(self.has_unfinished())
+
+    def wake_up(self, kv_bytes: int | None = None) -> int:
+        """KV pages again after `sleep` (`kv_bytes` of them; None: as before); how many are usable."""
+        return self.memory.wake_up(kv_bytes)
+
+    def resize(self, kv_bytes: int) -> int:
+        """An idle engine's pool to `kv_bytes` of pages; how many are usable."""
+        return self.memory.resize(kv_bytes, self.has_unfinished())
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """Register the LoRA adapter in folder (or GGUF file) `path` under `name`; its id."""
+        return self.memory.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter and give back its pages; refused while requests use it."""
+        self.memory.unload_adapter(name)
+
     # ---- introspection ----------------------------------------------------------------------------------
 
     def refresh_stats(self, now: float | None = None, computed: list[Sequence] | None = None) -> None:
         """Recompute the gauges and the health grade from the scheduler's counts (`computed`: the step's batch)."""
-        self.monitor.refresh(self.scheduler.stats(), now, computed or [])
+        self.memory.refresh_stats(now, computed)
 
     def stats(self) -> EngineStats:
         return self.monitor.stats(self.scheduler.stats(), len(self.requests))
 
     def health(self) -> EngineHealth:
         return self.monitor.health(self.scheduler.stats())
+
+    def seats(self) -> tuple[int, int]:
+        """(sequences waiting, a request's n choices each; running slots open): what the gateway's admission weighs."""
+        return self.scheduler.num_waiting_seqs, self.scheduler.free_slots

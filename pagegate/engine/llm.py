@@ -13,7 +13,6 @@ from pagegate.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConf
 from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
-from pagegate.engine.lora.model import resolve_adapter
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -141,7 +140,7 @@ class LLM:
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False,
                       lora: LoRARequest | None = None) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
-        adapter = resolve_adapter(self.engine.runner.lora, lora)
+        adapter = self.engine.memory.adapter(lora)
         request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
                                                   embed=embed, lora=adapter)
         if text is not None:
@@ -162,6 +161,24 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def sleep(self) -> None:
+        """Free the KV pages, keep the weights (vLLM's sleep level 1); `generate` refuses until `wake_up`. The
+        cached prefixes go with the pages (down the KV tiers first, when they are on)."""
+        self.engine.sleep()
+
+    def wake_up(self, kv_bytes: int | None = None) -> int:
+        """KV pages again after `sleep` (`kv_bytes` of them; None: as many as before); how many."""
+        return self.engine.wake_up(kv_bytes)
+
+    def load_lora_adapter(self, name: str, path: str) -> int:
+        """Register the LoRA adapter in `path` (a PEFT folder or a GGUF file) under `name` (`enable_lora`); its id.
+        Prompts then name it by `lora_request=LoRARequest(name, id, path)`."""
+        return self.engine.load_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget an adapter and give back its pages; a ValueError while requests use it."""
+        self.engine.unload_adapter(name)
 
     def shutdown(self) -> None:
         """End the tensor-parallel worker processes (their exit is also automatic when this process ends)."""

@@ -81,7 +81,8 @@ class PoolSnapshot:
 class SnapshotSource(Protocol):
     """What a snapshot reads (the Engine), named here so that nothing below the engine loop imports it."""
 
-    scheduler: Scheduler
+    @property
+    def scheduler(self) -> Scheduler: ...
 
     def stats(self) -> EngineStats: ...
 

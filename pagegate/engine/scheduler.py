@@ -83,7 +83,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_cpu_blocks: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None,
                  proposer: Proposer | None = None, tiers: TierStack | None = None,
-                 lora: AdapterStore | None = None, limit: int | None = None) -> None:
+                 lora: AdapterStore | None = None, limit: int | None = None,
+                 grow_pool: Callable[[int], int] | None = None) -> None:
         self.config = config
         self.speculator = Speculator(speculative, max_model_len, proposer) if speculative is not None else None
         self.block_size = cache.block_size
@@ -119,7 +120,7 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
         # an elastic pool's grower: asked for pages before a pin, an adapter or a running sequence is given up
-        self.grow_pool: Callable[[int], int] | None = None
+        self.grow_pool = grow_pool
         if not 0.0 <= cache.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be within [0, 1], got {cache.max_pinned_fraction}")
         self.pins = PrefixPins(self.pool, int(cache.max_pinned_fraction * num_blocks))

@@ -1,4 +1,4 @@
-"""The Starlette application: routes, error handlers, auth and CORS, the engine's lifespan."""
+"""The Starlette application: routes, error handlers, auth and CORS, the engine's lifespan and the state it yields."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, from_status, speaks_anthropic, to_api_error
 from pagegate.gateway.gateway_metrics import gateway_registry
+from pagegate.gateway.gateway_state import GatewayState
 from pagegate.gateway.messages import routes as messages
 from pagegate.gateway.responses import routes as responses
 from pagegate.gateway.responses.store import ResponseStore
@@ -61,14 +62,25 @@ ROUTES = [
 ]
 
 
-def build_app(engine_config: EngineConfig, config: GatewayConfig,
-              on_fatal: Callable[[], None] | None = None) -> Starlette:
-    """The ASGI app. The engine loads in a thread once the server runs, so /health says 503 meanwhile."""
+def build_state(engine_config: EngineConfig, config: GatewayConfig,
+                on_fatal: Callable[[], None] | None = None) -> GatewayState:
+    """What the app's lifespan yields to every request: the engine host (its engine loads once the server runs, so
+    /health says 503 meanwhile), the response store, the dashboard's feed and the gateway's metrics."""
     host = EngineHost(engine_config, config, on_fatal)
-    dashboard = DashboardFeed(host) if config.enable_dashboard else None
+    responses = ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes,
+                              config.responses_store_ttl_s, config.responses_store_path, host.engine_requests.unpin)
+    return GatewayState(host=host, responses=responses,
+                        dashboard=DashboardFeed(host) if config.enable_dashboard else None,
+                        gateway_registry=gateway_registry(host))
+
+
+def build_app(state: GatewayState) -> Starlette:
+    """The ASGI app over `state` (build_state's); routes read it as lifespan state (gateway_state.py)."""
+    host, dashboard = state["host"], state["dashboard"]
+    config = host.config
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[GatewayState]:
         host.start()
         grpc_server = None
         history = asyncio.get_running_loop().create_task(dashboard.sample_history()) if dashboard else None
@@ -77,7 +89,7 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
                 from pagegate.gateway.grpc_server import start_grpc_server
 
                 grpc_server = await start_grpc_server(config.host, config.grpc_port, host)
-            yield
+            yield state
         finally:
             if history is not None:
                 history.cancel()
@@ -95,14 +107,7 @@ def build_app(engine_config: EngineConfig, config: GatewayConfig,
     handlers = {HTTPException: _http_error, APIError: _any_error, InvalidParamError: _any_error,
                 EngineDeadError: _any_error, RequestFailedError: _any_error, Exception: _any_error}
     routes = ROUTES + (dashboard_routes() if dashboard is not None else [])
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
-    app.state.host = host
-    app.state.responses = ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes,
-                                        config.responses_store_ttl_s, config.responses_store_path,
-                                        host.engine_requests.unpin)
-    app.state.dashboard = dashboard
-    app.state.gateway_registry = gateway_registry(host)
-    return app
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

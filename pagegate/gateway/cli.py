@@ -31,7 +31,7 @@ from pagegate.config import (
 from pagegate.engine.sampling.params import SCHEDULING_POLICIES
 from pagegate.gateway.access_log import redact_access_log
 from pagegate.gateway.answer import REASONING_PARSERS
-from pagegate.gateway.app import build_app
+from pagegate.gateway.app import build_app, build_state
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
 from pagegate.gateway.model_slots import discover_models
@@ -470,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     holder: list[GatewayServer] = []
     try:
-        app = build_app(engine_config, config, on_fatal=lambda: holder[0].fail())
+        state = build_state(engine_config, config, on_fatal=lambda: holder[0].fail())
+        app = build_app(state)
     except ImportError as error:  # --otlp-traces-endpoint without the OpenTelemetry SDK installed
         raise SystemExit(str(error)) from None
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                                h11_max_incomplete_event_size=config.max_header_bytes,
                                timeout_graceful_shutdown=int(config.drain_timeout_s), lifespan="on")
     redact_access_log()  # after uvicorn.Config, which sets up uvicorn's loggers
-    server = GatewayServer(uv_config, app.state.host, config.shutdown_timeout_s)
+    server = GatewayServer(uv_config, state["host"], config.shutdown_timeout_s)
     holder.append(server)
     server.run()
     if not server.started and server.exit_code == 0:

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagegate.engine.limits import check_embedding_length, check_token_ids
-from pagegate.gateway.codec import read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.codec import render, wants_msgpack
 from pagegate.gateway.errors import BadRequest
+from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, off_loop
 from pagegate.gateway.protocol import EmbeddingRequest, parse_request
 from pagegate.gateway.request_id import request_id_of
@@ -105,16 +105,13 @@ def embeddings_body(prepared: PreparedEmbeddings, vectors: list[bytes]) -> dict[
 
 
 async def create_embeddings(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
-    host.check_serving()
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))
-    prepared = await off_loop(prepare_embeddings, body, model, host.config.max_embedding_tokens)
-    embedding_size = host.slot_for(prepared.model).embedding_size
+    host, body, acquired = await read_and_acquire(request)
+    prepared = await off_loop(prepare_embeddings, body, acquired.model, host.config.max_embedding_tokens)
+    embedding_size = acquired.slot.embedding_size
     if embedding_size is not None:  # known since the warm-up: a wrong size is refused before any work
         check_dimensions(prepared.request.dimensions, embedding_size)
-    host.admission.admit_embeddings(len(prepared.inputs), prepared.request.priority, prepared.model)
-    embedded = host.engine_requests.embed(prepared.inputs, f"embd-{request_id_of(request)}",
+    host.admission.admit_embeddings(acquired, len(prepared.inputs), prepared.request.priority)
+    embedded = host.engine_requests.embed(acquired, prepared.inputs, f"embd-{request_id_of(request)}",
                                           prepared.request.priority, prepared.model)
     vectors = await until_disconnect(request, embedded)
     if vectors is None:

@@ -23,6 +23,7 @@ from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import sum_stats
 from pagegate.engine.serving.spare_core import stop_spare_core
+from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.admission import Admission
 from pagegate.gateway.engine_requests import EngineRequests
 from pagegate.gateway.errors import NotFound, ServiceUnavailable
@@ -65,10 +66,10 @@ class EngineHost:
         self.lifecycle = ModelLifecycle(engine_config, config, self.adapters, on_fatal)
         self.slots = self.lifecycle.slots
         self.loop: asyncio.AbstractEventLoop | None = None
-        # NOTE: the parts reach the engines through two callables (a model's engine only while serving, or every
-        # running one), never through the host: what each may touch is named, and neither imports this module.
-        self.engine_requests = EngineRequests(config, self.timings, self.require_engine, self.running_engines)
-        self.admission = Admission(engine_config, config, self.require_engine, self.engine_requests)
+        # NOTE: the parts reach the engines through what a request acquired (checked by `check_acquired` while it
+        # is admitted) or through `running_engines`, never through the host: neither imports this module.
+        self.engine_requests = EngineRequests(config, self.timings, self.check_acquired, self.running_engines)
+        self.admission = Admission(engine_config, config, self.check_acquired, self.engine_requests)
 
     # -- the default model (the first; the only one of a one-model server) ------------------------
     @property
@@ -103,9 +104,9 @@ class EngineHost:
             self.lifecycle.start_idle_sleeper()
 
     # -- a request's model -----------------------------------------------------------------------
-    async def acquire(self, requested: str | None) -> tuple[EngineClient, ModelContext]:
-        """The engine and model a request names (None: the default one), loaded or woken first if need be (the
-        request waits; others go on); the model counts the request as in flight until it is served. A 404
+    async def acquire(self, requested: str | None) -> AcquiredModel:
+        """The model a request names (None: the default one), looked up once, loaded or woken first if need be
+        (the request waits; others go on); the model counts the request as in flight until it is served. A 404
         `model_not_found` for a name no model has (with several: one model's requests' names are checked as
         they are prepared)."""
         self.check_serving()
@@ -117,7 +118,16 @@ class EngineHost:
         slot.used()
         if self.several or slot.state == SLEEPING:  # one model is only ever asleep (if it failed, the server stops)
             await self.lifecycle.ensure_loaded(slot)
-        return self.require_engine(slot.name if self.several else None)
+            self.check_serving()  # the server may have begun stopping while the model loaded
+        return AcquiredModel(slot, *self._running(slot))
+
+    def check_acquired(self, acquired: AcquiredModel) -> None:
+        """A 503 that says why unless the acquired model still serves on the engine it was acquired with: the
+        server may have begun stopping, or the model's core died, while the request was being prepared."""
+        self.check_serving()
+        engine, _ = self._running(acquired.slot)
+        if engine is not acquired.engine:  # its core died and a new one was started meanwhile
+            raise ServiceUnavailable("The engine is not running.", code="engine_dead")
 
     def slot_for(self, requested: str | None) -> ModelSlot:
         """The model a request names (None: the default); a one-model server's whatever the name (its
@@ -131,10 +141,13 @@ class EngineHost:
         raise NotFound(f"The model `{requested}` does not exist. Available models: {available}.", param="model",
                        code="model_not_found")
 
-    def require_engine(self, name: str | None = None) -> tuple[EngineClient, ModelContext]:
-        """The running engine of the model `name` (None: the default) and its model, or a 503 that says why not."""
+    def require_engine(self) -> tuple[EngineClient, ModelContext]:
+        """The default model's running engine and its context, or a 503 that says why not."""
         self.check_serving()
-        slot = self.slot_for(name)
+        return self._running(self.slots[0])
+
+    def _running(self, slot: ModelSlot) -> tuple[EngineClient, ModelContext]:
+        """The model's running engine and its context, or a 503 that says why not."""
         if slot.state != LOADED or slot.engine is None or slot.model is None:
             raise ServiceUnavailable(f"The model `{slot.name}` is {slot.state}: {slot.reason}.",
                                      code="model_unavailable", headers={"Retry-After": str(self.config.retry_after_s)})

@@ -14,8 +14,9 @@ from typing import Any
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.serving.engine_client import EngineClient
+from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.errors import ServiceUnavailable
-from pagegate.gateway.prepare import ModelContext, PreparedRequest
+from pagegate.gateway.prepare import PreparedRequest
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
@@ -24,21 +25,18 @@ logger = logging.getLogger("pagegate.gateway")
 
 MAX_STREAM_PACE_S = 0.2  # however many streams, one still gets a chunk at least this often
 
-# The running engine of the model a request names (None: the default) and that model, or a 503
-RequireEngine = Callable[[str | None], tuple[EngineClient, ModelContext]]
-
 
 class EngineRequests:
-    """Starts generations and embeddings on the host's engine and keeps count of them.
+    """Starts generations and embeddings on the engine each request acquired and keeps count of them.
 
-    `require_engine`: a model's engine while the server serves, else the 503 that says why not (EngineHost's);
+    `check_acquired`: a 503 that says why unless a request's acquired model still serves (EngineHost's);
     `running_engines`: every engine whose core runs, whatever the server's state, for unpins."""
 
-    def __init__(self, config: GatewayConfig, timings: TimingRecorder, require_engine: RequireEngine,
+    def __init__(self, config: GatewayConfig, timings: TimingRecorder, check_acquired: Callable[[AcquiredModel], None],
                  running_engines: Callable[[], list[EngineClient]]) -> None:
         self.config = config
         self.timings = timings
-        self._require_engine = require_engine
+        self._check_acquired = check_acquired
         self._running_engines = running_engines
         self._pending = 0  # admitted engine requests without a first output yet
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
@@ -91,12 +89,13 @@ class EngineRequests:
             engine.unpin(key)
 
     # -- start -----------------------------------------------------------------------------------
-    def generate(self, prepared: PreparedRequest, request_id: str,
+    def generate(self, acquired: AcquiredModel, prepared: PreparedRequest, request_id: str,
                  trace_context: Mapping[str, str] | None = None) -> tuple[OutputMerger, list[str]]:
-        """Start one engine request per prompt; the merger yields their newest outputs. `trace_context`: the
-        client's W3C trace headers, parents of the requests' spans (with --otlp-traces-endpoint)."""
-        engine, model = self._require_engine(prepared.model)
-        lora_name = prepared.model if prepared.model in model.adapters else None  # a request naming an adapter
+        """Start one engine request per prompt on the acquired engine (admitted just before); the merger yields
+        their newest outputs. `trace_context`: the client's W3C trace headers, parents of the requests' spans (with
+        --otlp-traces-endpoint)."""
+        engine = acquired.engine
+        lora_name = prepared.model if prepared.model in acquired.model.adapters else None  # a request naming an adapter
         started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
@@ -141,12 +140,14 @@ class EngineRequests:
         asyncio.get_running_loop().call_soon(self._submitted, seqs)
         return merger, ids
 
-    async def embed(self, inputs: list[list[int]], request_id: str, priority: int = 0,
+    async def embed(self, acquired: AcquiredModel, inputs: list[list[int]], request_id: str, priority: int = 0,
                     model: str | None = None) -> list[bytes]:
-        """Embed every input at once (one engine request each) on the engine of `model`; if one fails, the caller
-        goes or `end_all` ends it, the others are aborted. A `model` naming a LoRA adapter embeds with it."""
-        engine, context = self._require_engine(model)
-        lora_name = model if model in context.adapters else None
+        """Embed every input at once (one engine request each) on the acquired engine (admitted just before); if
+        one fails, the caller goes or `end_all` ends it, the others are aborted. A `model` naming a LoRA adapter
+        embeds with it."""
+        self._check_acquired(acquired)  # its caller awaits it in a task: the server may have begun stopping since
+        engine = acquired.engine
+        lora_name = model if model in acquired.model.adapters else None
         unique = uuid.uuid4().hex[:8]
         tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority,
                                                     lora_name=lora_name)) for i, ids in enumerate(inputs)]

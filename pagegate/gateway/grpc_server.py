@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.auth import bearer_token, key_identity, matching_key
 from pagegate.gateway.engine_host import EngineHost, requested_model
 from pagegate.gateway.errors import APIError, Unauthorized, to_api_error
@@ -106,8 +107,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _unary(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
                      renderer_cls: type[Renderer], id_prefix: str, response_cls: type) -> Any:
         try:
-            prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=False)
-            merger, _ = self.host.engine_requests.generate(prepared, renderer.request_id)
+            acquired, prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix,
+                                                             stream=False)
+            merger, _ = self.host.engine_requests.generate(acquired, prepared, renderer.request_id)
             finals = await collect(merger)  # cancelled with the call: collect closes the merger (abort)
             return response_from_body(renderer.response(finals), response_cls)
         except Exception as exc:
@@ -118,8 +120,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # context.write rather than yield: a cancelled call (client gone, deadline) then always raises
         # CancelledError in this frame, and the finally below aborts the generation at once.
         try:
-            prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix, stream=True)
-            merger, _ = self.host.engine_requests.generate(prepared, renderer.request_id)
+            acquired, prepared, renderer = await self._start(request, context, prepare, renderer_cls, id_prefix,
+                                                             stream=True)
+            merger, _ = self.host.engine_requests.generate(acquired, prepared, renderer.request_id)
         except Exception as exc:
             await _abort(context, exc)
         try:
@@ -140,18 +143,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _start(self, request: Any, context: grpc.aio.ServicerContext, prepare: Prepare,
                      renderer_cls: type[Renderer], id_prefix: str, *,
-                     stream: bool) -> tuple[PreparedRequest, Renderer]:
-        """Auth, readiness, the shared validation path, admission (same order as the REST route)."""
+                     stream: bool) -> tuple[AcquiredModel, PreparedRequest, Renderer]:
+        """Auth, readiness (`acquire` checks it first), the shared validation path, admission (same order as the
+        REST route)."""
         tenant = self._authorize(context)
-        self.host.check_serving()
         body = request_to_body(request)
-        _, model = await self.host.acquire(requested_model(body))  # a model not loaded loads (or wakes) first
+        acquired = await self.host.acquire(requested_model(body))  # a model not loaded loads (or wakes) first
         if stream:
             body["stream"] = True
-        prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
+        prepared = await off_loop(prepare, body, acquired.model)  # validation and tokenization: never on the loop
         prepared.tenant = tenant
-        self.host.admission.admit(prepared)
-        return prepared, renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
+        self.host.admission.admit(acquired, prepared)
+        return acquired, prepared, renderer_cls(prepared, acquired.model.tokenizer, f"{id_prefix}-{uuid.uuid4().hex}")
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
         """The identity of the call's API key (None when the server has no keys); Unauthorized without one."""

@@ -4,8 +4,8 @@ alone when its core dies. This module holds what a slot is and how the models an
 ModelLifecycle (model_lifecycle.py) drives them.
 
 NOTE: one page budget, moved by demand while requests run. --kv-cache-memory (on CPU its default) is the whole
-server's, kept in a ledger in shared memory (pagegate.engine.serving.page_ledger) with an entry per model, and the
-models' entries never sum past it. Each core's pool is elastic (pagegate.engine.serving.elastic_pages): allocated
+server's, kept in a ledger in shared memory (pagegate.engine.memory.page_ledger) with an entry per model, and the
+models' entries never sum past it. Each core's pool is elastic (pagegate.engine.memory.elastic_pages): allocated
 for the whole budget on CPU (memory is committed only as pages are used), with a limit of usable pages that grows
 from the ledger when its requests lack pages and shrinks back to its floor, giving the rest back, once it has been
 idle a couple of seconds. A model that loads or wakes takes its floor; when less is free, idle models are shrunk to
@@ -30,8 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagegate.config import EngineConfig, parse_bytes
+from pagegate.engine.memory.page_ledger import ElasticSpec, PageLedger
 from pagegate.engine.serving.engine_client import EngineClient
-from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.settings import GatewayConfig, ServedModel
 

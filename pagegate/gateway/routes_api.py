@@ -12,9 +12,10 @@ from starlette.types import Receive, Scope, Send
 
 from pagegate.engine.outputs import RequestOutput
 from pagegate.gateway.auth import request_is_admin, request_key_identity
-from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, render_in_pieces, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, render, render_in_pieces, wants_msgpack
 from pagegate.gateway.errors import to_api_error
+from pagegate.gateway.gateway_state import host_of
+from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import (
     ModelContext,
     PreparedRequest,
@@ -46,17 +47,13 @@ async def _generate(
     renderer_cls: type[Renderer],
     id_prefix: str,
 ) -> Response:
-    host: EngineHost = request.app.state.host
-    host.check_serving()
-    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))  # a model not loaded loads (or wakes) first
-    prepared = await off_loop(prepare, body, model)  # validation and tokenization: never on the event loop
+    host, body, acquired = await read_and_acquire(request, generation=True)
+    prepared = await off_loop(prepare, body, acquired.model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
-    host.admission.admit(prepared)
-    renderer = renderer_cls(prepared, model.tokenizer, f"{id_prefix}-{request_id_of(request)}",
+    host.admission.admit(acquired, prepared)
+    renderer = renderer_cls(prepared, acquired.model.tokenizer, f"{id_prefix}-{request_id_of(request)}",
                             timing=wants_timing(request.headers))
-    merger, _ = host.engine_requests.generate(prepared, renderer.request_id, trace_headers(request.headers))
+    merger, _ = host.engine_requests.generate(acquired, prepared, renderer.request_id, trace_headers(request.headers))
     msgpack_out = wants_msgpack(request)
     if prepared.stream:
         return _stream(merger, renderer, msgpack_out, host.engine_requests.stream_pace)
@@ -113,13 +110,13 @@ async def _disconnected(request: Request) -> None:
 
 
 async def models(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     cards = host.model_cards(paths=request_is_admin(request.scope))
     return render({"object": "list", "data": cards}, msgpack_body=wants_msgpack(request))
 
 
 async def model_detail(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     requested = request.path_params["model"]
     if host.several:  # any model there is, loaded or not
         host.check_serving()

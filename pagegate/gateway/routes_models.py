@@ -18,6 +18,7 @@ from pagegate.engine.errors import InvalidParamError
 from pagegate.gateway.codec import read_body, render
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, BadRequest, NotFound
+from pagegate.gateway.gateway_state import host_of
 from pagegate.gateway.model_lifecycle import ModelBusy
 from pagegate.gateway.model_slots import SLEEPING, ModelSlot
 
@@ -39,14 +40,14 @@ async def unload(request: Request) -> Response:
 
 
 async def sleep(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     slot = _slot(host, await _named(request))
     await host.lifecycle.sleep_model(slot)
     return _answer(slot)
 
 
 async def wake_up(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     slot = _slot(host, await _named(request))
     host.check_serving()
     await host.lifecycle.load_model(slot)  # wakes a sleeping model, loads an unloaded one
@@ -54,7 +55,7 @@ async def wake_up(request: Request) -> Response:
 
 
 async def is_sleeping(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     slot = _slot(host, request.query_params.get("model"))
     return render({"model": slot.name, "is_sleeping": slot.state == SLEEPING}, msgpack_body=False)
 
@@ -88,7 +89,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 
 async def _lora_request(request: Request) -> tuple[EngineHost, dict[str, Any]]:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     if not host.config.allow_runtime_lora:
         raise BadRequest("Loading and unloading LoRA adapters at run time needs --enable-lora --allow-runtime-lora.")
     body: Any = await read_body(request, host.config.max_request_bytes)
@@ -112,7 +113,7 @@ def _lora_error(error: InvalidParamError) -> APIError:
 
 
 def _several(request: Request) -> EngineHost:
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     if not host.several:
         raise BadRequest("This server serves one model: loading and unloading need several (--model repeated, or "
                          "--models-dir).")
@@ -131,7 +132,7 @@ async def _named(request: Request, required: bool = False) -> str | None:
     that is not a name or that names another model than the query."""
     name = request.query_params.get("model")
     if request.headers.get("content-length", "0") != "0":
-        body: Any = await read_body(request, request.app.state.host.config.max_request_bytes)
+        body: Any = await read_body(request, host_of(request).config.max_request_bytes)
         named = body.get("model") if isinstance(body, dict) else None
         if named is not None and not isinstance(named, str):
             raise BadRequest("`model` must be a model's name (a string).", param="model")

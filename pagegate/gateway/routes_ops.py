@@ -12,31 +12,33 @@ from starlette.responses import JSONResponse, Response
 import pagegate
 from pagegate.engine.limits import check_token_ids
 from pagegate.engine.serving.replicas import merge_metrics
-from pagegate.gateway.codec import read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.codec import render, wants_msgpack
+from pagegate.gateway.engine_host import EngineHost
+from pagegate.gateway.gateway_state import gateway_state, host_of
 from pagegate.gateway.openapi import openapi_document
+from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, chat_prompt, off_loop
 from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
 
 
 async def health(request: Request) -> Response:
-    status, report = request.app.state.host.health()
+    status, report = host_of(request).health()
     return JSONResponse(report, status_code=status)
 
 
 async def metrics(request: Request) -> Response:
     """The engine's registry, then the gateway's live page counts and admission counters."""
-    host: EngineHost = request.app.state.host
+    state = gateway_state(request)
+    host, registry = state["host"], state["gateway_registry"]
     if host.several:
-        return Response(await models_metrics(host) + generate_latest(request.app.state.gateway_registry),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(await models_metrics(host) + generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     if host.engine is None:
         return Response(f"# engine {host.state}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
     try:
         engine_text = await host.engine.metrics_text()
     except Exception as exc:  # the core is gone: /health says why
         return Response(f"# engine unavailable: {exc}\n", status_code=503, media_type=CONTENT_TYPE_LATEST)
-    text = engine_text + generate_latest(request.app.state.gateway_registry)
+    text = engine_text + generate_latest(registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -61,12 +63,9 @@ async def openapi(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
-    host.check_serving()
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))
-    token_ids = await off_loop(_tokenize, body, model)
-    body = {"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids}
+    _, body, acquired = await read_and_acquire(request)
+    token_ids = await off_loop(_tokenize, body, acquired.model)
+    body = {"count": len(token_ids), "max_model_len": acquired.model.max_model_len, "tokens": token_ids}
     return render(body, msgpack_body=wants_msgpack(request))
 
 
@@ -81,11 +80,8 @@ def _tokenize(body: Any, model: ModelContext) -> list[int]:
 
 
 async def detokenize(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
-    host.check_serving()
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))
-    text = await off_loop(_detokenize, body, model)
+    _, body, acquired = await read_and_acquire(request)
+    text = await off_loop(_detokenize, body, acquired.model)
     return render({"prompt": text}, msgpack_body=wants_msgpack(request))
 
 
@@ -99,8 +95,8 @@ def _detokenize(body: Any, model: ModelContext) -> str:
 async def tokenizer_info(request: Request) -> Response:
     """vLLM's /tokenizer_info: what a client needs to use the served tokenizer remotely (lm-eval's
     `tokenizer_backend=remote` reads the special tokens and the chat template; /tokenize does the rest)."""
-    host: EngineHost = request.app.state.host
-    _, model = await host.acquire(request.query_params.get("model"))  # ?model=NAME with several models
+    acquired = await host_of(request).acquire(request.query_params.get("model"))  # ?model=NAME with several models
+    model = acquired.model
     tokenizer = model.require_tokenizer("model")
     body = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
             "eos_token_ids": tokenizer.eos_token_ids, "chat_template": tokenizer.chat_template,

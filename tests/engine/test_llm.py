@@ -135,6 +135,35 @@ def test_a_max_model_len_past_the_models_positions_fails_at_start(llama_model):
         LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, max_model_len=512)
 
 
+def test_the_llm_sleeps_wakes_and_takes_adapters_in_and_out(llama_model, tmp_path):
+    from pagegate.engine.errors import InvalidParamError
+    from pagegate.engine.lora import LoRARequest
+    from pagegate.testing.lora import lora_tensors, write_adapter
+
+    llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=32, kv_cache_dtype="float32", enable_lora=True,
+              max_lora_rank=4)
+    params, prompt = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), make_prompts()[1]
+
+    def tokens(lora: LoRARequest | None = None) -> list[int]:
+        return llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+
+    base = tokens()
+    llm.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        tokens()
+    assert llm.wake_up() == 32 and tokens() == base
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    hf_config = llama_model.hf_model.config
+    shapes = {"q_proj": (hf_config.hidden_size, hf_config.hidden_size)}
+    folder = str(write_adapter(tmp_path / "q", lora_tensors(shapes, hf_config.num_hidden_layers, 4, 1, 0.3), config))
+    lora_id = llm.load_lora_adapter("q", folder)
+    assert tokens(LoRARequest("q", lora_id, folder)) != base
+    llm.unload_lora_adapter("q")
+    assert_all_pages_free(llm)
+    with pytest.raises(InvalidParamError, match="does not exist"):
+        llm.unload_lora_adapter("q")
+
+
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from pagegate.config import EngineConfig
-from pagegate.gateway.app import build_app
 from pagegate.gateway.settings import GatewayConfig
+from tests.gateway.unstarted import unstarted_client
 
 
 @pytest.fixture
 def loading_app() -> TestClient:
     config = GatewayConfig(api_keys=["secret"], allowed_origins=["http://ui.example"], max_request_bytes=1000)
-    return TestClient(build_app(EngineConfig(), config))  # not entered: the lifespan (engine load) never runs
+    return unstarted_client(config)  # the lifespan (engine load) never runs
 
 
 def test_health_and_api_are_503_while_loading(loading_app: TestClient) -> None:

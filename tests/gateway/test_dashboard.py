@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from pagegate.config import EngineConfig
 from pagegate.core.page_map import rle_decode
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.pool_snapshot import PoolSnapshot
-from pagegate.gateway.app import build_app
 from pagegate.gateway.cli import build_parser, configs_from_args
 from pagegate.gateway.dashboard.frames import EVERY_ID, MAX_LISTED, FrameEncoder, shown_id
 from pagegate.gateway.dashboard.history import History
 from pagegate.gateway.settings import GatewayConfig
+from tests.gateway.unstarted import unstarted_client
 
 STATS = EngineStats(running=2, waiting=1, swapped=0, num_blocks=6, free_blocks=3, used_blocks=3, cached_blocks=1,
                     shared_blocks=1, kv_cache_usage=0.5, cpu_blocks=2, cpu_used_blocks=0, preemptions=0,
@@ -110,7 +109,7 @@ def test_history_points_are_per_interval_and_sent_once() -> None:
 
 @pytest.fixture
 def app() -> TestClient:
-    return TestClient(build_app(EngineConfig(), GatewayConfig(api_keys=["secret"])))  # no lifespan: no engine
+    return unstarted_client(GatewayConfig(api_keys=["secret"]))  # no lifespan: no engine
 
 
 def test_page_and_files_are_served_from_the_package(app: TestClient) -> None:
@@ -140,6 +139,6 @@ def test_disable_dashboard() -> None:
     assert configs_from_args(build_parser().parse_args([]))[1].enable_dashboard
     config = configs_from_args(build_parser().parse_args(["--disable-dashboard"]))[1]
     assert not config.enable_dashboard
-    app = TestClient(build_app(EngineConfig(), config))
+    app = unstarted_client(config)
     assert [app.get(p).status_code for p in ("/dashboard", "/dashboard/api/feed", "/dashboard/static/dashboard.js")] \
         == [404, 404, 404]

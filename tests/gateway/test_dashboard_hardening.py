@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagegate.gateway.app import build_app
+from pagegate.gateway.app import build_app, build_state
 from pagegate.gateway.dashboard.feed import DashboardFeed
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol
 from pagegate.gateway.request_id import RequestIdMiddleware
@@ -46,7 +46,8 @@ class ThreadedServer:
     """build_app under uvicorn with `pagegate serve`'s HTTP protocol, on a thread of this process."""
 
     def __init__(self, engine_config: EngineConfig, config: GatewayConfig) -> None:
-        self.app = build_app(engine_config, config)
+        self.state = build_state(engine_config, config)
+        self.app = build_app(self.state)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SERVER_SEND_BUFFER)  # accepted ones inherit it
         self.listener.bind(("127.0.0.1", 0))
@@ -58,11 +59,13 @@ class ThreadedServer:
 
     @property
     def dashboard(self) -> DashboardFeed:
-        return self.app.state.dashboard
+        dashboard = self.state["dashboard"]
+        assert dashboard is not None
+        return dashboard
 
     def start(self) -> ThreadedServer:
         self.thread.start()
-        host = self.app.state.host
+        host = self.state["host"]
         wait_for(lambda: host.state == "failed" or _healthy(self.base_url), "the server to become healthy", DEADLINE_S)
         assert host.state != "failed", host.reason
         return self
@@ -72,10 +75,10 @@ class ThreadedServer:
         async def call() -> T:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(call(), self.app.state.host.loop).result(DEADLINE_S)
+        return asyncio.run_coroutine_threadsafe(call(), self.state["host"].loop).result(DEADLINE_S)
 
     def stop(self) -> None:
-        self.on_loop(self.app.state.host.end_all)  # as SIGTERM does: the feeds end, so uvicorn can stop
+        self.on_loop(self.state["host"].end_all)  # as SIGTERM does: the feeds end, so uvicorn can stop
         self.server.should_exit = True
         self.thread.join(DEADLINE_S)
 
@@ -202,7 +205,7 @@ def _stuck_viewer(base_url: str) -> Iterator[socket.socket]:
 
 
 def test_a_hover_query_during_a_long_engine_step_gets_503_with_retry_after(served: ThreadedServer) -> None:
-    core = served.app.state.host.engine.process.pid  # stopped, the core answers nothing: as in a long step
+    core = served.state["host"].engine.process.pid  # stopped, the core answers nothing: as in a long step
     served.on_loop(lambda: setattr(served.dashboard, "query_timeout_s", 0.2))  # the wait, not the subject
     os.kill(core, signal.SIGSTOP)
     try:
@@ -254,7 +257,7 @@ def test_a_viewer_sees_only_its_own_keys_request_ids(served: ThreadedServer) -> 
 def _slow_steps(server: ThreadedServer) -> Iterator[None]:
     """The engine core is stopped a few milliseconds at a time, so that the embedded model's generation
     (thousands of tokens a second) is still running when the test looks at it."""
-    core, stop = server.app.state.host.engine.process.pid, threading.Event()
+    core, stop = server.state["host"].engine.process.pid, threading.Event()
 
     def pause_often() -> None:
         while not stop.is_set():

@@ -94,28 +94,26 @@ def test_recent_requests_keep_the_last_n_and_hide_other_keys_ids() -> None:
 
 def test_a_server_without_the_flag_never_imports_opentelemetry() -> None:
     code = ("import sys\n"
-            "from pagegate.gateway.app import build_app\n"
+            "from pagegate.gateway.app import build_app, build_state\n"
             "from pagegate.gateway.cli import build_parser, configs_from_args\n"
-            "app = build_app(*configs_from_args(build_parser().parse_args([])))\n"
-            "assert app.state.host.timings.tracer is None\n"
+            "state = build_state(*configs_from_args(build_parser().parse_args([])))\n"
+            "build_app(state)\n"
+            "assert state['host'].timings.tracer is None\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 
 def test_the_flag_and_the_recent_requests_route() -> None:
-    from starlette.testclient import TestClient
-
-    from pagegate.config import EngineConfig
-    from pagegate.gateway.app import build_app
     from pagegate.gateway.cli import build_parser, configs_from_args
     from pagegate.gateway.settings import GatewayConfig
+    from tests.gateway.unstarted import unstarted_client
 
     assert configs_from_args(build_parser().parse_args([]))[1].otlp_traces_endpoint is None
     flagged = configs_from_args(build_parser().parse_args(["--otlp-traces-endpoint", "http://c:4318"]))[1]
     assert flagged.otlp_traces_endpoint == "http://c:4318"
-    app = TestClient(build_app(EngineConfig(), GatewayConfig(api_keys=["secret"])))  # no lifespan: no engine
+    app = unstarted_client(GatewayConfig(api_keys=["secret"]))  # no lifespan: no engine
     assert app.get("/dashboard/api/recent").status_code == 401
-    app.app.state.host.timings.finished(finished_output("r"), 2, 0.9, "m", None)
+    app.app_state["host"].timings.finished(finished_output("r"), 2, 0.9, "m", None)
     response = app.get("/dashboard/api/recent", headers={"Authorization": "Bearer secret"})
     assert response.status_code == 200 and [row["request_id"] for row in response.json()["requests"]] == ["r"]

@@ -24,6 +24,7 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
+from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
@@ -53,7 +54,6 @@ from pagegate.engine.serving.frames import (
     add_frame,
     framed,
 )
-from pagegate.engine.serving.page_ledger import ElasticSpec
 from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
 
 log = logging.getLogger("pagegate.gateway")

@@ -15,7 +15,6 @@ step's milliseconds; the gateway keeps HTTP, validation, tokenizing, chat templa
 from __future__ import annotations
 
 import ctypes
-import gc
 import importlib
 import logging
 import os
@@ -30,14 +29,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
-from pagegate.engine.kv_cache import bytes_per_block, check_fits
-from pagegate.engine.lora import LoRARequest
 from pagegate.engine.lora.loader import AdapterLoader, LoadJob
-from pagegate.engine.lora.model import resolve_adapter
+from pagegate.engine.memory.page_ledger import receive_ledger
 from pagegate.engine.pool_snapshot import take_snapshot
-from pagegate.engine.runner import ModelRunner
-from pagegate.engine.scheduler import Scheduler
-from pagegate.engine.serving.elastic_pages import ElasticPages, elastic_config, elastic_pages
 from pagegate.engine.serving.frames import (
     CPUS_ENV,
     Abort,
@@ -65,7 +59,6 @@ from pagegate.engine.serving.frames import (
     WireTokenizer,
     framed,
 )
-from pagegate.engine.serving.page_ledger import receive_ledger
 from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, SPARE_FLAG, SPARE_PROCESS_NAME
 
 if TYPE_CHECKING:
@@ -82,12 +75,8 @@ IDLE_POLL_MS = 500  # an idle core wakes this often (SIGTERM sets `stopping` bet
 class CoreLoop:
     """Frames in, steps, frames out; the Engine and the socket are used from this thread only."""
 
-    def __init__(self, engine: Engine, sock: socket.socket, elastic: ElasticPages | None = None) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket) -> None:
         self.engine, self.sock = engine, sock
-        self.elastic = elastic  # its pool's limit in a shared page budget (None: a fixed pool)
-        if elastic is not None:
-            self._new_scheduler(elastic.floor)
-            elastic.adopt(elastic.spec.start_bytes)
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
         self.loader = self._adapter_loader()  # adapters loaded at run time are read off this loop
@@ -97,7 +86,6 @@ class CoreLoop:
         self.stopping = False
         self.unsent: dict[str, Request] = {}  # requests that moved since the last outputs frame
         self.last_sent = 0.0
-        self.asleep = False  # its KV pages are freed: it takes no request until it wakes
 
     def run(self) -> None:
         while not self.stopping:
@@ -113,8 +101,7 @@ class CoreLoop:
                 self._flush(urgent)
             elif took or self.unsent:  # aborts freed pages, or an add failed: the gateway's counts must see it
                 self._flush(True)
-            if self.elastic is not None and not self.asleep:
-                self._rebalance(busy)
+            self._rebalance(busy)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         if self.loader is not None:
@@ -130,12 +117,9 @@ class CoreLoop:
             pass
 
     def _rebalance(self, busy: bool) -> None:
-        """The elastic pool grows after a step that lacked pages, shrinks when idle; the gateway hears of a move at
+        """An elastic pool grows after a step that lacked pages, shrinks when idle; the gateway hears of a move at
         once (its share of the budget, its pages)."""
-        assert self.elastic is not None
-        before = self.elastic.limit
-        self.elastic.after_step(busy or self.engine.has_unfinished())
-        if self.elastic.limit != before:
+        if self.engine.memory.rebalance(busy or self.engine.has_unfinished()):
             self._flush(True)
 
     def _flush(self, urgent: bool) -> None:
@@ -188,11 +172,9 @@ class CoreLoop:
 
     def _add(self, frame: Add) -> None:
         try:
-            if self.asleep:
-                raise RuntimeError("the model is asleep: wake it up first")
             sampling = frame.sampling
             self.seqs_taken += sampling.n
-            adapter = resolve_adapter(self.engine.runner.lora, frame.lora_name)
+            adapter = self.engine.memory.adapter(frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
                                                       frame.cache_salt, frame.pin, frame.embed, adapter,
                                                       frame.tenant)
@@ -203,8 +185,9 @@ class CoreLoop:
 
     def _answer(self, call_id: int, name: CallName, arg: CallArg = None) -> None:
         try:
-            with_arg: dict[str, Callable[[Any], CallResult]] = {"wake": self._wake, "resize": self._resize,
-                                                                "unload_lora": self._unload_lora}
+            with_arg: dict[str, Callable[[Any], CallResult]] = {"wake": self.engine.wake_up,
+                                                                "resize": self.engine.resize,
+                                                                "unload_lora": self.engine.unload_adapter}
             if name == "load_lora":
                 self._load_lora(call_id, arg)
                 return  # answered once the loader has read it (_finish_loads)
@@ -212,7 +195,8 @@ class CoreLoop:
                 result = with_arg[name](arg)
             else:
                 without_arg: dict[str, Callable[[], CallResult]] = {"snapshot": self._snapshot,
-                                                                    "metrics": self._metrics, "sleep": self._sleep}
+                                                                    "metrics": self._metrics,
+                                                                    "sleep": self.engine.sleep}
                 result = without_arg[name]()
             self._send(Reply(call_id, result))
         except Exception as error:
@@ -222,74 +206,12 @@ class CoreLoop:
     def _snapshot(self) -> WireSnapshot:
         return WireSnapshot.of(take_snapshot(self.engine))
 
-    def _sleep(self) -> None:
-        """Free the KV pages, keep the weights (vLLM's sleep level 1: on CPU the weights already live in host
-        memory, so nothing is offloaded); a RuntimeError while requests run.
-
-        NOTE: the pages' contents go with them, unless the KV tiers are on: then every cached page goes down them
-        first and a woken core finds its prefixes (and pinned conversations) there; without tiers it starts cold."""
-        if self.asleep:
-            return
-        engine, events = self.engine, self.engine.config.kv_events
-        if engine.has_unfinished():
-            raise RuntimeError("the engine has requests running: it cannot sleep")
-        if not isinstance(engine.runner, ModelRunner) or (events is not None and events.enable_kv_cache_events):
-            raise ValueError("this engine cannot sleep (an encoder, or KV-cache events are published)")
-        engine.runner.free_kv_cache(engine.scheduler.pool)
-        if self.elastic is not None:
-            self.elastic.slept()
-        gc.collect()
-        self.asleep = True
-
-    def _wake(self, kv_bytes: int | None = None) -> int:
-        """Fresh KV pages (as many as before, or `kv_bytes` of them) and a fresh scheduler over them; the number of
-        pages."""
-        engine, config = self.engine, self.engine.config
-        runner = engine.runner
-        assert isinstance(runner, ModelRunner)
-        if not self.asleep:
-            if self.elastic is not None:  # the bytes reserved for a wake it did not need go back
-                self.elastic.ledger.give(self.elastic.spec.entry, kv_bytes or 0)
-                return self.elastic.limit
-            return runner.num_blocks
-        if kv_bytes is not None and self.elastic is None:  # an elastic pool keeps its capacity and adopts kv_bytes
-            runner.num_blocks = self._pages_for(kv_bytes)
-            engine.metrics.cache_config(config.cache.block_size, runner.num_blocks)
-        runner.allocate_kv_cache()
-        self._new_scheduler(self.elastic.floor if self.elastic is not None else None)
-        self.asleep = False
-        if self.elastic is not None:
-            return self.elastic.adopt(kv_bytes if kv_bytes is not None else self.elastic.spec.floor_bytes)
-        return runner.num_blocks
-
-    def _new_scheduler(self, limit: int | None) -> None:
-        """A fresh scheduler over the runner's pages (`limit`: of them usable, an elastic pool's floor)."""
-        engine, config = self.engine, self.engine.config
-        runner = engine.runner
-        assert isinstance(runner, ModelRunner)
-        engine.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, runner.num_cpu_blocks,
-                                     runner.max_model_len, config.speculative, runner.draft, runner.tiers,
-                                     runner.lora, limit)  # adapters are read into the fresh pool's pages on demand
-        runner.bind(engine.scheduler.tables)
-        engine.monitor.rebind(engine.scheduler.pool)
-        engine.metrics.rebase(engine.scheduler.stats())
-        engine.refresh_stats()
-
-    def _resize(self, kv_bytes: int) -> int:
-        """An idle core's pool to `kv_bytes` of pages, in one call (no request can come between its sleep and its
-        wake); the number of pages. Its prefix cache is lost, as in a sleep; an elastic pool moves its limit in
-        place instead (its cached pages below the limit kept)."""
-        if self.elastic is not None:
-            return self.elastic.resize(kv_bytes)
-        self._pages_for(kv_bytes)  # a size that cannot hold one sequence is refused before anything is freed
-        self._sleep()
-        return self._wake(kv_bytes)
-
     def _adapter_loader(self) -> AdapterLoader | None:
-        lora = self.engine.runner.lora
-        if lora is None:
+        """Adapters loaded at run time are Engine.load_adapter in two halves: read on the loader's thread, installed
+        on this one between two steps."""
+        if not self.engine.memory.serves_adapters:
             return None
-        loader = AdapterLoader(lambda name, path: lora.read(name, path, lora.config.lora_dir))
+        loader = AdapterLoader(self.engine.memory.read_adapter)
         self.poller.register(loader.wake_fd, select.POLLIN)
         return loader
 
@@ -307,36 +229,15 @@ class CoreLoop:
         """Install the adapters the loader has read (weights in host memory, paged in on first use) and answer
         their calls; a refused one answers its ValueError."""
         assert self.loader is not None
-        lora = self.engine.runner.lora
         for done in self.loader.finished():
             try:
                 if isinstance(done.result, Exception):
                     raise done.result
-                assert lora is not None
-                registered = lora.install(LoRARequest(done.job.name, lora.next_id, done.job.path), done.result)
-                self._send(Reply(done.job.call_id, registered.request.lora_int_id))
+                lora_id = self.engine.memory.load_adapter(done.job.name, done.job.path, done.result)
+                self._send(Reply(done.job.call_id, lora_id))
             except Exception as error:
                 log.warning("loading LoRA adapter %r failed: %s", done.job.name, error)
                 self._send(Reply(done.job.call_id, error=CallError.of(error)))
-
-    def _unload_lora(self, name: str) -> None:
-        """Forget an adapter: InvalidParamError (model_not_found) for an unknown one, ValueError while requests use
-        it (they are never broken: the client retries once they are done)."""
-        lora = self.engine.runner.lora
-        resolve_adapter(lora, name)
-        self.engine.scheduler.unload_adapter(name)
-        assert lora is not None
-        lora.unregister(name)
-        self.engine.refresh_stats()
-
-    def _pages_for(self, kv_bytes: int) -> int:
-        runner, cache = self.engine.runner, self.engine.config.cache
-        assert isinstance(runner, ModelRunner)
-        model = runner.model
-        page = bytes_per_block(model.num_layers, cache.block_size, model.num_kv_heads, model.head_dim,
-                               runner.kv_format)
-        check_fits(kv_bytes // page, cache.block_size, runner.max_model_len, page)
-        return kv_bytes // page
 
     def _metrics(self) -> bytes:
         from prometheus_client import generate_latest
@@ -344,9 +245,8 @@ class CoreLoop:
         return generate_latest(self.engine.metrics.registry)
 
     def load(self) -> CoreLoad:
-        engine, scheduler = self.engine, self.engine.scheduler
-        return CoreLoad(engine.stats(), engine.health(), scheduler.num_waiting_seqs, scheduler.free_slots,
-                        self.seqs_taken, self.seqs_aborted)
+        engine = self.engine
+        return CoreLoad(engine.stats(), engine.health(), *engine.seats(), self.seqs_taken, self.seqs_aborted)
 
     def _send(self, frame: Frame) -> None:
         self.sock.sendall(framed(frame))
@@ -355,7 +255,7 @@ class CoreLoop:
 def ready_frame(loop: CoreLoop) -> Ready:
     engine = loop.engine
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
-                 list(engine.eos_token_ids), engine.runner.generation.sampling_overrides(),
+                 list(engine.eos_token_ids), engine.generation.sampling_overrides(),
                  WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load())
 
 
@@ -371,16 +271,12 @@ def serve(spec: CoreSpec) -> int:
     try:
         if spec.elastic is not None:  # the gateway's descriptor number means nothing here: ours came on the socket
             spec = replace(spec, elastic=replace(spec.elastic, ledger_fd=receive_ledger(sock)))
-        config = elastic_config(spec.config, spec.elastic) if spec.elastic is not None else spec.config
-        engine = Engine(config)
-        elastic = elastic_pages(engine, spec.elastic)
+        engine = Engine(spec.config, spec.elastic, on_worker_death=_worker_died)
     except Exception as error:
         log.debug("the engine failed to start", exc_info=True)
         sock.sendall(framed(Failed(type(error).__name__, str(error))))
         return 1
-    if engine.runner.workers is not None:  # a dead rank: end here, the gateway sees the exit and fails streams
-        engine.runner.workers.on_death = _worker_died
-    loop = CoreLoop(engine, sock, elastic)
+    loop = CoreLoop(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
     sock.sendall(framed(ready_frame(loop)))
     loop.run()
@@ -390,6 +286,7 @@ def serve(spec: CoreSpec) -> int:
 
 
 def _worker_died(message: str) -> None:
+    """A dead rank: end here; the gateway sees the exit and fails the streams."""
     log.error("a tensor-parallel worker died (%s): the engine core stops", message)
     logging.shutdown()
     os._exit(1)

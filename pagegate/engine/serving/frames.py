@@ -29,13 +29,13 @@ import numpy as np
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
-from pagegate.engine.serving.page_ledger import ElasticSpec
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request

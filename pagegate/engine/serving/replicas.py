@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineStalledError
+from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.metrics import HEALTH_GRADES
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -29,7 +30,6 @@ from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.frames import CPUS_ENV
-from pagegate.engine.serving.page_ledger import ElasticSpec
 
 
 class PrefixIndex:

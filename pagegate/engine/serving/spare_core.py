@@ -27,8 +27,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagegate.engine.memory.page_ledger import send_ledger
 from pagegate.engine.serving.frames import CoreSpec
-from pagegate.engine.serving.page_ledger import send_ledger
 
 log = logging.getLogger("pagegate.gateway")
 

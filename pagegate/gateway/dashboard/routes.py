@@ -18,6 +18,7 @@ from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.dashboard.feed import DashboardFeed, Viewer
 from pagegate.gateway.dashboard.frames import EVERY_ID, Audience, shown_id
 from pagegate.gateway.errors import BadRequest, NotFound
+from pagegate.gateway.gateway_state import gateway_state, host_of
 from pagegate.gateway.http_protocol import CONNECTION_EXTENSION
 
 STATIC = Path(__file__).parent / "static"
@@ -39,12 +40,12 @@ def dashboard_routes() -> list[BaseRoute]:
 async def page(request: Request) -> Response:
     """The page itself holds no data, so it needs no key; it asks for one when the server has keys."""
     html = (STATIC / "index.html").read_text()
-    needs_key = "true" if request.app.state.host.config.every_api_key else "false"
+    needs_key = "true" if host_of(request).config.every_api_key else "false"
     return HTMLResponse(html.replace("{{auth_required}}", needs_key), headers={"Cache-Control": "no-store"})
 
 
 async def feed(request: Request) -> Response:
-    dashboard: DashboardFeed = request.app.state.dashboard
+    dashboard = _dashboard(request)
     viewer = dashboard.join(audience(request), abort=_connection_abort(request.scope))
     return FeedResponse(dashboard, viewer)
 
@@ -65,6 +66,14 @@ class FeedResponse(StreamingResponse):
             self.dashboard.leave(self.viewer)
 
 
+def _dashboard(request: Request) -> DashboardFeed:
+    """The feed: its routes are mounted only where there is one (no --disable-dashboard)."""
+    dashboard = gateway_state(request)["dashboard"]
+    if dashboard is None:
+        raise NotFound("The dashboard is disabled (--disable-dashboard).")
+    return dashboard
+
+
 def _connection_abort(scope: Scope) -> Callable[[], None] | None:
     """What resets this request's connection, where the server offers it (pagegate serve's uvicorn does)."""
     return (scope.get("extensions") or {}).get(CONNECTION_EXTENSION, {}).get("abort")
@@ -72,7 +81,7 @@ def _connection_abort(scope: Scope) -> Callable[[], None] | None:
 
 def audience(request: Request) -> Audience:
     """Whose request ids this viewer may see: with several API keys only its own key's, else every one."""
-    if len(set(request.app.state.host.config.every_api_key)) <= 1:
+    if len(set(host_of(request).config.every_api_key)) <= 1:
         return EVERY_ID
     return request_key_identity(request.scope) or NOBODY
 
@@ -82,8 +91,8 @@ async def request_pages(request: Request) -> Response:
     request_id = request.query_params.get("request")
     if not request_id:
         raise BadRequest("Missing query parameter 'request'.", param="request")
-    snapshot = await request.app.state.dashboard.current()
-    tenants = request.app.state.host.engine_requests.request_tenants
+    snapshot = await _dashboard(request).current()
+    tenants = host_of(request).engine_requests.request_tenants
     visible = shown_id(request_id, audience(request), tenants) is not None
     device, cpu = (snapshot.pages_of(request_id) if visible else None) or ((), ())  # another key's: as if gone
     return JSONResponse({"request": request_id, "pages": list(map(int, device)), "cpu_pages": list(map(int, cpu))})
@@ -93,7 +102,7 @@ async def recent_requests(request: Request) -> Response:
     """The last finished requests, newest first, each with where its time went (request_timing.py); the page
     polls it. Other keys' requests are listed without their ids."""
     seen_by = audience(request)
-    rows = request.app.state.host.timings.rows(seen_by, every_id=seen_by is EVERY_ID)
+    rows = host_of(request).timings.rows(seen_by, every_id=seen_by is EVERY_ID)
     return JSONResponse({"requests": rows}, headers={"Cache-Control": "no-store"})
 
 
@@ -104,12 +113,12 @@ async def page_holders(request: Request) -> Response:
         page_id = int(request.query_params.get("id", ""))
     except ValueError:
         raise BadRequest("Query parameter 'id' must be a page number.", param="id") from None
-    snapshot = await request.app.state.dashboard.current()
+    snapshot = await _dashboard(request).current()
     states = snapshot.cpu_states if cpu else snapshot.device_states
     if not 0 <= page_id < len(states):
         raise NotFound(f"No page {page_id} in a pool of {len(states)}.", param="id")
     state = int(states[page_id])
-    seen_by, tenants = audience(request), request.app.state.host.engine_requests.request_tenants
+    seen_by, tenants = audience(request), host_of(request).engine_requests.request_tenants
     holders = snapshot.holders_of(page_id, cpu)
     shown = [rid for rid in holders if shown_id(rid, seen_by, tenants) is not None]
     return JSONResponse({"page": page_id, "pool": "cpu" if cpu else "device", "refcount": state & MAX_REFCOUNT,

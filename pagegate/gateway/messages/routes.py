@@ -9,27 +9,27 @@ import secrets
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.auth import request_key_identity
-from pagegate.gateway.codec import EVENT_STREAM, read_body, render
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.codec import EVENT_STREAM, render
 from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
+from pagegate.gateway.gateway_state import host_of
 from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest, parse_messages
 from pagegate.gateway.messages.render import MessagesRenderer
+from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.routes_api import CLIENT_CLOSED, GenerationStreamResponse, until_disconnect
 from pagegate.gateway.streaming import collect, stream_body
 
 
-async def _prepare(request: Request, host: EngineHost,
-                   request_cls: type[MessagesRequest] = MessagesRequest) -> tuple[MessagesRequest, PreparedRequest]:
-    host.check_serving()
-    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))
+async def _prepare(
+    request: Request, request_cls: type[MessagesRequest] = MessagesRequest,
+) -> tuple[AcquiredModel, MessagesRequest, PreparedRequest]:
+    _, body, acquired = await read_and_acquire(request, generation=True)
     parsed = await off_loop(parse_messages, request_cls, body)
-    prepared = await off_loop(_prepare_chat, parsed, model)
+    prepared = await off_loop(_prepare_chat, parsed, acquired.model)
     prepared.tenant = request_key_identity(request.scope)
-    return parsed, prepared
+    return acquired, parsed, prepared
 
 
 def _prepare_chat(parsed: MessagesRequest, model: ModelContext) -> PreparedRequest:
@@ -40,12 +40,12 @@ def _prepare_chat(parsed: MessagesRequest, model: ModelContext) -> PreparedReque
 
 
 async def create_message(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
-    parsed, prepared = await _prepare(request, host)
-    host.admission.admit(prepared)
-    renderer = MessagesRenderer(prepared, host.require_engine(prepared.model)[1].tokenizer, "msg_" + secrets.token_hex(12),
+    host = host_of(request)
+    acquired, parsed, prepared = await _prepare(request)
+    host.admission.admit(acquired, prepared)
+    renderer = MessagesRenderer(prepared, acquired.model.tokenizer, "msg_" + secrets.token_hex(12),
                                 stop_sequences=parsed.stop_sequences or [])
-    merger, _ = host.engine_requests.generate(prepared, renderer.request_id)
+    merger, _ = host.engine_requests.generate(acquired, prepared, renderer.request_id)
     if prepared.stream:
         body = stream_body(merger, renderer, lambda exc: anthropic_error_body(to_api_error(exc)), False, host.engine_requests.stream_pace)
         return GenerationStreamResponse(body, merger, headers={"Cache-Control": "no-cache"}, media_type=EVENT_STREAM)
@@ -57,5 +57,5 @@ async def create_message(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count as /v1/messages would render it (nothing runs)."""
-    _, prepared = await _prepare(request, request.app.state.host, CountTokensRequest)
+    _, _, prepared = await _prepare(request, CountTokensRequest)
     return render({"input_tokens": len(prepared.prompts[0].token_ids)}, msgpack_body=False)

@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagegate.gateway.auth import request_key_identity
-from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, read_body, render, wants_msgpack
-from pagegate.gateway.engine_host import EngineHost, requested_model
+from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, render, wants_msgpack
 from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error, without_tags
+from pagegate.gateway.gateway_state import gateway_state
+from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
 from pagegate.gateway.responses.conversation import (
@@ -60,25 +61,21 @@ def prepare_turn(parsed: ResponsesRequest, previous: StoredResponse | None, mode
 
 
 async def create_response(request: Request) -> Response:
-    host: EngineHost = request.app.state.host
-    store: ResponseStore = request.app.state.responses
-    host.check_serving()
-    host.admission.check_generates()  # before the body: an embedding server's 400 says what it is
-    body = await read_body(request, host.config.max_request_bytes)
-    _, model = await host.acquire(requested_model(body))
+    store = gateway_state(request)["responses"]
+    host, body, acquired = await read_and_acquire(request, generation=True)
     tenant = request_key_identity(request.scope)
     check_input_count(body, host.config.responses_max_input_items)
     parsed = await off_loop(parse_responses, body)
     previous = _previous(store, parsed, tenant)
-    turn = await off_loop(prepare_turn, parsed, previous, model)
+    turn = await off_loop(prepare_turn, parsed, previous, acquired.model)
     prepared = turn.prepared
     prepared.tenant = tenant
     response_id = "resp_" + secrets.token_hex(16)
     if parsed.store:
         prepared.pin = host.engine_requests.pin_for(response_id)
-    host.admission.admit(prepared)
-    renderer = ResponsesRenderer(prepared, model.tokenizer, response_id, base=describe(parsed))
-    merger, _ = host.engine_requests.generate(prepared, response_id)
+    host.admission.admit(acquired, prepared)
+    renderer = ResponsesRenderer(prepared, acquired.model.tokenizer, response_id, base=describe(parsed))
+    merger, _ = host.engine_requests.generate(acquired, prepared, response_id)
 
     async def keep() -> None:
         """Store the finished response (its own turn only: the rest is its previous response's); its
@@ -140,7 +137,7 @@ def _with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _stored(request: Request) -> StoredResponse:
-    store: ResponseStore = request.app.state.responses
+    store = gateway_state(request)["responses"]
     response_id = request.path_params["response_id"]
     record = store.get(response_id, request_key_identity(request.scope))
     if record is None:
@@ -154,7 +151,7 @@ async def get_response(request: Request) -> Response:
 
 async def delete_response(request: Request) -> Response:
     record = _stored(request)
-    request.app.state.responses.delete(record.id, record.tenant)
+    gateway_state(request)["responses"].delete(record.id, record.tenant)
     return render({"id": record.id, "object": "response.deleted", "deleted": True},
                   msgpack_body=wants_msgpack(request))
 

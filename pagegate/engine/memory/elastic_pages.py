@@ -1,5 +1,5 @@
 """An engine core's elastic pool: pages allocated for the server's whole budget, a limit of them usable, moved by
-demand through the ledger the cores of a several-model server share (pagegate.engine.serving.page_ledger).
+demand through the ledger the cores of a several-model server share (page_ledger.py).
 
 NOTE: grown by demand, given back when idle. After a step whose admission or running sequences lacked pages, the
 core takes more from the ledger, in chunks of at least a sixteenth of its capacity (one page at a time would pay a
@@ -20,15 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from pagegate.config import EngineConfig
 from pagegate.engine.kv_cache import check_fits
 from pagegate.engine.loading.loader import resolve_device
-from pagegate.engine.prefix_tiers import spill
+from pagegate.engine.memory.page_ledger import ElasticSpec, PageLedger
 from pagegate.engine.runner import ModelRunner
-from pagegate.engine.scheduler import Scheduler
-from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 
 log = logging.getLogger("pagegate.engine_core")  # the engine-core process (not the page core, pagegate.core)
 
@@ -47,45 +45,33 @@ def elastic_config(config: EngineConfig, spec: ElasticSpec) -> EngineConfig:
     return replace(config, cache=replace(config.cache, kv_cache_memory=str(kv_bytes), num_kv_blocks=None))
 
 
-def elastic_pages(engine: Engine, spec: ElasticSpec | None) -> ElasticPages | None:
-    """The engine's elastic pool, or None for a fixed one (no spec, or an encoder's pool, which keeps its start
-    share)."""
-    return ElasticPages(engine, spec) if spec is not None and isinstance(engine.runner, ModelRunner) else None
-
-
-class Engine(Protocol):
-    """What an elastic pool uses of the engine (only the engine's faces import engine.py)."""
+class LimitedPool(Protocol):
+    """What the policy moves: the pages of a pool (pool.KVPool) usable now, and what its scheduler lacked."""
 
     @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def runner(self) -> object: ...
-    @property
-    def scheduler(self) -> Scheduler: ...
-    @property
-    def metrics(self) -> Any: ...
-    def refresh_stats(self) -> None: ...
+    def limit(self) -> int: ...
+    def move_limit(self, pages: int, refresh: bool = True) -> int: ...
+    def take_pages_short(self) -> int: ...
 
 
 class ElasticPages:
-    """The limit of one core's pool and the bytes its model's ledger entry holds for it."""
+    """The limit of one core's pool and the bytes its model's ledger entry holds for it; the pool carries out the
+    moves (`move_limit`), this decides them."""
 
-    def __init__(self, engine: Engine, spec: ElasticSpec) -> None:
-        runner = engine.runner
-        assert isinstance(runner, ModelRunner)
-        self.engine, self.spec = engine, spec
+    def __init__(self, pool: LimitedPool, runner: ModelRunner, spec: ElasticSpec) -> None:
+        self.pool, self.spec = pool, spec
         self.ledger = PageLedger.attach(spec.ledger_fd)
         self.capacity = runner.num_blocks
         self.page_bytes = runner.kv_cache.page_bytes
-        cache = engine.config.cache
-        self.floor = max(spec.floor_bytes // self.page_bytes, -(-runner.max_model_len // cache.block_size))
-        check_fits(self.capacity, cache.block_size, runner.max_model_len, self.page_bytes)
+        block_size = runner.config.cache.block_size
+        self.floor = max(spec.floor_bytes // self.page_bytes, -(-runner.max_model_len // block_size))
+        check_fits(self.capacity, block_size, runner.max_model_len, self.page_bytes)
         self.last_busy = time.monotonic()
         self.refused_at = 0.0  # when the ledger last had nothing to give
 
     @property
     def limit(self) -> int:
-        return int(self.engine.scheduler.pool.num_blocks)
+        return self.pool.limit
 
     def adopt(self, kv_bytes: int) -> int:
         """A fresh pool (at load or wake, built limited to the floor) takes the `kv_bytes` reserved for it: its
@@ -99,9 +85,8 @@ class ElasticPages:
                                  "(one sequence of max_model_len): give more --kv-cache-memory or a smaller "
                                  "--max-model-len")
             kv_bytes += missing
-        reached = self._move(pages if pages >= self.floor else self.floor)
+        reached = self.pool.move_limit(pages if pages >= self.floor else self.floor)
         self.ledger.give(self.spec.entry, kv_bytes - reached * self.page_bytes)
-        self.engine.scheduler.grow_pool = self.grow_now
         return reached
 
     def grow_now(self, pages: int) -> int:
@@ -126,7 +111,7 @@ class ElasticPages:
         self._yield_to_others()
         if busy:
             self.last_busy = now
-            short = self.engine.scheduler.take_pages_short()
+            short = self.pool.take_pages_short()
             if short:
                 self.grow(max(short, self.capacity // GROW_CHUNK))
         elif now - self.last_busy >= REBALANCE_IDLE_S and self.limit > self.floor:
@@ -162,13 +147,13 @@ class ElasticPages:
         self.ledger.give(self.spec.entry, taken - granted * self.page_bytes)  # a part of a page: back
         if granted:
             log.info("KV pool grows to %d pages (+%d from the shared budget)",
-                     self._move(self.limit + granted, refresh), granted)
+                     self.pool.move_limit(self.limit + granted, refresh), granted)
         return self.limit
 
     def shrink(self, pages: int) -> int:
         """Down to `pages` (not below the floor, nor below a page in use), the rest back to the ledger; the limit."""
         old = self.limit
-        reached = self._move(max(pages, self.floor))
+        reached = self.pool.move_limit(max(pages, self.floor))
         if reached < old:
             self.ledger.give(self.spec.entry, (old - reached) * self.page_bytes)
             log.info("KV pool shrinks to %d pages (%d back to the shared budget)", reached, old - reached)
@@ -183,21 +168,7 @@ class ElasticPages:
         """Its pages are freed: everything it held goes back."""
         self.ledger.give(self.spec.entry, self.limit * self.page_bytes)
 
-    def _move(self, pages: int, refresh: bool = True) -> int:
-        """The pool's limit to `pages`; a shrink writes its evicted pages down the tiers (if any) and gives the
-        tail's memory back to the OS. The limit reached."""
-        engine = self.engine
-        runner = engine.runner
-        assert isinstance(runner, ModelRunner)
-        old = self.limit
-        reached = engine.scheduler.set_limit(pages)
-        if reached < old:
-            pool = engine.scheduler.pool
-            if runner.tiers is not None and engine.scheduler.tiers is not None:
-                spill(runner.kv_cache, runner.tiers, pool.take_evicted())  # before their bytes are dropped
-            runner.kv_cache.release_pages(reached, old)
-        if reached != old:
-            engine.metrics.cache_config(engine.config.cache.block_size, reached)
-            if refresh:
-                engine.refresh_stats()
-        return reached
+    def give_back(self, kv_bytes: int) -> int:
+        """Bytes reserved for a wake it did not need (it was awake) back to the ledger; the limit."""
+        self.ledger.give(self.spec.entry, kv_bytes)
+        return self.limit

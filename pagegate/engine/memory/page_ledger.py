@@ -35,7 +35,7 @@ _FIELDS = 2  # an entry's counters: the bytes it holds, when it was last refused
 
 @dataclass(frozen=True)
 class ElasticSpec:
-    """A core's elastic pool (several models sharing one page budget; pagegate.engine.serving.elastic_pages): its
+    """A core's elastic pool (several models sharing one page budget; pagegate.engine.memory.elastic_pages): its
     pages are allocated for the whole budget (config's kv_cache_memory) and it may use `start_bytes` of them,
     already taken for it in the ledger's `entry`; it grows from the ledger and shrinks back to `floor_bytes`."""
 

@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from pagegate.engine.serving.page_ledger import PageLedger, receive_ledger, send_ledger
+from pagegate.engine.memory.page_ledger import PageLedger, receive_ledger, send_ledger
 
 
 def test_takes_are_bounded_by_what_is_free():

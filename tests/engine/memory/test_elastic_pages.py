@@ -11,9 +11,9 @@ import pagegate
 from pagegate import SamplingParams
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.engine.engine import Engine
+from pagegate.engine.memory.elastic_pages import ElasticPages
+from pagegate.engine.memory.page_ledger import ElasticSpec, PageLedger
 from pagegate.engine.runner import ModelRunner
-from pagegate.engine.serving.elastic_pages import ElasticPages, elastic_config, elastic_pages
-from pagegate.engine.serving.page_ledger import ElasticSpec, PageLedger
 
 MODEL = str(Path(pagegate.__file__).parent / "engine" / "default_model")
 BUDGET_PAGES, FLOOR_PAGES = 64, 8
@@ -46,17 +46,16 @@ def elastic_engine(ledger: PageLedger, entry: int, page_bytes: int) -> tuple[Eng
     floor = FLOOR_PAGES * page_bytes
     assert ledger.take(entry, floor, floor) == floor
     spec = ElasticSpec(ledger.fileno(), entry, floor, floor, BUDGET_PAGES * page_bytes)
-    engine = Engine(elastic_config(config(CacheConfig(block_size=16)), spec))
-    pages = elastic_pages(engine, spec)
-    assert pages is not None
-    engine.scheduler.set_limit(pages.floor)
-    pages.adopt(floor)
+    engine = Engine(config(CacheConfig(block_size=16)), spec)
+    pages = engine.memory.elastic
+    assert pages is not None and pages.limit == pages.floor == FLOOR_PAGES
+    assert engine.runner.num_blocks == BUDGET_PAGES  # allocated for the whole budget on CPU (elastic_config)
     return engine, pages
 
 
 def step(engine: Engine, pages: ElasticPages) -> None:
     engine.step()
-    pages.after_step(engine.has_unfinished())
+    engine.memory.rebalance(engine.has_unfinished())
 
 
 def add(engine: Engine, name: str, count: int) -> None:
@@ -97,3 +96,22 @@ def test_a_busy_pool_takes_the_idle_ones_pages_then_keeps_to_its_fair_share(ledg
     finally:
         first.close()
         second.close()
+
+
+def test_an_elastic_pool_sleeps_back_into_the_ledger_and_wakes_at_its_floor(ledger: PageLedger,
+                                                                           page_bytes: int) -> None:
+    engine, pages = elastic_engine(ledger, 0, page_bytes)
+    floor = FLOOR_PAGES * page_bytes
+    try:
+        assert engine.scheduler.grow_pool == pages.grow_now  # the policy grows the pool inside a step
+        engine.sleep()
+        assert ledger.held(0) == 0  # everything it held goes back
+        assert ledger.take(0, floor, floor) == floor  # the gateway reserves a wake's pages first
+        assert engine.wake_up() == FLOOR_PAGES and ledger.held(0) == floor
+        assert engine.scheduler.grow_pool == pages.grow_now  # the fresh scheduler is built the same way
+        assert ledger.take(0, floor, floor) == floor  # reserved for a wake that finds the pool awake
+        assert engine.wake_up(floor) == FLOOR_PAGES and ledger.held(0) == floor  # so it goes back
+        assert engine.resize(2 * floor) == 2 * FLOOR_PAGES and ledger.held(0) == 2 * floor  # in place, by the ledger
+        assert engine.resize(floor) == FLOOR_PAGES and ledger.held(0) == floor
+    finally:
+        engine.close()
