@@ -1,5 +1,6 @@
 """docs/CONTRACTS.md names exactly the members of the EngineClient Protocol and the frames of the engine-core seam,
-so the page cannot drift from the code."""
+so the page cannot drift from the code: a check of names. What each member does, as the page says it, is checked by
+behaviour against real engine cores in tests/engine/serving/test_client_contract.py."""
 
 from __future__ import annotations
 
