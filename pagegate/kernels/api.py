@@ -11,6 +11,8 @@ import torch
 
 from pagegate.kernels import reference
 from pagegate.kernels.dispatch import fused_cpu_kernel, requested_backend, resolve_backend
+from pagegate.kernels.kv_format import format_of
+from pagegate.kernels.rotation import rotate, unrotate
 
 
 class AttentionOps:
@@ -31,7 +33,9 @@ class AttentionOps:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Scatter key/value [T, Hkv, D] into cache slots slot_mapping[T] in the caches' page format; slot -1 is
-        padding, skipped."""
+        padding, skipped. Rotated pages (int4) take R key and R value (rotation.py)."""
+        if format_of(k_cache).rotated:
+            key, value = rotate(key).to(key.dtype), rotate(value).to(value.dtype)
         if self._fused is not None and self._fused.supports(key, k_cache, v_cache) and k_cache.is_contiguous():
             self._fused.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
@@ -51,6 +55,17 @@ class AttentionOps:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         softcap = reference.check_softcap(softcap)
+        if format_of(k_cache).rotated:  # R q meets R k; the output, a sum of R v, is rotated back
+            result = self._attend(rotate(query).to(query.dtype), k_cache, v_cache, block_tables, seq_lens,
+                                  query_start_loc, scale, sliding_window, softcap, None)
+            result = unrotate(result).to(query.dtype)
+            return result if out is None else out.copy_(result)
+        return self._attend(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                            softcap, out)
+
+    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int | None,
+                softcap: float | None, out: torch.Tensor | None) -> torch.Tensor:
         if self._fused is not None and self._fused.supports(query, k_cache, v_cache):  # dtypes: per call
             return self._fused.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                scale, sliding_window, softcap=softcap, out=out)

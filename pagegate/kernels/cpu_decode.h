@@ -289,10 +289,19 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
         const float *norm = h < m->num_heads ? layer->q_norm : layer->k_norm;
         if (norm) pgd_rms_norm(head, norm, d, m->eps, head);
         pgd_rope(head, layer->cos_sin + s->positions[t] * 2 * d, d);
-        if (h < m->num_heads || s->slots[t] < 0) continue;
+        if (h < m->num_heads) {
+            if (m->kv_format == PG_I4) pg_rotate(head, d);  /* R q meets R k */
+            continue;
+        }
+        if (s->slots[t] < 0) continue;
         const int64_t at = s->slots[t] * slot_stride + (h - m->num_heads) * m->kv_row_bytes;
+        float *value = head + (int64_t)m->num_kv_heads * d;
+        if (m->kv_format == PG_I4) {  /* int4 pages hold R k and R v (rotation.py); k and v are not read again here */
+            pg_rotate(head, d);
+            pg_rotate(value, d);
+        }
         pg_store_row(m->kv_format, head, d, layer->k_cache + at);
-        pg_store_row(m->kv_format, head + (int64_t)m->num_kv_heads * d, d, layer->v_cache + at);
+        pg_store_row(m->kv_format, value, d, layer->v_cache + at);
     }
 }
 
@@ -375,12 +384,14 @@ static void pgd_merge_state(int group, int d, float *total, const float *part) {
     }
 }
 
-/* A merged state's rows, normalised, into token t's heads of KV head g. */
+/* A merged state's rows, normalised, into token t's heads of KV head g (rotated back from int4 pages' space). */
 static void pgd_finish_state(const pgd_model *m, int g, const float *state, float *out_t) {
     const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
-    for (int r = 0; r < group; r++)
-        for (int i = 0; i < d; i++)
-            out_t[(int64_t)(g * group + r) * d + i] = state[r * d + i] / state[group * d + group + r];
+    for (int r = 0; r < group; r++) {
+        float *out = out_t + (int64_t)(g * group + r) * d;
+        for (int i = 0; i < d; i++) out[i] = state[r * d + i] / state[group * d + group + r];
+        if (m->kv_format == PG_I4) pg_unrotate(out, d);
+    }
 }
 
 /* Token t's attention for KV head g, its parts computed and merged here, one after the other. */

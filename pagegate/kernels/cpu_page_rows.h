@@ -21,10 +21,11 @@
 /* KV page formats (pagegate/kernels/kv_format.py): a cache slot holds one row per KV head; a float row is
    head_dim values, a one-byte format's row is head_dim values and then the row's amax as a float16; its
    values read as stored * amax * (1 / max_value). */
-enum { PG_F32 = 0, PG_F16 = 1, PG_BF16 = 2, PG_I8 = 3, PG_E4M3 = 4, PG_E5M2 = 5 };
+enum { PG_F32 = 0, PG_F16 = 1, PG_BF16 = 2, PG_I8 = 3, PG_E4M3 = 4, PG_E5M2 = 5, PG_I4 = 6 };
 
 static inline int pg_scaled(int format) { return format >= PG_I8; }
 static inline int64_t pg_row_bytes(int format, int head_dim) {
+    if (format == PG_I4) return head_dim / 2 + 2;  /* two values a byte */
     const int value_bytes = format == PG_F32 ? 4 : format <= PG_BF16 ? 2 : 1;
     return (int64_t)head_dim * value_bytes + (pg_scaled(format) ? 2 : 0);
 }
@@ -40,26 +41,33 @@ static inline float pg_half_float(uint16_t h) {
     return pg_bits_float((((uint32_t)h & 0x8000u) << 16) | (((uint32_t)h & 0x7fffu) << 13)) * 0x1p112f;
 }
 typedef uint16_t pg_half;
-static inline float pg_ld_f16(const pg_half *p, int i) { return pg_half_float(p[i]); }
-static inline float pg_ld_bf16(const uint16_t *p, int i) { return pg_bits_float((uint32_t)p[i] << 16); }
-static inline float pg_ld_i8(const int8_t *p, int i) { return (float)p[i]; }
-static inline float pg_ld_e4m3(const uint8_t *p, int i) {
+static inline float pg_ld_f16(const pg_half *p, int i, int d) { return pg_half_float(p[i]); }
+static inline float pg_ld_bf16(const uint16_t *p, int i, int d) { return pg_bits_float((uint32_t)p[i] << 16); }
+static inline float pg_ld_i8(const int8_t *p, int i, int d) { return (float)p[i]; }
+static inline float pg_ld_e4m3(const uint8_t *p, int i, int d) {
     const uint32_t x = p[i];
     return pg_bits_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 20)) * 0x1p120f;
 }
-static inline float pg_ld_e5m2(const uint8_t *p, int i) {
+static inline float pg_ld_e5m2(const uint8_t *p, int i, int d) {
     const uint32_t x = p[i];
     return pg_bits_float(((x & 0x80u) << 24) | ((x & 0x7fu) << 21)) * 0x1p112f;
 }
 
 static inline float pg_max_value(int format) {
-    return format == PG_I8 ? 127.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+    return format == PG_I8 ? 127.0f : format == PG_I4 ? 7.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+}
+
+/* Value i of an int4 row of d values: byte i's low nibble for the first half, byte i - d / 2's high one after (the
+   other formats' pg_ld_ take d too, unused). */
+static inline float pg_ld_i4(const uint8_t *row, int i, int d) {
+    const int half = d / 2;
+    return (float)((i < half ? row[i] & 15 : row[i - half] >> 4) - 8);
 }
 
 /* The scale of a one-byte format's row: its stored amax times inverse_max = 1 / max_value. */
-static inline float pg_row_scale(const uint8_t *row, int head_dim, float inverse_max) {
+static inline float pg_row_scale(const uint8_t *row, int value_bytes, float inverse_max) {
     uint16_t h;
-    memcpy(&h, row + head_dim, 2);
+    memcpy(&h, row + value_bytes, 2);
     return pg_half_float(h) * inverse_max;
 }
 
@@ -112,9 +120,45 @@ __attribute__((unused)) static void pg_store_row(int format, const float *x, int
     const float scale = pg_half_float(amax_bits) * (1.0f / max_value), inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < head_dim; i++) {
         const float v = fminf(fmaxf(x[i] * inverse, -max_value), max_value);
+        if (format == PG_I4) {
+            const uint8_t nibble = (uint8_t)((int)nearbyintf(v) + 8);
+            if (i < head_dim / 2) dst[i] = nibble;
+            else dst[i - head_dim / 2] |= (uint8_t)(nibble << 4);
+            continue;
+        }
         dst[i] = format == PG_I8 ? (uint8_t)(int8_t)nearbyintf(v) : format == PG_E4M3 ? pg_to_e4m3(v) : pg_to_e5m2(v);
     }
-    memcpy(dst + head_dim, &amax_bits, 2);
+    memcpy(dst + (format == PG_I4 ? head_dim / 2 : head_dim), &amax_bits, 2);
+}
+
+/* The rotation of int4 rows (pagegate/kernels/rotation.py, which runs the same butterflies): x -> H (s x) / sqrt(d)
+   in place, and back, for d a power of two <= PG_MAX_HEAD_DIM. */
+static const uint64_t pg_sign_words[4] = {0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull,
+                                          0xD6E8FEB86659FD93ull};
+static inline void pg_hadamard(float *x, int d) {
+    for (int h = 1; h < d; h *= 2)
+        for (int i = 0; i < d; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+static inline void pg_flip_signs(float *x, int d) {
+    for (int i = 0; i < d; i++)
+        if ((pg_sign_words[i / 64] >> (i % 64)) & 1) x[i] = -x[i];
+}
+__attribute__((unused)) static void pg_rotate(float *x, int d) {
+    pg_flip_signs(x, d);
+    pg_hadamard(x, d);
+    const float norm = (float)(1.0 / sqrt((double)d));
+    for (int i = 0; i < d; i++) x[i] *= norm;
+}
+__attribute__((unused)) static void pg_unrotate(float *x, int d) {
+    pg_hadamard(x, d);
+    const float norm = (float)(1.0 / sqrt((double)d));
+    for (int i = 0; i < d; i++) x[i] *= norm;
+    pg_flip_signs(x, d);
 }
 
 #define PG_MAX_HEAD_DIM 256

@@ -145,11 +145,13 @@ PG_CLONES static void pg_accumulate_tile_f32(const uint8_t *values, const int64_
 /* The other formats: a KV head's rows of four keys are converted once (times a one-byte format's scale) into
    four float rows on the stack, which all the query rows of that head (GQA) then read as float32 rows: a
    value is converted once per key, not once per query head. */
-#define PG_CONVERTED_TILES(NAME, T, INVERSE_MAX)                                                              \
+#define PG_CONVERTED_TILES(NAME, T, INVERSE_MAX, FORMAT)                                                      \
 static inline void pg_row_##NAME(const uint8_t *row, int head_dim, float *out) {                              \
     const float inverse_max = INVERSE_MAX;                                                                    \
-    const float scale = inverse_max != 0.0f ? pg_row_scale(row, head_dim, inverse_max) : 1.0f;                \
-    for (int i = 0; i < head_dim; i++) out[i] = pg_ld_##NAME((const T *)row, i) * scale;                        \
+    const int value_bytes = (int)pg_row_bytes(FORMAT, head_dim) - 2;                                          \
+    const float scale = inverse_max != 0.0f ? pg_row_scale(row, value_bytes, inverse_max) : 1.0f;             \
+    for (int i = 0; i < head_dim; i++)                                                                        \
+        out[i] = pg_ld_##NAME((const T *)row, i, head_dim) * scale;                                           \
 }                                                                                                             \
 static inline void pg_rows4_##NAME(const uint8_t *base, const int64_t *slot, int head_dim, float *out) {      \
     for (int a = 0; a < 4; a++) pg_row_##NAME(base + slot[a], head_dim, out + a * head_dim);                  \
@@ -157,7 +159,7 @@ static inline void pg_rows4_##NAME(const uint8_t *base, const int64_t *slot, int
 PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,            \
                                            const float **query_row, const int64_t *head_offset, int rows,     \
                                            int head_dim, int ahead, float *scores, int stride) {              \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + ((INVERSE_MAX) != 0.0f ? 2 : 0);                \
+    const int64_t row_bytes = pg_row_bytes(FORMAT, head_dim);                                                 \
     const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
     float k[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
@@ -180,7 +182,7 @@ PG_CLONES static void pg_score_tile_##NAME(const uint8_t *keys, const int64_t *s
 PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,     \
                                                 const float *weights, int stride, const int64_t *head_offset, \
                                                 int rows, int head_dim, int ahead, float *acc) {              \
-    const int64_t row_bytes = (int64_t)head_dim * sizeof(T) + ((INVERSE_MAX) != 0.0f ? 2 : 0);                \
+    const int64_t row_bytes = pg_row_bytes(FORMAT, head_dim);                                                 \
     const int64_t span = pg_span(head_offset, rows, row_bytes);                                               \
     float v[4 * PG_MAX_HEAD_DIM];                                                                             \
     int j = 0;                                                                                                \
@@ -201,11 +203,12 @@ PG_CLONES static void pg_accumulate_tile_##NAME(const uint8_t *values, const int
         }                                                                                                     \
 }
 
-PG_CONVERTED_TILES(f16, pg_half, 0.0f)
-PG_CONVERTED_TILES(bf16, uint16_t, 0.0f)
-PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f)
-PG_CONVERTED_TILES(e4m3, uint8_t, 1.0f / 448.0f)
-PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f)
+PG_CONVERTED_TILES(f16, pg_half, 0.0f, PG_F16)
+PG_CONVERTED_TILES(bf16, uint16_t, 0.0f, PG_BF16)
+PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f, PG_I8)
+PG_CONVERTED_TILES(e4m3, uint8_t, 1.0f / 448.0f, PG_E4M3)
+PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f, PG_E5M2)
+PG_CONVERTED_TILES(i4, uint8_t, 1.0f / 7.0f, PG_I4)
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #  include "cpu_tiles_avx2.h"
@@ -247,7 +250,8 @@ typedef struct {
 
 #define PG_TILE_ROW(PREFIX, NAME) {PREFIX##score_tile_##NAME, PREFIX##accumulate_tile_##NAME}
 #define PG_TILE_TABLE(PREFIX) {PG_TILE_ROW(PREFIX, f32), PG_TILE_ROW(PREFIX, f16), PG_TILE_ROW(PREFIX, bf16),      \
-                               PG_TILE_ROW(PREFIX, i8), PG_TILE_ROW(PREFIX, e4m3), PG_TILE_ROW(PREFIX, e5m2)}
+                               PG_TILE_ROW(PREFIX, i8), PG_TILE_ROW(PREFIX, e4m3), PG_TILE_ROW(PREFIX, e5m2),      \
+                               PG_TILE_ROW(PREFIX, i4)}
 
 static inline const pg_tiles *pg_tiles_of(int format, int head_dim) {
     static const pg_tiles plain[] = PG_TILE_TABLE(pg_);

@@ -63,7 +63,7 @@ MAX_HEAD_DIM = PG_MAX_HEAD_DIM  # of the formats converted as they are read
 
 # each format's code in cpu_paged.h (PG_F32 ...), by the cache tensor's dtype
 FORMAT_CODES = {FORMATS[name].dtype: code for code, name in
-                enumerate(("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"))}
+                enumerate(("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"))}
 
 
 cdef struct Problem:

@@ -20,9 +20,14 @@ static int pg_has_avx2(void) {
     return has;
 }
 
-/* Eight stored values of a row from value i, as floats (unscaled); the conversions are pg_ld_*'s. */
-PG_AVX2_INLINE __m256 pg_load8(const int format, const uint8_t *row, int i) {
+/* Eight stored values of a row of d from value i (i % 8 == 0), as floats (unscaled); the conversions are pg_ld_*'s. */
+PG_AVX2_INLINE __m256 pg_load8(const int format, const uint8_t *row, int i, int d) {
     switch (format) {
+    case PG_I4: {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + (i < d / 2 ? i : i - d / 2)));
+        const __m128i nibbles = _mm_and_si128(i < d / 2 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+        return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(nibbles), _mm256_set1_epi32(8)));
+    }
     case PG_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
     case PG_BF16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -47,12 +52,14 @@ PG_AVX2_INLINE void pg_rows4_avx2(const int format, const uint8_t *base, const i
                                   float *tile, const float **rows, float *scale) {
     for (int a = 0; a < 4; a++) {
         const uint8_t *row = base + slot[a];
-        scale[a] = pg_scaled(format) ? pg_row_scale(row, head_dim, 1.0f / pg_max_value(format)) : 1.0f;
+        scale[a] = pg_scaled(format) ? pg_row_scale(row, (int)pg_row_bytes(format, head_dim) - 2,
+                                                    1.0f / pg_max_value(format)) : 1.0f;
         if (format == PG_F32) {
             rows[a] = (const float *)row;
             continue;
         }
-        for (int i = 0; i < head_dim; i += 8) _mm256_storeu_ps(tile + a * head_dim + i, pg_load8(format, row, i));
+        for (int i = 0; i < head_dim; i += 8)
+            _mm256_storeu_ps(tile + a * head_dim + i, pg_load8(format, row, i, head_dim));
         rows[a] = tile + a * head_dim;
     }
 }
@@ -152,6 +159,7 @@ PG_AVX2_TILES(bf16, PG_BF16)
 PG_AVX2_TILES(i8, PG_I8)
 PG_AVX2_TILES(e4m3, PG_E4M3)
 PG_AVX2_TILES(e5m2, PG_E5M2)
+PG_AVX2_TILES(i4, PG_I4)
 
 /* exp(x) for x >= -87.3 (0 below): Cephes' expf, a degree-6 polynomial on [-ln2/2, ln2/2] after taking out
    n ln2, within 2 ulp of libm's. x <= 88 (the callers keep it there). */

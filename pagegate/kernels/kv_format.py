@@ -2,7 +2,10 @@
 
 Float formats store the head_dim values as they are (float32, float16, bfloat16). The one-byte formats (int8,
 fp8 e4m3, fp8 e5m2) store head_dim values and then the row's largest magnitude (amax) as a float16 in the row's
-last two bytes; a value reads back as stored * scale with scale = amax * (1 / max_value) in float32. A cache
+last two bytes; a value reads back as stored * scale with scale = amax * (1 / max_value) in float32. int4 packs
+two values a byte (value i in the low nibble of byte i, value i + head_dim / 2 in its high one, each stored as
+q + 8 for q in [-7, 7]), then the amax: its rows hold rotated vectors (rotation.py), which the attention, not the
+format, rotates and rotates back. A cache
 tensor is [num_blocks, block_size, num_kv_heads, head_dim (+ 2)] of the format's own dtype and a page is
 self-contained bytes: copy-on-write, swap, prefix hits, TP slices and rollback move it without knowing its format.
 
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagegate.kernels.rotation import rotatable
+
 SCALE_BYTES = 2  # a float16 per scaled row
 FLOAT16_MAX = 65504.0  # the largest amax a row keeps; larger values saturate
 
@@ -30,6 +35,12 @@ class KVFormat:
     name: str
     dtype: torch.dtype
     max_value: float = 0.0  # 0: a float format, stored unscaled
+    bits: int = 0  # 4: two values a byte (int4), rows rotated
+
+    @property
+    def rotated(self) -> bool:
+        """Rows hold R k and R v (rotation.py): queries are rotated to meet them, outputs rotated back."""
+        return self.bits == 4
 
     @property
     def scaled(self) -> bool:
@@ -41,7 +52,9 @@ class KVFormat:
         return torch.tensor(1.0 / self.max_value, dtype=torch.float32)
 
     def row_width(self, head_dim: int) -> int:
-        """Elements of one stored row: head_dim values (and the scale's two bytes)."""
+        """Elements of one stored row: head_dim values (int4: half as many bytes), and the scale's two bytes."""
+        if self.rotated:
+            return head_dim // 2 + SCALE_BYTES
         return head_dim + SCALE_BYTES if self.scaled else head_dim
 
     def row_bytes(self, head_dim: int) -> int:
@@ -57,7 +70,11 @@ class KVFormat:
 
     def empty(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
-        """A zeroed cache tensor [num_blocks, block_size, num_kv_heads, row_width] (zero bytes: zero values)."""
+        """A zeroed cache tensor [num_blocks, block_size, num_kv_heads, row_width] (zero bytes: zero values, int4's
+        too: their scale is zero). ValueError for int4 pages of a head size the rotation cannot take."""
+        if self.rotated and not rotatable(head_dim):
+            raise ValueError(f"int4 pages rotate each head, which needs a power-of-two head size up to 256, not "
+                             f"{head_dim}: choose int8 pages for this model")
         shape = (num_blocks, block_size, num_kv_heads, self.row_bytes(head_dim))
         return torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin_memory).view(self.dtype)
 
@@ -65,7 +82,7 @@ class KVFormat:
 FORMATS = {f.name: f for f in (
     KVFormat("float32", torch.float32), KVFormat("float16", torch.float16), KVFormat("bfloat16", torch.bfloat16),
     KVFormat("int8", torch.int8, 127.0), KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
-    KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0))}
+    KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0), KVFormat("int4", torch.uint8, 7.0, bits=4))}
 _BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
 
 
@@ -97,7 +114,10 @@ def format_of(cache: torch.Tensor) -> KVFormat:
 
 def head_dim_of(cache: torch.Tensor) -> int:
     """The head size of a cache tensor's rows (its last dimension, less a scaled format's scale bytes)."""
-    return cache.shape[-1] - (SCALE_BYTES if format_of(cache).scaled else 0)
+    fmt = format_of(cache)
+    if fmt.rotated:
+        return (cache.shape[-1] - SCALE_BYTES) * 2
+    return cache.shape[-1] - (SCALE_BYTES if fmt.scaled else 0)
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -115,6 +135,10 @@ def quantize_rows(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     s = amax.float() * fmt.inverse_max
     values = x * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     values = values.clamp(-fmt.max_value, fmt.max_value)
+    if fmt.rotated:
+        nibbles = (values.round() + 8).to(torch.uint8)
+        half = nibbles.shape[-1] // 2
+        return torch.cat([nibbles[..., :half] | (nibbles[..., half:] << 4), amax.view(torch.uint8)], -1)
     stored = values.round().to(torch.int8) if fmt.dtype == torch.int8 else values.to(fmt.dtype)
     return torch.cat([stored.view(torch.uint8), amax.view(torch.uint8)], -1).view(fmt.dtype)
 
@@ -125,6 +149,11 @@ def dequantize_rows(stored: torch.Tensor, head_dim: int, out_dtype: torch.dtype 
     if not fmt.scaled:
         return stored.to(out_dtype)
     raw = stored.view(torch.uint8)
-    values = raw[..., :head_dim].view(fmt.dtype).float()
-    scale = raw[..., head_dim:].contiguous().view(torch.float16).float() * fmt.inverse_max
+    width = head_dim // 2 if fmt.rotated else head_dim
+    if fmt.rotated:
+        packed = raw[..., :width].to(torch.int16)
+        values = torch.cat([(packed & 15) - 8, (packed >> 4) - 8], -1).float()
+    else:
+        values = raw[..., :width].view(fmt.dtype).float()
+    scale = raw[..., width:].contiguous().view(torch.float16).float() * fmt.inverse_max
     return (values * scale).to(out_dtype)

@@ -5,7 +5,9 @@ Page formats (kv_format.py): float pages hold the values; a scaled page (int8, f
 row's values and then the row's largest magnitude (amax) as a float16 in its last two bytes; the row's scale is
 amax * INV_MAX (1 / max_value rounded to float32, kv_format.KVFormat.inverse_max) in float32. The kernels read
 amax through a float16 view of the same cache (scale_view): the amax of the row at byte offset r sits at
-float16 offset (r + head_dim) // 2.
+float16 offset (r + head_dim) // 2. int4 pages (PACKED) hold head_dim / 2 bytes of values a row, value i in the
+low nibble of byte i and value i + head_dim / 2 in its high one, each stored as q + 8: their amax sits at
+float16 offset (r + head_dim / 2) // 2.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton.language as tl
 
 from pagegate.kernels.dispatch import triton_interpreted
 from pagegate.kernels.kv_format import KVFormat, as_bytes, format_of
+from pagegate.kernels.rotation import rotatable
 
 LOG2_E = 1.4426950408889634  # kernels use exp2, so scores are pre-scaled by log2(e)
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. as these modules are imported:
@@ -36,17 +39,30 @@ def page_row_offsets(block_table_row_ptr, positions, valid, kv_head, block_size,
 
 
 @triton.jit
-def load_rows(cache_ptr, rows, valid, dims, dim_mask, dtype: tl.constexpr):
-    """The stored values [N, D] of rows at `rows` converted to `dtype` in registers; invalid rows are 0."""
-    values = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+def load_rows(cache_ptr, rows, valid, dims, dim_mask, head_dim, dtype: tl.constexpr, PACKED: tl.constexpr):
+    """The stored values [N, D] of rows at `rows` converted to `dtype` in registers; invalid rows are 0.
+    PACKED (int4) rows give value i from byte i % (D / 2), shifted by 4 * (i // (D / 2)), less 8 (exact in
+    every dtype the dots run in); their D is a power of two (check_page_layout), so D / 2 is half of dims' block
+    and a constant: the index arithmetic compiles to shifts and masks."""
+    mask = valid[:, None] & dim_mask[None, :]
+    if PACKED:
+        half: tl.constexpr = dims.shape[0] // 2
+        packed = tl.load(cache_ptr + rows[:, None] + (dims % half)[None, :], mask=mask, other=0).to(tl.int32)
+        values = ((packed >> (4 * (dims // half))[None, :]) & 15) - 8
+    else:
+        values = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0)
     return values.to(dtype)
 
 
 @triton.jit
-def load_scales(scale_ptr, rows, valid, head_dim, INV_MAX: tl.constexpr):
+def load_scales(scale_ptr, rows, valid, head_dim, INV_MAX: tl.constexpr, PACKED: tl.constexpr):
     """The float32 scales [N] of scaled rows at byte offsets `rows`: the float16 amax in their last two bytes
-    times INV_MAX, as kv_format.dequantize_rows computes them."""
-    return tl.load(scale_ptr + (rows + head_dim) // 2, mask=valid, other=0.0).to(tl.float32) * INV_MAX
+    (after head_dim value bytes, head_dim / 2 when PACKED) times INV_MAX, as kv_format.dequantize_rows computes
+    them."""
+    value_bytes = head_dim
+    if PACKED:
+        value_bytes = head_dim // 2
+    return tl.load(scale_ptr + (rows + value_bytes) // 2, mask=valid, other=0.0).to(tl.float32) * INV_MAX
 
 
 @triton.jit
@@ -106,12 +122,12 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
                 dim_mask, kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h,
                 qk_scale, cap_scale, running_max, running_sum, acc,
                 DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, INV_MAX: tl.constexpr,
-                BOOST: tl.constexpr):
+                BOOST: tl.constexpr, PACKED: tl.constexpr):
     """One step of the online softmax: the query rows q [M, D] against one tile of keys at `positions`,
     masked to `visible` ([M, N], or [1, N]); returns the updated running max, running sum and accumulator.
     Scores come out in log2 units: dot * qk_scale, or with SOFTCAP tanh(dot * qk_scale) * cap_scale
     (see score_scales). Pages are read as stored and converted to q's dtype in registers.
-    NOTE: with scaled pages the dots take the stored values (int8 and fp8 values are exact in float16,
+    NOTE: with scaled pages the dots take the stored values (int8, fp8 and int4 values are exact in float16,
     bfloat16 and float32) and the row scales multiply the scores' columns (K) and the probabilities'
     columns (V): softmax(q (s_k k)^T) (s_v v) = softmax((q k^T) s_k) (p s_v) v, one multiply per key
     instead of one per value, and a float16/bfloat16 tensor-core dot loses nothing to the dequantization.
@@ -121,10 +137,10 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     values up to max_value, cost 1e-3 of the output."""
     rows = page_row_offsets(table, positions, valid, kv_head, block_size, cache_stride_block, cache_stride_slot,
                             cache_stride_h)
-    k = load_rows(k_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
+    k = load_rows(k_cache_ptr, rows, valid, dims, dim_mask, head_dim, q.dtype, PACKED)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SCALED:
-        scores = scores * load_scales(k_scale_ptr, rows, valid, head_dim, INV_MAX)[None, :]
+        scores = scores * load_scales(k_scale_ptr, rows, valid, head_dim, INV_MAX, PACKED)[None, :]
     scores = scores * qk_scale
     if SOFTCAP:
         scores = tanh(scores) * cap_scale
@@ -135,9 +151,9 @@ def attend_tile(q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     alpha = tl.exp2(running_max - safe_max)
     p = tl.exp2(scores - safe_max[:, None])
     running_sum = running_sum * alpha + tl.sum(p, 1) * BOOST
-    v = load_rows(v_cache_ptr, rows, valid, dims, dim_mask, q.dtype)
+    v = load_rows(v_cache_ptr, rows, valid, dims, dim_mask, head_dim, q.dtype, PACKED)
     if SCALED:
-        p = p * (load_scales(v_scale_ptr, rows, valid, head_dim, INV_MAX) * BOOST)[None, :]
+        p = p * (load_scales(v_scale_ptr, rows, valid, head_dim, INV_MAX, PACKED) * BOOST)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
 
@@ -164,23 +180,25 @@ def scale_view(cache: torch.Tensor) -> torch.Tensor:
 def dot_options(query: torch.Tensor, cache: torch.Tensor) -> dict:
     """Constexprs for attend_tile: the dots run in the pages' dtype (float pages) or the query's (scaled pages);
     IEEE float32 (not TF32) when that is float32, and float32 for bfloat16 under the interpreter, whose bfloat16
-    tl.dot is broken upstream (UPCAST); SCALED, INV_MAX and BOOST for scaled pages (see attend_tile)."""
+    tl.dot is broken upstream (UPCAST); SCALED, INV_MAX and BOOST for scaled pages (see attend_tile), PACKED for
+    int4's two values a byte."""
     kv_format = format_of(cache)
     compute = query.dtype if kv_format.scaled else cache.dtype
     upcast = compute == torch.bfloat16 and INTERPRETED
     boost = 2.0 ** math.ceil(math.log2(kv_format.max_value)) if kv_format.scaled else 1.0
     return {"DOT_PRECISION": "ieee" if compute == torch.float32 or upcast else "tf32", "UPCAST": upcast,
-            "SCALED": kv_format.scaled, "INV_MAX": inverse_max(kv_format), "BOOST": boost}
+            "SCALED": kv_format.scaled, "INV_MAX": inverse_max(kv_format), "BOOST": boost,
+            "PACKED": kv_format.bits == 4}
 
 
 def rounding_options(cache: torch.Tensor) -> dict:
     """Constexprs for writing a cache's format: MAX_VALUE (0 for float pages, stored unscaled) and INV_MAX, how
     a scaled value is rounded (round_to_format: INTEGER for int8, else the fp8 format's mantissa bits and least normal
-    exponent), and BFLOAT16 for bfloat16 pages (round_to_bfloat16)."""
+    exponent), BFLOAT16 for bfloat16 pages (round_to_bfloat16) and PACKED for int4's two values a byte."""
     kv_format = format_of(cache)
     options = {"MAX_VALUE": kv_format.max_value, "INV_MAX": inverse_max(kv_format),
                "INTEGER": kv_format.dtype == torch.int8, "MANTISSA": 0, "MIN_EXP": 0,
-               "BFLOAT16": kv_format.dtype == torch.bfloat16}
+               "BFLOAT16": kv_format.dtype == torch.bfloat16, "PACKED": kv_format.bits == 4}
     if kv_format.scaled and kv_format.dtype.is_floating_point:
         info = torch.finfo(kv_format.dtype)
         options.update(MANTISSA=-round(math.log2(info.eps)), MIN_EXP=round(math.log2(info.smallest_normal)))
@@ -204,7 +222,8 @@ def check_device_format(kv_format: KVFormat, device: torch.device | str) -> None
 
 def check_page_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
     """Reject caches the kernels would misread: K and V in different formats or layouts, rows that are not
-    head_dim values (plus a scaled format's two scale bytes), a scaled row whose scale is not 2-byte aligned."""
+    head_dim values (plus a scaled format's two scale bytes), int4 rows of a head_dim that is no power of two, a
+    scaled row whose scale is not 2-byte aligned."""
     kv_format = format_of(k_cache)
     check_device_format(kv_format, k_cache.device)
     if v_cache.dtype != k_cache.dtype:
@@ -216,6 +235,8 @@ def check_page_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: in
     if k_cache.shape[-1] != kv_format.row_width(head_dim):
         raise ValueError(f"{kv_format.name} pages of head_dim {head_dim} have rows of {kv_format.row_width(head_dim)} "
                          f"elements, the caches' have {k_cache.shape[-1]}")
+    if kv_format.bits == 4 and not rotatable(head_dim):
+        raise ValueError(f"int4 pages need a power-of-two head_dim up to 256, not {head_dim}")
     if kv_format.scaled and (head_dim % 2 or any(s % 2 for s in k_cache.stride()[:-1])
                              or k_cache.storage_offset() % 2 or v_cache.storage_offset() % 2):
         raise ValueError(f"{kv_format.name} pages are read with their float16 scales in place: head_dim and the "

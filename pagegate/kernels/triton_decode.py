@@ -29,7 +29,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                         INV_MAX: tl.constexpr, BOOST: tl.constexpr):
+                         INV_MAX: tl.constexpr, BOOST: tl.constexpr, PACKED: tl.constexpr):
     """Program (sequence, KV head, split): the `group` query heads of that KV head over one
     split of the context. Writes the final output when there is one split, else the split's
     unnormalised accumulator, running max and sum (partials laid out [B, H, splits, ...])."""
@@ -57,7 +57,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
         running_max, running_sum, acc = attend_tile(
             q, valid[None, :], k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, positions, valid, dims,
             dim_mask, kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale,
-            cap_scale, running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, INV_MAX, BOOST)
+            cap_scale, running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, INV_MAX, BOOST, PACKED)
     if SINGLE_SPLIT:
         out = acc / running_sum[:, None]
         out_offsets = seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]

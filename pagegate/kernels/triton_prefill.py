@@ -44,7 +44,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, SCALED: tl.constexpr, INV_MAX: tl.constexpr,
-                    BOOST: tl.constexpr):
+                    BOOST: tl.constexpr, PACKED: tl.constexpr):
     """Program (query tile, head): BLOCK_M query rows of one sequence, online softmax over the
     context pages they may see. Row i of a sequence with q_len queries and seq_len context
     tokens sits at position seq_len - q_len + i."""
@@ -83,7 +83,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o
         running_max, running_sum, acc = attend_tile(
             q, visible, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, key_pos, valid, dims, dim_mask,
             kv_head, block_size, head_dim, cache_stride_block, cache_stride_slot, cache_stride_h, qk_scale, cap_scale,
-            running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, INV_MAX, BOOST)
+            running_max, running_sum, acc, DOT_PRECISION, SOFTCAP, SCALED, INV_MAX, BOOST, PACKED)
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

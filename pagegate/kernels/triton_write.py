@@ -8,11 +8,20 @@ import triton.language as tl
 
 from pagegate.kernels.triton_common import (
     check_page_layout,
+    round_half_even,
     round_to_bfloat16,
     round_to_format,
     rounding_options,
     scale_view,
 )
+
+
+@triton.jit
+def _inverse_scales(amax, INV_MAX: tl.constexpr):
+    """1 / s for the float16 amax [H] of rows, s = amax * INV_MAX in float32; 0 where s is 0."""
+    s = amax.to(tl.float32) * INV_MAX
+    # div_rn: IEEE division as torch's (a plain / is approximate on CUDA)
+    return tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
 
 
 @triton.jit
@@ -26,9 +35,7 @@ def _store_rows(cache_ptr, scale_ptr, rows, dims, mask, head_mask, head_dim, x, 
     if MAX_VALUE > 0:
         x = x.to(tl.float32)
         amax = tl.minimum(tl.max(tl.abs(x), 1), 65504.0).to(tl.float16)  # beyond float16: the values saturate
-        s = amax.to(tl.float32) * INV_MAX
-        # div_rn: IEEE division as torch's (a plain / is approximate on CUDA)
-        inverse = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
+        inverse = _inverse_scales(amax, INV_MAX)
         x = tl.minimum(tl.maximum(x * inverse[:, None], -MAX_VALUE), MAX_VALUE)
         x = round_to_format(x, INTEGER, MANTISSA, MIN_EXP)
         tl.store(scale_ptr + (rows + head_dim) // 2, amax[:, None], mask=head_mask)
@@ -38,12 +45,40 @@ def _store_rows(cache_ptr, scale_ptr, rows, dims, mask, head_mask, head_dim, x, 
 
 
 @triton.jit
+def _nibbles(x, inverse, MAX_VALUE: tl.constexpr):
+    """float32 values x [H, D / 2] as int4 nibbles q + 8: x * (1 / s) clamped to +-MAX_VALUE, rounded half to
+    even (as kv_format.quantize_rows)."""
+    q = round_half_even(tl.minimum(tl.maximum(x * inverse[:, None], -MAX_VALUE), MAX_VALUE))
+    return q.to(tl.int32) + 8
+
+
+@triton.jit
+def _store_packed_rows(cache_ptr, scale_ptr, source_ptr, rows, head_mask, head_dim, MAX_VALUE: tl.constexpr,
+                       INV_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Quantize rows [H, D] at source_ptr (+ dims) into int4 rows at byte offsets `rows` [H, 1], as
+    kv_format.quantize_rows does: value i into the low nibble of byte i, value i + D / 2 into its high one,
+    the float16 amax after the D / 2 bytes."""
+    half = head_dim // 2
+    dims = tl.arange(0, BLOCK_D // 2)[None, :]
+    mask = head_mask & (dims < half)
+    low = tl.load(source_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    high = tl.load(source_ptr + half + dims, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(low), 1), tl.max(tl.abs(high), 1))
+    amax = tl.minimum(amax, 65504.0).to(tl.float16)  # beyond float16: the values saturate
+    inverse = _inverse_scales(amax, INV_MAX)
+    packed = _nibbles(low, inverse, MAX_VALUE) | (_nibbles(high, inverse, MAX_VALUE) << 4)
+    tl.store(cache_ptr + rows + dims, packed.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + (rows + half) // 2, amax[:, None], mask=head_mask)
+
+
+@triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                      key_stride_t, key_stride_h, value_stride_t, value_stride_h,
                      cache_stride_block, cache_stride_slot, cache_stride_h,
                      block_size, num_kv_heads, head_dim,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MAX_VALUE: tl.constexpr, INV_MAX: tl.constexpr,
-                     INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, BFLOAT16: tl.constexpr):
+                     INTEGER: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, BFLOAT16: tl.constexpr,
+                     PACKED: tl.constexpr):
     """One program per token: store its [Hkv, D] key and value into slot_mapping[token]."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -54,12 +89,19 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     head_mask = heads < num_kv_heads
     mask = head_mask & (dims < head_dim)
     rows = (slot // block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + heads * cache_stride_h
-    key = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask, other=0.0)
-    value = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=mask, other=0.0)
-    _store_rows(k_cache_ptr, k_scale_ptr, rows, dims, mask, head_mask, head_dim, key,
-                MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
-    _store_rows(v_cache_ptr, v_scale_ptr, rows, dims, mask, head_mask, head_dim, value,
-                MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
+    key_ptr += token * key_stride_t + heads * key_stride_h
+    value_ptr += token * value_stride_t + heads * value_stride_h
+    if PACKED:
+        _store_packed_rows(k_cache_ptr, k_scale_ptr, key_ptr, rows, head_mask, head_dim, MAX_VALUE, INV_MAX, BLOCK_D)
+        _store_packed_rows(v_cache_ptr, v_scale_ptr, value_ptr, rows, head_mask, head_dim, MAX_VALUE, INV_MAX,
+                           BLOCK_D)
+    else:
+        key = tl.load(key_ptr + dims, mask=mask, other=0.0)
+        value = tl.load(value_ptr + dims, mask=mask, other=0.0)
+        _store_rows(k_cache_ptr, k_scale_ptr, rows, dims, mask, head_mask, head_dim, key,
+                    MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
+        _store_rows(v_cache_ptr, v_scale_ptr, rows, dims, mask, head_mask, head_dim, value,
+                    MAX_VALUE, INV_MAX, INTEGER, MANTISSA, MIN_EXP, BFLOAT16)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

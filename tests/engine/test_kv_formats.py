@@ -66,9 +66,10 @@ def test_an_unknown_format_fails_at_start(llama_model):
         LLM(str(llama_model.path), device="cpu", kv_cache_dtype="q4_0")
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", [name for name in FORMATS if not FORMATS[name].rotated])
 def test_quantized_pages_stay_close_to_float32(roomy, name):
-    # a random model, sharper than a trained one; e5m2 keeps two mantissa bits
+    # a random model, sharper than a trained one; e5m2 keeps two mantissa bits (int4 is held to a trained model's
+    # answer in test_smollm2.py: here heads of 16 are too short for the rotation to spread a row)
     tolerance = {"float32": 0, "float16": 0.01, "bfloat16": 0.05, "int8": 0.05, "fp8_e4m3": 0.3}.get(name, 0.6)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(roomy[name], roomy["float32"], strict=True):
         same = 0

@@ -115,6 +115,14 @@ def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
     assert output.finish_reason == "stop"  # <|im_end|> is an end-of-turn token
 
 
+def test_int4_pages_answer_the_factual_question(smollm2_gguf: Path) -> None:
+    """Rotated 4-bit pages (the quality figures: bench/kv_quality.py) keep the answer whose margin is 2.4 nats."""
+    llm = LLM(str(smollm2_gguf), device="cpu", max_model_len=256, kv_cache_memory="16MiB", kv_cache_dtype="int4")
+    assert llm.engine.runner.kv_format.name == "int4" and llm.engine.runner.native is not None
+    messages = [{"role": "user", "content": "What is the name of the capital of France?"}]
+    assert "Paris" in llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+
+
 def test_resident_weights_stay_near_the_file_size(smollm2_llm: LLM, smollm2_gguf: Path) -> None:
     """Q4_1 layers and the Q8_0 embedding (tied output) are served from their blocks, not float32."""
     assert weight_bytes(smollm2_llm.engine.runner.model) <= 1.3 * smollm2_gguf.stat().st_size

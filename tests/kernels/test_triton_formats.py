@@ -1,9 +1,12 @@
 """The Triton kernels on every KV page format (pagegate/kernels/kv_format.py) against the reference.
 
-write_kv must store the bytes reference.write_kv stores (values and, for int8/fp8, each row's float16 scale in
-its last two bytes). Attention runs on pages the reference wrote and must match the reference and a float64
-oracle over the same stored values: both dequantize the same bytes, so only arithmetic separates them, and the
-outputs go to float32 buffers so the comparison sees that arithmetic rather than the output's rounding.
+write_kv must store the bytes reference.write_kv stores (values, two a byte for int4, and for the scaled formats
+each row's float16 scale in its last two bytes). Attention runs on pages the reference wrote and must match the
+reference and a float64 oracle over the same stored values: both dequantize the same bytes, so only arithmetic
+separates them, and the outputs go to float32 buffers so the comparison sees that arithmetic rather than the
+output's rounding. The kernels are called directly, not through AttentionOps: int4 rows hold whatever they were
+given (AttentionOps rotates what it writes and the queries, and rotates the output back; the last test checks that
+the Triton backend fits that path).
 
 Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1): shapes stay small.
 """
@@ -13,14 +16,14 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagegate.kernels import (
-    paged_attention,
+    AttentionOps,
     reference,
     triton_common,
     triton_decode,
     triton_ops,
     triton_write,
 )
-from pagegate.kernels.kv_format import FORMATS, KVFormat, as_bytes, dequantize_rows
+from pagegate.kernels.kv_format import FORMATS, KVFormat, as_bytes, dequantize_rows, resolve_format
 
 from .paged_cases import PagedBatch, dense_attention, heat, make_batch, slots_of
 
@@ -76,11 +79,11 @@ def format_batch(shape: list[tuple[int, int]], heads: tuple[int, int], name: str
 
 
 def attend(batch: PagedBatch, backend: str, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """paged_attention into a NaN-filled float32 buffer (a row left unwritten shows)."""
+    """The backend's paged_attention into a NaN-filled float32 buffer (a row left unwritten shows)."""
     out = torch.full(batch.query.shape, float("nan"), dtype=torch.float32, device=DEVICE)
-    result = paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                             batch.query_start_loc, batch.scale, sliding_window, softcap=softcap, out=out,
-                             backend=backend)
+    ops = triton_ops if backend == "triton" else reference
+    result = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                 batch.query_start_loc, batch.scale, sliding_window, softcap=softcap, out=out)
     assert result is out
     return out.cpu().double()
 
@@ -168,7 +171,7 @@ def test_sliding_window_softcap_gqa8_head_dim_128(name, kind):
     check(batch, name, query_dtype, sliding_window=7, softcap=5.0)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e5m2", "int4"])
 def test_decode_splits_on_scaled_pages(name):
     # the split kernel's partials over scaled pages, merged by the reduction
     seqs = [(700, 1), (260, 1)]
@@ -184,10 +187,15 @@ def test_layouts_the_kernels_would_misread_are_refused():
     narrow = batch.k_cache[..., :64]  # int8 rows without their scale bytes
     odd_key = torch.zeros(1, 1, 63, device=DEVICE)
     odd_cache = FORMATS["int8"].empty(2, 16, 1, 63, device=DEVICE)  # scales at odd byte offsets
+    int4_cache = FORMATS["int4"].empty(2, 16, 1, 64, device=DEVICE)
+    key_48 = torch.zeros(1, 1, 48, device=DEVICE)
+    int4_48 = torch.zeros(2, 16, 1, 26, dtype=torch.uint8, device=DEVICE)  # int4 rows of head_dim 48
     for call, match in (
             (lambda: triton_write.write_kv(key, key, batch.k_cache, float_cache, slot), "one page format"),
             (lambda: triton_write.write_kv(key, key, narrow, narrow, slot), "rows of 66"),
             (lambda: triton_write.write_kv(odd_key, odd_key, odd_cache, odd_cache, slot), "even"),
+            (lambda: triton_write.write_kv(key, key, int4_cache[..., :32], int4_cache[..., :32], slot), "rows of 34"),
+            (lambda: triton_write.write_kv(key_48, key_48, int4_48, int4_48, slot), "power-of-two"),
             (lambda: triton_ops.paged_attention(batch.query[:, :, :32], batch.k_cache, batch.v_cache,
                                                 batch.block_tables, batch.seq_lens, batch.query_start_loc, 1.0),
              "head_dim 32")):
@@ -200,7 +208,30 @@ def test_fp8_e4m3_is_refused_below_compute_capability_8_9(monkeypatch):
     monkeypatch.setattr(triton_common, "_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9"):
         triton_common.check_device_format(FORMATS["fp8_e4m3"], "cuda")
-    for name in ("int8", "fp8_e5m2", "bfloat16"):
+    for name in ("int8", "fp8_e5m2", "bfloat16", "int4"):
         triton_common.check_device_format(FORMATS[name], "cuda")
+    assert resolve_format("int4", torch.float16, torch.device("cuda")) is FORMATS["int4"]
     monkeypatch.setattr(triton_common, "_capability", lambda device: (9, 0))
     triton_common.check_device_format(FORMATS["fp8_e4m3"], "cuda")
+
+
+def test_int4_through_attention_ops_matches_the_reference():
+    # AttentionOps rotates keys, values and queries for int4 pages and rotates the output back: on the Triton
+    # backend the pages get the reference's bytes and the attention the reference's output
+    query_dtype = torch.float16
+    batch = make_batch([(33, 1), (20, 4)], 4, 2, 64, query_dtype, seed=5)
+    ops = {backend: AttentionOps(DEVICE, backend) for backend in ("triton", "reference")}
+    caches = {backend: [poisoned_cache(FORMATS["int4"], batch.k_cache.shape[0], 16, 2, 64).to(DEVICE)
+                        for _ in range(2)] for backend in ops}
+    for b, (keys, values) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        slots = slots_of(batch.block_tables[b], torch.arange(len(keys)), 16).to(DEVICE)
+        for backend, op in ops.items():
+            op.write_kv(keys.to(DEVICE), values.to(DEVICE), *caches[backend], slots)
+    for got, want in zip(caches["triton"], caches["reference"], strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
+    inputs = [t.to(DEVICE) for t in (batch.query, batch.block_tables, batch.seq_lens, batch.query_start_loc)]
+    got, want = (op.paged_attention(inputs[0], *caches[backend], *inputs[1:], batch.scale).cpu().double()
+                 for backend, op in ops.items())
+    assert torch.isfinite(got).all()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-3 * scale
