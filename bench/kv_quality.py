@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ROOT / "bench/data/kjv_genesis_joseph.txt"
 RESULTS = ROOT / "bench/results"
-FORMATS = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+FORMATS = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 # NOTE: the issue sets +0.5% for float16 and +2% for int8/fp8; bfloat16 (8 significant bits, coarser than a scaled
-# int8 row near its amax) is held to the one-byte formats' +2%.
-PPL_GOALS = {"float32": 0.0, "float16": 0.005, "bfloat16": 0.02, "int8": 0.02, "fp8_e4m3": 0.02, "fp8_e5m2": 0.02}
+# int8 row near its amax) is held to the one-byte formats' +2%; issue 59 holds int4 to +1%.
+PPL_GOALS = {"float32": 0.0, "float16": 0.005, "bfloat16": 0.02, "int8": 0.02, "fp8_e4m3": 0.02, "fp8_e5m2": 0.02,
+             "int4": 0.01}
 GAP_GOAL = 0.3  # nats: every greedily chosen token within this of float32's best at that position
 TOLERANCE = 1e-9
 

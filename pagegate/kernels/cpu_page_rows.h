@@ -54,7 +54,7 @@ static inline float pg_ld_e5m2(const uint8_t *p, int i, int d) {
 }
 
 static inline float pg_max_value(int format) {
-    return format == PG_I8 ? 127.0f : format == PG_I4 ? 7.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
+    return format == PG_I8 ? 127.0f : format == PG_I4 ? 8.0f : format == PG_E4M3 ? 448.0f : 57344.0f;
 }
 
 /* Value i of an int4 row of d values: byte i's low nibble for the first half, byte i - d / 2's high one after (the
@@ -101,9 +101,33 @@ static inline uint8_t pg_to_e5m2(float f) {
     return (uint8_t)(sign | ((a + 0xc80fffffu + ((a >> 21) & 1u)) >> 21));
 }
 
+/* An int4 row as kv_format._quantize_int4 stores it: minus m, the value of largest magnitude (the positive one of a
+   tie), as a float16; s = that * (1 / 8); q = x * (1 / s) clamped to [-8, 7], rounded; nibbles q + 8. */
+static void pg_store_int4_row(const float *x, int head_dim, uint8_t *dst) {
+    float top = x[0], bottom = x[0];
+    for (int i = 1; i < head_dim; i++) {
+        top = fmaxf(top, x[i]);
+        bottom = fminf(bottom, x[i]);
+    }
+    const float m = top >= -bottom ? top : bottom;
+    const uint16_t bits = pg_to_f16(fminf(fmaxf(-m, -65504.0f), 65504.0f));
+    const float s = pg_half_float(bits) * (1.0f / 8.0f), inverse = s != 0.0f ? 1.0f / s : 0.0f;
+    const int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        const int low = (int)nearbyintf(fminf(fmaxf(x[i] * inverse, -8.0f), 7.0f)) + 8;
+        const int high = (int)nearbyintf(fminf(fmaxf(x[i + half] * inverse, -8.0f), 7.0f)) + 8;
+        dst[i] = (uint8_t)(low | high << 4);
+    }
+    memcpy(dst + half, &bits, 2);
+}
+
 /* Store the row x[head_dim] at dst in `format`, as pagegate.kernels.kv_format.quantize_rows does: a one-byte
    format keeps amax as a float16, and x * (1 / scale) clamped (int8: rounded). */
 __attribute__((unused)) static void pg_store_row(int format, const float *x, int head_dim, uint8_t *dst) {
+    if (format == PG_I4) {
+        pg_store_int4_row(x, head_dim, dst);
+        return;
+    }
     if (format == PG_F32) {
         memcpy(dst, x, (size_t)head_dim * sizeof(float));
         return;
@@ -120,16 +144,11 @@ __attribute__((unused)) static void pg_store_row(int format, const float *x, int
     const float scale = pg_half_float(amax_bits) * (1.0f / max_value), inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < head_dim; i++) {
         const float v = fminf(fmaxf(x[i] * inverse, -max_value), max_value);
-        if (format == PG_I4) {
-            const uint8_t nibble = (uint8_t)((int)nearbyintf(v) + 8);
-            if (i < head_dim / 2) dst[i] = nibble;
-            else dst[i - head_dim / 2] |= (uint8_t)(nibble << 4);
-            continue;
-        }
         dst[i] = format == PG_I8 ? (uint8_t)(int8_t)nearbyintf(v) : format == PG_E4M3 ? pg_to_e4m3(v) : pg_to_e5m2(v);
     }
-    memcpy(dst + (format == PG_I4 ? head_dim / 2 : head_dim), &amax_bits, 2);
+    memcpy(dst + head_dim, &amax_bits, 2);
 }
+
 
 /* The rotation of int4 rows (pagegate/kernels/rotation.py, which runs the same butterflies): x -> H (s x) / sqrt(d)
    in place, and back, for d a power of two <= PG_MAX_HEAD_DIM. */

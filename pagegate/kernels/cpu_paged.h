@@ -208,7 +208,7 @@ PG_CONVERTED_TILES(bf16, uint16_t, 0.0f, PG_BF16)
 PG_CONVERTED_TILES(i8, int8_t, 1.0f / 127.0f, PG_I8)
 PG_CONVERTED_TILES(e4m3, uint8_t, 1.0f / 448.0f, PG_E4M3)
 PG_CONVERTED_TILES(e5m2, uint8_t, 1.0f / 57344.0f, PG_E5M2)
-PG_CONVERTED_TILES(i4, uint8_t, 1.0f / 7.0f, PG_I4)
+PG_CONVERTED_TILES(i4, uint8_t, 1.0f / 8.0f, PG_I4)
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #  include "cpu_tiles_avx2.h"

@@ -45,30 +45,34 @@ def _store_rows(cache_ptr, scale_ptr, rows, dims, mask, head_mask, head_dim, x, 
 
 
 @triton.jit
-def _nibbles(x, inverse, MAX_VALUE: tl.constexpr):
-    """float32 values x [H, D / 2] as int4 nibbles q + 8: x * (1 / s) clamped to +-MAX_VALUE, rounded half to
-    even (as kv_format.quantize_rows)."""
-    q = round_half_even(tl.minimum(tl.maximum(x * inverse[:, None], -MAX_VALUE), MAX_VALUE))
+def _nibbles(x, inverse):
+    """float32 values x [H, D / 2] as int4 nibbles q + 8: x * (1 / s) clamped to [-8, 7], rounded half to even (as
+    kv_format._quantize_int4)."""
+    q = round_half_even(tl.minimum(tl.maximum(x * inverse[:, None], -8.0), 7.0))
     return q.to(tl.int32) + 8
 
 
 @triton.jit
-def _store_packed_rows(cache_ptr, scale_ptr, source_ptr, rows, head_mask, head_dim, MAX_VALUE: tl.constexpr,
-                       INV_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_packed_rows(cache_ptr, scale_ptr, source_ptr, rows, head_mask, head_dim, INV_MAX: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
     """Quantize rows [H, D] at source_ptr (+ dims) into int4 rows at byte offsets `rows` [H, 1], as
-    kv_format.quantize_rows does: value i into the low nibble of byte i, value i + D / 2 into its high one,
-    the float16 amax after the D / 2 bytes."""
+    kv_format._quantize_int4 does: value i into the low nibble of byte i, value i + D / 2 into its high one, minus
+    the value of largest magnitude (the positive one of a tie) as a float16 after the D / 2 bytes."""
     half = head_dim // 2
     dims = tl.arange(0, BLOCK_D // 2)[None, :]
     mask = head_mask & (dims < half)
     low = tl.load(source_ptr + dims, mask=mask, other=0.0).to(tl.float32)
     high = tl.load(source_ptr + half + dims, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(low), 1), tl.max(tl.abs(high), 1))
-    amax = tl.minimum(amax, 65504.0).to(tl.float16)  # beyond float16: the values saturate
-    inverse = _inverse_scales(amax, INV_MAX)
-    packed = _nibbles(low, inverse, MAX_VALUE) | (_nibbles(high, inverse, MAX_VALUE) << 4)
+    top = tl.maximum(tl.max(low, 1), tl.max(high, 1))
+    bottom = tl.minimum(tl.min(low, 1), tl.min(high, 1))
+    largest = tl.where(top >= -bottom, top, bottom)
+    stored = tl.minimum(tl.maximum(-largest, -65504.0), 65504.0).to(tl.float16)  # beyond float16: values saturate
+    s = stored.to(tl.float32) * INV_MAX
+    # div_rn: IEEE division as torch's (a plain / is approximate on CUDA)
+    inverse = tl.where(s != 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s != 0, s, 1.0)), 0.0)
+    packed = _nibbles(low, inverse) | (_nibbles(high, inverse) << 4)
     tl.store(cache_ptr + rows + dims, packed.to(tl.uint8), mask=mask)
-    tl.store(scale_ptr + (rows + half) // 2, amax[:, None], mask=head_mask)
+    tl.store(scale_ptr + (rows + half) // 2, stored[:, None], mask=head_mask)
 
 
 @triton.jit
@@ -92,9 +96,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     key_ptr += token * key_stride_t + heads * key_stride_h
     value_ptr += token * value_stride_t + heads * value_stride_h
     if PACKED:
-        _store_packed_rows(k_cache_ptr, k_scale_ptr, key_ptr, rows, head_mask, head_dim, MAX_VALUE, INV_MAX, BLOCK_D)
-        _store_packed_rows(v_cache_ptr, v_scale_ptr, value_ptr, rows, head_mask, head_dim, MAX_VALUE, INV_MAX,
-                           BLOCK_D)
+        _store_packed_rows(k_cache_ptr, k_scale_ptr, key_ptr, rows, head_mask, head_dim, INV_MAX, BLOCK_D)
+        _store_packed_rows(v_cache_ptr, v_scale_ptr, value_ptr, rows, head_mask, head_dim, INV_MAX, BLOCK_D)
     else:
         key = tl.load(key_ptr + dims, mask=mask, other=0.0)
         value = tl.load(value_ptr + dims, mask=mask, other=0.0)
