@@ -1,13 +1,13 @@
 """Single-stream decode speed against context depth, per KV page format, beside llama-bench at the same depths.
 
-    python -m bench.kv_speed [--depths 128,512,1024,2048,3584,8064] [--formats float32,float16,int8,fp8_e4m3]
+    python -m bench.kv_speed [--depths 128,512,1024,2048,3584,8064] [--formats float32,float16,int8,fp8_e4m3,int4]
                              [--rounds 3] [--tokens 64] [--threads 2] [--no-peers]
 
 pagegate runs the engine on the main thread (as the engine core does) over SmolLM2-135M Q4_1, one engine per
 format, each in its own process; decode tok/s is `tokens` tokens timed after a `depth`-token prompt's first token
 (llama-bench's tg with -d). The prompt is the same in every round, so after the first round its prefill is a prefix
-hit. llama-bench runs the same file at the same depths in its two best configurations here: F16 pages without flash
-attention, and q8_0 pages (which need flash attention). Formats and peers alternate within each round; medians of the
+hit. llama-bench runs the same file at the same depths: F16 pages without flash attention (its best here), and q8_0
+and q4_0 pages (which need flash attention). Formats and peers alternate within each round; medians of the
 rounds are reported. Writes bench/results/kv_speed.json and docs/bench-kv-speed.png.
 """
 
@@ -29,7 +29,8 @@ from pagegate import LLM, SamplingParams
 
 SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 RESULTS = Path("bench/results")
-PEERS = {"llama-bench F16 -fa 0": ("f16", "0"), "llama-bench q8_0 -fa 1": ("q8_0", "1")}
+PEERS = {"llama-bench F16 -fa 0": ("f16", "0"), "llama-bench q8_0 -fa 1": ("q8_0", "1"),
+         "llama-bench q4_0 -fa 1": ("q4_0", "1")}
 
 
 def decode_tok_s(llm: LLM, prompt: list[int], tokens: int) -> float:
@@ -138,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 1024, 2048,
                                                                                            3584, 8064])
-    parser.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "float16", "int8", "fp8_e4m3"])
+    parser.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "float16", "int8", "fp8_e4m3", "int4"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

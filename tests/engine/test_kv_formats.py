@@ -91,7 +91,7 @@ def test_native_step_equals_the_torch_path(llama_model, roomy, monkeypatch, name
     assert_same_answers(run(llm, make_prompts()), roomy[name])
 
 
-@pytest.mark.parametrize("name", ["float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["float16", "int8", "fp8_e4m3", "int4"])
 def test_prefix_hits_give_the_cold_answer(llama_model, roomy, name):
     llm = LLM(str(llama_model.path), device="cpu", num_kv_blocks=64, kv_cache_dtype=name)
     prompts = make_prompts()
@@ -103,7 +103,7 @@ def test_prefix_hits_give_the_cold_answer(llama_model, roomy, name):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-@pytest.mark.parametrize("name", ["float16", "int8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["float16", "int8", "fp8_e5m2", "int4"])
 def test_preemption_gives_the_roomy_answer(llama_model, roomy, name, mode):
     swap = 0.001 if mode == "swap" else 0.0
     llm = LLM(str(llama_model.path), device="cpu", kv_cache_dtype=name, swap_space=swap, preemption_mode=mode,
