@@ -21,7 +21,7 @@ from pathlib import Path
 
 CACHE = Path(".cache/peers")
 SDIST = "llama-cpp-python"
-TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
