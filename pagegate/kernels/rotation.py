@@ -1,6 +1,6 @@
 """The fixed rotation of int4 KV pages: R x = H (s * x) / sqrt(d), with H the d x d Walsh-Hadamard matrix and s a
 fixed pattern of signs (QuaRot's randomized Hadamard transform). A rotation spreads a head's outlier channels over
-all of them, so one 4-bit scale per row loses little; it is orthogonal, so rotated queries meet rotated keys in the
+all of them, so one 4-bit scale per row fits the row better; it is orthogonal, so rotated queries meet rotated keys in the
 same dot products, and the attention output (a sum of rotated values) is rotated back once per head (R^T y =
 s * H y / sqrt(d)).
 
