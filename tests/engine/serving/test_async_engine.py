@@ -20,6 +20,7 @@ from pagegate.engine.errors import EngineDeadError
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.serving.async_engine import AsyncEngine
 from pagegate.testing.launcher import core_pids, wait_gone
+from tests.engine.serving.loops import end_loop
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 T = TypeVar("T")
@@ -38,12 +39,7 @@ class Running:
     def close(self) -> None:
         """Shut the engine down, then end what is left on the loop (as asyncio.run does)."""
         self.run(self.engine.shutdown())
-        left = asyncio.all_tasks(self.loop)
-        for task in left:
-            task.cancel()
-        if left:
-            self.run(asyncio.wait(left))
-        self.loop.close()
+        end_loop(self.loop)
 
 
 def tiny_config(model: object, **kwargs: Any) -> EngineConfig:

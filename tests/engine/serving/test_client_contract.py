@@ -29,6 +29,7 @@ from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import Replicas, start_cores
 from pagegate.testing.launcher import core_pids, wait_for, wait_gone
+from tests.engine.serving.loops import end_loop
 
 DEFAULT_MODEL = Path(pagegate.__file__).parent / "engine" / "default_model"
 PAGES = 64  # each core's pool
@@ -60,12 +61,7 @@ class Serving:
 
     def close(self) -> None:
         self.run(self.client.shutdown())
-        left = asyncio.all_tasks(self.loop)
-        for task in left:
-            task.cancel()
-        if left:
-            self.run(asyncio.wait(left))
-        self.loop.close()
+        end_loop(self.loop)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["CoreClient", "Replicas"])
