@@ -10,6 +10,7 @@ of 2h, h = 1, 2, 4, ..., so both give the same sums. d must be a power of two up
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,8 +24,9 @@ def rotatable(d: int) -> bool:
     return 2 <= d <= MAX_DIM and d & (d - 1) == 0
 
 
+@functools.cache
 def signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """s [d] as float32 +-1."""
+    """s [d] as float32 +-1 (built once per size and device: attention rotates every layer's query every step)."""
     bits = [(SIGN_WORDS[i // 64] >> (i % 64)) & 1 for i in range(d)]
     return torch.tensor([-1.0 if b else 1.0 for b in bits], dtype=torch.float32, device=device)
 
