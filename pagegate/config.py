@@ -35,6 +35,9 @@ class CacheConfig:
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out pages
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # fraction of the pool kept free when admitting a new prompt
+    # Batch-lane work (/v1/batches) is admitted only while this fraction of the pool more stays free, at most one
+    # step's token budget of pages: room an arriving online prompt's first chunk takes without preempting anything.
+    batch_headroom: float = 0.1
     max_pinned_fraction: float = 0.25  # of the pool, at most, held by prefix pins (released first under pressure)
     default_cpu_kv_cache_memory: str = "1GiB"  # CPU budget when nothing else is given
     kv_cache_dtype: str = "auto"  # the pages' format (pagegate.kernels.kv_format): auto, float32, ..., int8, fp8_e4m3

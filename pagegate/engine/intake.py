@@ -27,6 +27,7 @@ from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
 from pagegate.engine.sequence import Request, Sequence
+from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 
 class RequestIntake:
@@ -44,11 +45,13 @@ class RequestIntake:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
-                     embed: bool = False, lora: Registered | None = None, tenant: str | None = None) -> Request:
+                     embed: bool = False, lora: Registered | None = None, tenant: str | None = None, *,
+                     lane: Lane = ONLINE, key: KeyShare | None = None) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
         prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled. `lora`: the
         adapter it runs with (lora.model.resolve_adapter); `tenant`: the identity of the API key that sent it, when
-        each key keeps its own prefix cache (--prefix-cache-scope key)."""
+        each key keeps its own prefix cache (--prefix-cache-scope key); `lane` and `key`: who it runs for, as the
+        scheduler weighs it (tenants.py)."""
         check_task(self.serves.generate, self.serves.pooling is not None, embed)
         if embed and params.n != 1:
             raise InvalidParamError("an embedding request has one choice", "n")
@@ -65,7 +68,8 @@ class RequestIntake:
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
-                       logit_bias=bias, pin=pin, embed=embed, lora_name=lora.request.lora_name if lora else None)
+                       logit_bias=bias, pin=pin, embed=embed, lora_name=lora.request.lora_name if lora else None,
+                       lane=lane, key=key)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached)."""

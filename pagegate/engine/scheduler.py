@@ -1,17 +1,23 @@
 """Continuous batching over the page pool: who runs this step, with how many tokens, on which pages.
 
-Each step spends a token budget: running sequences first (most urgent first), then swapped ones
-coming back, then new ones. A sequence computes its uncomputed tokens (a prefill chunk, or the one
-token of a decode); the core reserves their slots and caches each page as it fills. When a running
-sequence cannot get a page, the least urgent, latest arrived running sequence not yet scheduled this
-step is preempted: swapped to the CPU pool or freed to be recomputed.
+Each step spends a token budget lane by lane (online, then batch: tenants.py): in a lane, running sequences first
+(most urgent first), then swapped ones coming back, then new ones. A sequence computes its uncomputed tokens (a
+prefill chunk, or the one token of a decode); the core reserves their slots and caches each page as it fills. When a
+running sequence cannot get a page, the least urgent, latest arrived running sequence not yet scheduled this step is
+preempted: swapped to the CPU pool or freed to be recomputed. Batch-lane sequences sort after every online one, so
+they are preempted first; an online sequence that cannot be admitted or come back preempts them too. Among waiting
+sequences of one lane and priority, the API key furthest below its weighted share of pages goes first, and a key's
+quota caps the pages its running sequences hold (key_pages.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +26,7 @@ import numpy as np
 from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
+from pagegate.engine.key_pages import KeyPages, key_name, quota_of
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
@@ -28,6 +35,7 @@ from pagegate.engine.pins import Pin, PrefixPins
 from pagegate.engine.prefix_tiers import WAIT, Found, PrefixTiers, TierLoad
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator
+from pagegate.engine.tenants import BATCH, LANE_RANK, LANES, ONLINE, Lane
 
 if TYPE_CHECKING:
     from pagegate.core.block_pool import EvictedPages
@@ -64,6 +72,9 @@ class ScheduledBatch:
     evicted: EvictedPages | None = None  # cached pages allocation took back this step (KV tiers on)
     tier_loads: list[TierLoad] = field(default_factory=list)  # pages coming back from the tiers
     preempted: int = 0
+    # of them, those that made way by rule, not for a pool too small: batch-lane sequences preempted for online ones,
+    # and sequences of a key at its quota (they neither shrink the running cap nor hold an online lane back)
+    yielded: int = 0
     failed: list[Sequence] = field(default_factory=list)  # alone need more pages than the pool has
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -99,6 +110,7 @@ class Scheduler:
         self.tiers = PrefixTiers(tiers, self.pool) if tiers is not None and self.prefix_caching else None
         self.adapters = AdapterPages(self.pool, lora) if lora is not None else None  # LoRA weights' pages
         self.watermark_blocks = int(cache.watermark * num_blocks)
+        self.batch_headroom_blocks = self._batch_headroom(num_blocks)
         mode = config.preemption_mode or ("swap" if num_cpu_blocks else "recompute")
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {mode!r}")
@@ -108,6 +120,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.pooling: set[Sequence] = set()  # the embedding sequences in the queues above
+        self.key_pages = KeyPages()  # pages per API key, current through each step
         self._pooling_left = 0  # tokens embedding sequences may still take in the step being scheduled
         self._slice_began: float | None = None  # `now` of the last step if it held embedding tokens
         self._slice_seqs: list[Sequence] = []  # and the embedding sequences it held
@@ -137,7 +150,10 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from its queue and release its pages."""
-        for queue in (self.running, self.waiting, self.swapped):
+        if seq in self.running:
+            self.running.remove(seq)
+            self.key_pages.add(seq, -self.tables.num_blocks(seq.handle))
+        for queue in (self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         self.pooling.discard(seq)
@@ -166,13 +182,13 @@ class Scheduler:
     def unpin(self, key: str) -> bool:
         return self.pins.release(key)
 
-    def _free_up(self, needed: int) -> bool:
-        """Release pins, oldest first, then idle LoRA adapters' pages, least recently used first, until `needed`
-        pages are free; whether they are."""
+    def _free_up(self, needed: int, pins: bool = True) -> bool:
+        """Release pins, oldest first (unless not `pins`: batch work leaves them, they hold online conversations),
+        then idle LoRA adapters' pages, least recently used first, until `needed` pages are free; whether they are."""
         if self.pool.num_free_blocks < needed and self.grow_pool is not None:
             self.grow_pool(needed - self.pool.num_free_blocks)
         while self.pool.num_free_blocks < needed:
-            if not self.pins.release_oldest() and (self.adapters is None or not self.adapters.evict_idle()):
+            if not (pins and self.pins.release_oldest()) and (self.adapters is None or not self.adapters.evict_idle()):
                 return False
         return True
 
@@ -200,6 +216,7 @@ class Scheduler:
         child.num_computed = parent.num_computed
         child.status = SeqStatus.RUNNING
         self.running.append(child)
+        self.key_pages.add(child, self.tables.num_blocks(child.handle))
 
     def set_limit(self, num_blocks: int) -> int:
         """An elastic pool's limit moved (BlockPool.set_limit): the watermark and the pins' budget follow it, and a
@@ -208,15 +225,31 @@ class Scheduler:
         grew = num_blocks > self.pool.num_blocks
         reached = self.pool.set_limit(num_blocks)
         self.watermark_blocks = int(self.cache.watermark * reached)
+        self.batch_headroom_blocks = self._batch_headroom(reached)
         self.pins.max_blocks = int(self.cache.max_pinned_fraction * reached)
         if grew:
             self.cap.reset()
         return reached
 
+    def _batch_headroom(self, num_blocks: int) -> int:
+        """Free pages batch-lane admission leaves beyond the watermark (CacheConfig.batch_headroom).
+
+        NOTE: an online prompt that arrives is admitted at once, preempting batch work if it must; the headroom is
+        there so that it need not: its first chunk (at most one step's token budget) finds free pages, and no batch
+        sequence loses its work to it. A fraction of the pool bounds it, so a small pool still runs batch work."""
+        step_pages = -(-self.config.max_num_batched_tokens // self.block_size)
+        return min(step_pages, int(self.cache.batch_headroom * num_blocks))
+
     def take_pages_short(self) -> int:
         """The pages admission and running sequences lacked since the last call (what an elastic pool grows by)."""
         short, self.pages_short = self.pages_short, 0
         return short
+
+    def pages_by_key(self) -> dict[str, int]:
+        """Device pages the running sequences of each named API key hold (pagegate:key_kv_blocks_used)."""
+        counted = KeyPages()
+        counted.recount(self.running, self.tables)
+        return counted.held
 
     @property
     def num_unfinished(self) -> int:
@@ -258,17 +291,57 @@ class Scheduler:
             batch.evicted = self.pool.take_evicted()
             if not batch.seqs:
                 self.tiers.wait_for_disk(DISK_WAIT_S)
-        self.cap.update(now, len(self.running), batch.preempted, self.pool.num_used_blocks / self.pool.num_blocks,
-                        len(self.waiting) + len(self.swapped))
+        self.cap.update(now, len(self.running), batch.preempted - batch.yielded,
+                        self.pool.num_used_blocks / self.pool.num_blocks, len(self.waiting) + len(self.swapped))
         return batch
 
     def _fill(self, batch: ScheduledBatch, pooling: int, now: float) -> None:
-        """Add to `batch` the running sequences' next tokens, then swapped ones coming back, then new ones, within
-        the step's token budget and, for embedding sequences, `pooling` tokens."""
+        """Add to `batch`, lane by lane, the lane's running sequences' next tokens, then its swapped ones coming
+        back, then its new ones, within the step's token budget and, for embedding sequences, `pooling` tokens.
+
+        NOTE: the batch lane is filled once the online lane is done, so it takes only the budget and the pages online
+        sequences leave, and while an online sequence waits for them, no batch sequence comes back or is admitted.
+        Its running sequences are not scheduled yet while the online lane fills, so an online sequence short of
+        pages may preempt them (the tail of the running list, and _yield_batch) before it touches another online
+        one."""
         budget = self.config.max_num_batched_tokens - batch.num_batched_tokens
         self._pooling_left = pooling
-        i = 0
-        while i < len(self.running) and budget > 0:
+        self.key_pages.recount(self.running, self.tables)
+        placed = True
+        for lane in LANES:
+            budget, placed = self._fill_lane(lane, batch, budget, now, may_add=placed)
+            self._lanes_in_order(lane)
+
+    def _lanes_in_order(self, lane: Lane) -> None:
+        """The running sequences `lane` just added (at the end) moved ahead of the lanes' below, whose turn is next:
+        their tail is what their growth preempts."""
+        appended = bool(self.running) and self.running[-1].request.lane == lane
+        if appended and lane != LANES[-1] and any(seq.request.lane != lane for seq in self.running):
+            self.running.sort(key=lambda s: s.sort_key)
+
+    def _fill_lane(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float,
+                   may_add: bool) -> tuple[int, bool]:
+        """One lane's part of the step: its running sequences grow, and when `may_add` (the lanes above placed all
+        they could) its swapped ones come back and new ones start. The budget left, and whether the lane placed all
+        it could (False: something of it waits for pages, the budget or a seat, or it lost a sequence to a pool too
+        small), so that the lanes below add nothing while it waits."""
+        budget, grown = self._grow(lane, batch, budget, now)
+        # a preemption for want of pages stops the lane's comebacks and admissions this step (they would be next);
+        # a batch sequence that made way for an online one stops only the batch lane's
+        pressed = batch.preempted > (batch.yielded if lane == ONLINE else 0)
+        if not (may_add and grown) or pressed:
+            return budget, False
+        budget, back = self._swap_in(lane, batch, budget, now)
+        if not back:
+            return budget, False
+        return self._admit(lane, batch, budget, now)
+
+    def _grow(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float) -> tuple[int, bool]:
+        """The next tokens of the lane's running sequences, most urgent first; False when one of them had to be
+        preempted for want of pages (everything after it already was)."""
+        rank = LANE_RANK[lane]
+        i = next((j for j, seq in enumerate(self.running) if LANE_RANK[seq.request.lane] >= rank), len(self.running))
+        while i < len(self.running) and budget > 0 and self.running[i].request.lane == lane:
             seq = self.running[i]
             if _decodes(seq):  # decodes go in runs, one core call per run
                 added = self._append_decodes(i, budget, batch)
@@ -279,17 +352,16 @@ class Scheduler:
             if n == 0:  # an embedding whose slice is spent or not due: the next sequences still run
                 i += 1
                 continue
+            if not self._within_quota(seq, n, batch, now):
+                continue  # seq itself went (its key's least urgent): the next one is at i now
             if not self._make_room(seq, n, batch, now):
-                break  # seq itself was preempted: everything after it already was
+                return budget, False  # seq itself was preempted: everything after it already was
             self._reserve(seq, n)
             n += self._reserve_draft(seq, budget - n)
             self._add(batch, seq, n)
             budget -= n
             i += 1
-        if not batch.preempted:
-            budget = self._swap_in(batch, budget, now)
-            if not self.swapped:
-                self._admit(batch, budget, now)
+        return budget, True
 
     def _pooling_budget(self, now: float) -> int:
         """The tokens embedding sequences may take this step (POOLING_SHARE): a slice, or none while generations
@@ -343,19 +415,30 @@ class Scheduler:
             self._pooling_left -= n
 
     def _reserve(self, seq: Sequence, n: int) -> None:
+        before = self.tables.num_blocks(seq.handle)
         self.tables.append(seq.handle, seq.token_ids[seq.num_computed:seq.num_computed + n])
         seq.num_computed += n
+        self.key_pages.add(seq, self.tables.num_blocks(seq.handle) - before)
 
     def _append_decodes(self, start: int, budget: int, batch: ScheduledBatch) -> int:
-        """Reserve the one token of each decode in running[start:] (up to the first non-decode) that
-        fits without preempting; returns how many were added."""
-        run = []
+        """Reserve the one token of each decode in running[start:] (up to the first non-decode, the end of its lane,
+        or one whose new page its key's quota has no room for) that fits without preempting; returns how many were
+        added."""
+        run, lane = [], self.running[start].request.lane
+        taking: dict[str | None, int] = {}  # new pages the run takes so far, per key with a quota
         for seq in self.running[start:start + budget]:
-            if not _decodes(seq):
+            if not _decodes(seq) or seq.request.lane != lane:
                 break
+            if seq.num_computed % self.block_size == 0 and quota_of(seq) is not None:  # the core takes a fresh page
+                name = key_name(seq)
+                taking[name] = taking.get(name, 0) + 1
+                if self.key_pages.over_quota(seq, taking[name]):
+                    break
             run.append(seq)
         added = self.tables.append_many([s.handle for s in run], [s.token_ids[-1] for s in run])
         for seq in run[:added]:
+            if seq.num_computed % self.block_size == 0:
+                self.key_pages.add(seq, 1)
             seq.num_computed += 1
             batch.add(seq, 1)
         return added
@@ -365,10 +448,14 @@ class Scheduler:
         without taking one that another running sequence's next token may need (a guess never preempts)."""
         draft = seq.draft[:max(budget, 0)]
         spare = self.pool.num_free_blocks - self.watermark_blocks - len(self.running)
+        room = self.key_pages.room(seq)
+        spare = spare if room is None else min(spare, room)
         while draft and self.tables.pages_needed(seq.handle, len(draft)) > spare:
             draft.pop()
         if draft:
+            before = self.tables.num_blocks(seq.handle)
             self.tables.grow(seq.handle, len(draft))
+            self.key_pages.add(seq, self.tables.num_blocks(seq.handle) - before)
         seq.draft = draft
         return len(draft)
 
@@ -394,26 +481,77 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
         """Preempt from the tail until seq's next n tokens fit; False when seq itself had to go."""
-        while not self._free_up(self.tables.pages_needed(seq.handle, n)):
-            # NOTE: the victim is the tail of the running list (sorted by sort_key): the least urgent, most
-            # recently arrived sequence, which has the least work to lose and the longest to wait anyway.
+        while not self._free_up(self.tables.pages_needed(seq.handle, n), pins=seq.request.lane == ONLINE):
+            # NOTE: the victim is the tail of the running list (sorted by sort_key): the batch lane's least urgent,
+            # most recently arrived sequence while there is one, which has the least work to lose and the longest to
+            # wait anyway. A batch sequence never reaches an online one: they all sort before it.
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
-                seq.request.error = (f"the sequence needs more KV pages than the pool's {self.pool.num_blocks} "
-                                     f"to hold {len(seq.token_ids) + 1} tokens")
-                self.free(seq)
-                batch.failed.append(seq)
+                self._fail(seq, batch, f"the sequence needs more KV pages than the pool's {self.pool.num_blocks} "
+                                       f"to hold {len(seq.token_ids) + 1} tokens")
                 return False
-            self._preempt(self.running.pop(), batch, now)
+            self._preempt(self.running.pop(), batch, now, yielded=victim.request.lane != seq.request.lane)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, victim: Sequence, batch: ScheduledBatch, now: float) -> None:
+    def _fail(self, seq: Sequence, batch: ScheduledBatch, error: str) -> None:
+        seq.request.error = error
+        self.free(seq)
+        batch.failed.append(seq)
+
+    def _within_quota(self, seq: Sequence, n: int, batch: ScheduledBatch, now: float) -> bool:
+        """Preempt the least urgent running sequences of seq's key until its next n tokens fit under the key's quota;
+        False when seq itself had to go (the key's least urgent, or alone more than its quota: failed)."""
+        new_pages = self._new_pages(seq, n)
+        while self.key_pages.over_quota(seq, new_pages):
+            name = key_name(seq)
+            victim = next(s for s in reversed(self.running) if key_name(s) == name)
+            if victim is seq and sum(key_name(s) == name for s in self.running) == 1:
+                self._fail(seq, batch, f"the sequence needs more KV pages than its API key's quota of "
+                                       f"{quota_of(seq)} (max_kv_blocks) to hold {seq.num_computed + n} tokens")
+                return False
+            self.running.remove(victim)  # after seq in the running list (or seq): not scheduled this step
+            self._preempt(victim, batch, now, yielded=True)
+            if victim is seq:
+                return False
+        return True
+
+    def _new_pages(self, seq: Sequence, n: int) -> int:
+        """Pages seq's block table grows by for its next n tokens."""
+        return -(-(seq.num_computed + n) // self.block_size) - self.tables.num_blocks(seq.handle)
+
+    def _yield_batch(self, fits: Callable[[], bool], batch: ScheduledBatch, now: float,
+                     key: str | None = None, of_key: bool = False) -> bool:
+        """For an online sequence: preempt running batch-lane sequences (of key `key` alone when `of_key`), least
+        urgent first, until `fits()`; whether it does. They are not scheduled yet: the batch lane fills last."""
+        while not fits():
+            victim = next((s for s in reversed(self.running)
+                           if s.request.lane == BATCH and (not of_key or key_name(s) == key)), None)
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            self._preempt(victim, batch, now, yielded=True)
+        return True
+
+    def _make_way(self, seq: Sequence, fits: Callable[[], bool], batch: ScheduledBatch, now: float) -> bool:
+        """Whether `fits()`: for an online sequence, after running batch-lane sequences made way."""
+        return fits() or seq.request.lane == ONLINE and self._yield_batch(fits, batch, now)
+
+    def _pages_for(self, seq: Sequence, needed: int, batch: ScheduledBatch, now: float) -> bool:
+        """Whether `needed` pages are free for `seq` to come back or be admitted: after pins and idle adapters, and
+        for an online sequence after running batch-lane sequences made way."""
+        if self._free_up(needed, pins=seq.request.lane == ONLINE):
+            return True
+        return self._make_way(seq, lambda: self.pool.num_free_blocks >= needed, batch, now)
+
+    def _preempt(self, victim: Sequence, batch: ScheduledBatch, now: float, yielded: bool = False) -> None:
         victim.draft = []  # not scheduled this step: its guesses took no slots
         batch.preempted += 1
+        batch.yielded += yielded
         self.num_preemptions += 1
         pages = self.tables.num_blocks(victim.handle)
+        self.key_pages.add(victim, -pages)
         self.pages_short += pages
         if self._should_swap(victim, now):
             victim.request.timeline.preempted(SWAP, now, pages, victim.index)
@@ -440,12 +578,24 @@ class Scheduler:
             return False
         return self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= self.tables.num_blocks(victim.handle)
 
-    def _swap_in(self, batch: ScheduledBatch, budget: int, now: float) -> int:
-        for seq in sorted(self.swapped, key=lambda s: s.sort_key):
-            need = self.tables.num_blocks(seq.handle) + 1  # its pages and room for the next token
-            if not self._free_up(need + self.watermark_blocks) or len(self.running) >= self.cap.value:
-                break
+    def _swap_in(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float) -> tuple[int, bool]:
+        """Bring the lane's swapped sequences back, most urgent first; the budget left, and whether all came back
+        that their keys' quotas let come back."""
+        for seq in sorted((s for s in self.swapped if s.request.lane == lane), key=lambda s: s.sort_key):
+            pages = self.tables.num_blocks(seq.handle)
+            if self.key_pages.over_quota(seq, pages):
+                continue  # back once its key's pages go down; the others need not wait for it
+            holds = pages + self._new_pages(seq, 1)  # its pages and room for its next token
+            if holds > self.pool.num_blocks:  # preempted from a pool it filled (batch work, for an online request)
+                self._fail(seq, batch, f"the sequence needs more KV pages than the pool's {self.pool.num_blocks} "
+                                       f"to hold {seq.num_computed + 1} tokens")
+                continue
+            need = holds + self._pages_left_free(seq)
+            seated = self._make_way(seq, lambda: len(self.running) < self.cap.value, batch, now)
+            if not seated or not self._pages_for(seq, need, batch, now):
+                return budget, False
             pairs = self.tables.swap_in(seq.handle)
+            self.key_pages.add(seq, pages)
             batch.swap_in.append(pairs)
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.remove(seq)
@@ -453,18 +603,30 @@ class Scheduler:
             seq.request.timeline.resumed(seq.index, now)
             self.running.append(seq)
             n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
-            if n and self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks:
+            fits = self.tables.pages_needed(seq.handle, n) <= self.pool.num_free_blocks
+            if n and fits and not self.key_pages.over_quota(seq, self._new_pages(seq, n)):
                 self._reserve(seq, n)
                 self._add(batch, seq, n)
                 budget -= n
-        return budget
+        return budget, True
 
-    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> None:
-        if not self.waiting:
-            return  # the seat count walks the running sequences: not every decode step
-        occupied = self.num_occupied_seats
-        pending_forks = occupied - len(self.running) - len(self.swapped)
-        for seq in self._waiting_by_urgency(now):
+    def _pages_left_free(self, seq: Sequence) -> int:
+        """The free pages `seq` must leave to be admitted or to come back: the watermark, and for batch work the
+        headroom of an online prompt to come. Nothing holds back a first sequence."""
+        if not self.running:
+            return 0
+        return self.watermark_blocks + (self.batch_headroom_blocks if seq.request.lane == BATCH else 0)
+
+    def _admit(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float) -> tuple[int, bool]:
+        """Admit the lane's waiting sequences in _admission_order; the budget left, and whether none of them waits
+        for pages, the budget or a seat (those that wait for their key's quota or their prefix from disk do not
+        hold the line)."""
+        waiting = [seq for seq in self.waiting if seq.request.lane == lane]
+        if not waiting:
+            return budget, True  # the seat count walks the running sequences: not every decode step
+        occupied = self._occupied_seats(lane)
+        pending_forks = self.num_occupied_seats - len(self.running) - len(self.swapped)
+        for seq in self._admission_order(waiting, now):
             allowance = self._allowance(seq, budget)
             if allowance <= 0 < budget:
                 continue  # an embedding whose slice is spent or not due: generations behind it may pass
@@ -473,30 +635,71 @@ class Scheduler:
             # block tables' slots, since it forks into them at once; one that fits nothing waits for an empty
             # engine (the gateway refuses n > max_num_seqs, which could never run).
             over_cap = occupied + wanted > self.cap.value and occupied > 0
+            if over_cap and lane == ONLINE and self._seat_online(wanted, batch, now):
+                occupied, over_cap = self._occupied_seats(ONLINE), False
             no_slots = self.tables.num_sequences + pending_forks + wanted > self.tables.max_seqs
             if budget <= 0 or over_cap or no_slots:
-                return  # head of line waits: later ones must not overtake it forever
+                return budget, False  # head of line waits: later ones must not overtake it forever
             n = self._try_admit(seq, allowance, now, batch)
             if n is WAIT:
-                continue  # its prefix is being read from disk: the ones behind it need not wait
+                continue  # its prefix is being read from disk, or its key is at its quota: the next need not wait
             if n == 0:
-                return
+                return budget, False
             self._add(batch, seq, n)
             budget -= n
             occupied += wanted
             pending_forks += wanted - 1
+        return budget, True
 
-    def _waiting_by_urgency(self, now: float) -> list[Sequence]:
-        """Waiting sequences, most urgent first; each gains `aging_rate` priority levels per second."""
-        for seq in self.waiting:
+    def _seat_online(self, wanted: int, batch: ScheduledBatch, now: float) -> bool:
+        """Whether an online sequence of `wanted` seats fits under the running cap once running batch work made
+        way."""
+        return self._yield_batch(lambda: self._occupied_seats(ONLINE) + wanted <= self.cap.value, batch, now)
+
+    def _occupied_seats(self, lane: Lane) -> int:
+        """Running slots taken, as `lane` sees them: the running sequences', and the swapped ones' of its lane or
+        above (a batch sequence swapped out keeps its seat from other batch work, not from online requests)."""
+        rank = LANE_RANK[lane]
+        return (sum(seats(seq) for seq in self.running)
+                + sum(seats(seq) for seq in self.swapped if LANE_RANK[seq.request.lane] <= rank))
+
+    def _admission_order(self, waiting: list[Sequence], now: float) -> Iterator[Sequence]:
+        """`waiting` (one lane's), most urgent first: by priority level, each gaining `aging_rate` levels per second
+        waited; within a level, the API key furthest below its weighted share of pages first (weighed again after
+        each admission), then by arrival.
+
+        NOTE: weighted fair queuing on pages, not on requests: a key's place is the pages its running sequences hold
+        over its weight, so a key with many or long requests waits behind keys holding less, and each admission
+        moves its key back by the pages it takes. Aging still outranks it across levels, so nothing starves; under
+        fcfs every request has one level and arrival only breaks ties between keys."""
+        for seq in waiting:
             waited = now - seq.request.arrival_time
             seq.request.effective_priority = seq.request.priority - self.config.aging_rate * waited
-        return sorted(self.waiting, key=lambda s: s.sort_key)
+        ordered = sorted(waiting, key=lambda s: s.sort_key)
+        for _, level in itertools.groupby(ordered, key=self._level):
+            queues: dict[str | None, deque[Sequence]] = {}
+            for seq in level:
+                queues.setdefault(key_name(seq), deque()).append(seq)
+            while queues:
+                name = min(queues, key=lambda k: (self.key_pages.share(queues[k][0]), queues[k][0].sort_key))
+                queue = queues[name]
+                yield queue.popleft()
+                if not queue:
+                    del queues[name]
+
+    def _level(self, seq: Sequence) -> tuple[int, int]:
+        """A waiting sequence's lane and priority level (aged, under the priority policy: whole levels gained)."""
+        request = seq.request
+        if self.config.scheduling_policy != "priority":
+            return LANE_RANK[request.lane], request.priority
+        return LANE_RANK[request.lane], math.ceil(request.effective_priority)
 
     def _try_admit(self, seq: Sequence, budget: int, now: float, batch: ScheduledBatch) -> int | None:
         """Give a waiting sequence its prefix-cache hits (from the pool, then the tiers) and first chunk; 0 when
-        it does not fit, WAIT while its prefix is read from disk."""
+        it does not fit, WAIT while its prefix is read from disk or its key is at its quota."""
         request = seq.request
+        if not self._fits_quota(seq, batch, now):
+            return WAIT
         limit = len(seq.token_ids) - 1
         if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
             limit = min(limit, len(request.prompt_logprobs) - 1)
@@ -507,9 +710,7 @@ class Scheduler:
                 return 0
         except Exception as error:  # NOTE: an adapter that cannot be loaded fails its request, never the engine
             log.exception("request %s: its LoRA adapter could not be loaded", request.request_id)
-            request.error = f"its LoRA adapter {request.lora_name!r} could not be loaded: {error}"
-            self.free(seq)
-            batch.failed.append(seq)
+            self._fail(seq, batch, f"its LoRA adapter {request.lora_name!r} could not be loaded: {error}")
             return WAIT  # the ones behind it are admitted as if it had never waited
         hits, num_hit = self.pool.match_prefix(tokens, request.root_hash)
         found = None
@@ -522,8 +723,8 @@ class Scheduler:
             num_hit += len(found.keys) * self.block_size
         n = self._chunk(seq, num_hit, budget)
         need = -(-(num_hit + n) // self.block_size) - len(hits)
-        reserve = self.watermark_blocks if self.running else 0  # the first request is never held back
-        if not self._free_up(need + reserve):
+        reserve = self._pages_left_free(seq)
+        if not self._pages_for(seq, need + reserve, batch, now):
             self.pages_short += need + reserve - self.pool.num_free_blocks
             self.pool.free(hits)
             self._release_adapter(seq)
@@ -534,6 +735,7 @@ class Scheduler:
         self.prefix_hits += num_hit
         seq.handle = self.tables.add_sequence(hits, num_hit, request.root_hash)
         seq.num_computed = num_hit
+        self.key_pages.add(seq, self.tables.num_blocks(seq.handle))
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             request.num_cached_tokens = num_hit
@@ -545,6 +747,25 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return n
+
+    def _fits_quota(self, seq: Sequence, batch: ScheduledBatch, now: float) -> bool:
+        """Whether all of `seq`'s tokens fit in its key's quota beside what the key's running sequences hold, an online
+        sequence's after the key's own batch work made way. One that never could fails.
+
+        NOTE: the whole of its tokens, not its first chunk: admitted on a chunk, it would preempt its key's other
+        sequences (or itself) on the next one."""
+        quota = quota_of(seq)
+        if quota is None:
+            return True
+        pages = -(-len(seq.token_ids) // self.block_size)
+        if pages > quota:
+            self._fail(seq, batch, f"the request needs {pages} KV pages for its {len(seq.token_ids)} tokens, more "
+                                   f"than its API key's quota of {quota} (max_kv_blocks)")
+            return False
+        if not self.key_pages.over_quota(seq, pages):
+            return True
+        return seq.request.lane == ONLINE and self._yield_batch(
+            lambda: not self.key_pages.over_quota(seq, pages), batch, now, key_name(seq), of_key=True)
 
     def _stage(self, seq: Sequence, found: Found, hits: np.ndarray, num_hit: int,
                batch: ScheduledBatch) -> tuple[np.ndarray, int]:

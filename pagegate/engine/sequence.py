@@ -17,6 +17,7 @@ from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias
+from pagegate.engine.tenants import LANE_RANK, ONLINE, KeyShare, Lane
 
 
 class SeqStatus(enum.Enum):
@@ -67,8 +68,10 @@ class Sequence:
 
     @property
     def sort_key(self) -> tuple:
-        """Scheduling order: most urgent first, then earliest arrival (then choice index)."""
-        return (self.request.effective_priority, self.request.arrival_time, self.request.order, self.index)
+        """Scheduling order: the online lane before the batch lane, then most urgent first, then earliest arrival
+        (then choice index). Preemption takes the tail, so batch work goes first."""
+        request = self.request
+        return (LANE_RANK[request.lane], request.effective_priority, request.arrival_time, request.order, self.index)
 
     @property
     def finished(self) -> bool:
@@ -102,6 +105,8 @@ class Request:
     timeline: Timeline = field(default_factory=Timeline)  # preemptions, prefix hits, pages held
     embed: bool = False  # an embedding request: its prompt is pooled, nothing is generated
     embedding: torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
+    lane: Lane = ONLINE  # BATCH: runs only in the pages and step budget online requests leave (tenants.py)
+    key: KeyShare | None = None  # the API key it runs for: its weight and quota of pages (None: no key)
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

@@ -19,6 +19,8 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from pagegate.gateway import embeddings, routes_api, routes_models, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware, log_management_access
+from pagegate.gateway.batches import routes as batches
+from pagegate.gateway.batches.service import Batches
 from pagegate.gateway.codec import render_error, wants_msgpack
 from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
@@ -45,6 +47,7 @@ ROUTES = [
     Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
     Route("/v1/messages", messages.create_message, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+    *batches.ROUTES,
     Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
     Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
     Route("/tokenizer_info", routes_ops.tokenizer_info, methods=["GET"]),
@@ -71,12 +74,19 @@ def build_state(engine_config: EngineConfig, config: GatewayConfig,
                               config.responses_store_ttl_s, config.responses_store_path, host.engine_requests.unpin)
     return GatewayState(host=host, responses=responses,
                         dashboard=DashboardFeed(host) if config.enable_dashboard else None,
-                        gateway_registry=gateway_registry(host))
+                        gateway_registry=gateway_registry(host), batches=_batches(engine_config, config))
+
+
+def _batches(engine_config: EngineConfig, config: GatewayConfig) -> Batches | None:
+    """The Files and Batch APIs under --batch-dir (BatchDirInUse if another server holds it)."""
+    if config.batch_dir is None:
+        return None
+    return Batches(config, config.batch_concurrency or engine_config.scheduler.max_num_seqs)
 
 
 def build_app(state: GatewayState) -> Starlette:
     """The ASGI app over `state` (build_state's); routes read it as lifespan state (gateway_state.py)."""
-    host, dashboard = state["host"], state["dashboard"]
+    host, dashboard, batch_api = state["host"], state["dashboard"], state["batches"]
     config = host.config
 
     @contextlib.asynccontextmanager
@@ -89,16 +99,20 @@ def build_app(state: GatewayState) -> Starlette:
                 from pagegate.gateway.grpc_server import start_grpc_server
 
                 grpc_server = await start_grpc_server(config.host, config.grpc_port, host)
+            if batch_api is not None:  # its lines enter at the router, below the middleware (batches/in_process.py)
+                await batch_api.start(app.router, state)
             yield state
         finally:
+            if batch_api is not None:
+                await batch_api.stop()
             if history is not None:
                 history.cancel()
             if grpc_server is not None:
                 await grpc_server.stop()
             await host.stop()
 
-    middleware = [Middleware(APIKeyMiddleware, api_keys=config.api_keys, admin_keys=config.admin_api_keys)]
-    log_management_access(config.api_keys, config.admin_api_keys)
+    middleware = [Middleware(APIKeyMiddleware, api_keys=config.client_api_keys, admin_keys=config.admin_api_keys)]
+    log_management_access(config.client_api_keys, config.admin_api_keys)
     if config.allowed_origins:
         cors = Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)

@@ -32,11 +32,13 @@ from pagegate.engine.sampling.params import SCHEDULING_POLICIES
 from pagegate.gateway.access_log import redact_access_log
 from pagegate.gateway.answer import REASONING_PARSERS
 from pagegate.gateway.app import build_app, build_state
+from pagegate.gateway.batches.disk import BatchDirInUse
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.http_protocol import HeadLimitedH11Protocol, listen_backlog
+from pagegate.gateway.key_config import load_key_config
 from pagegate.gateway.model_slots import discover_models
 from pagegate.gateway.request_id import RequestIdLogFilter, RequestIdMiddleware
-from pagegate.gateway.settings import GatewayConfig, ServedModel
+from pagegate.gateway.settings import ConfiguredKey, GatewayConfig, ServedModel
 from pagegate.gateway.shutdown import GracefulShutdown
 from pagegate.gateway.tools import TOOL_CALL_PARSERS
 
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(parser.add_argument_group("server"))
     _chat_flags(parser.add_argument_group("chat, tools and reasoning"))
     _lora_flags(parser.add_argument_group("LoRA adapters"))
+    _batch_flags(parser.add_argument_group("Files and Batch APIs"))
     return parser
 
 
@@ -152,6 +155,10 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--admin-api-key", action="append", default=None,
                        help="a key that may also load, unload, sleep and wake models and LoRA adapters (repeatable; "
                             f"also ${ADMIN_API_KEY_ENV}); with --api-key and none, nobody may")
+    group.add_argument("--api-key-config", type=_key_config, default=None, metavar="FILE",
+                       help="API keys with a name (what metrics show), a weight of the KV pages and an optional quota "
+                            "of them: JSON or TOML entries {name, key, weight, max_kv_blocks}; they open the API "
+                            "as --api-key ones do")
     group.add_argument("--prefix-cache-scope", choices=["shared", "key"], default=defaults.prefix_cache_scope,
                        help="key: salt every request's prefix cache with its API key, so no key hits (or learns "
                             "of) another's cached prefixes; needs --api-key")
@@ -243,6 +250,19 @@ def _lora_flags(group: argparse._ArgumentGroup) -> None:
                             "any path the server can read")
 
 
+def _batch_flags(group: argparse._ArgumentGroup) -> None:
+    defaults = GatewayConfig()
+    group.add_argument("--batch-dir", default=None, metavar="DIR",
+                       help="serve /v1/files and /v1/batches, keeping files, batches and their results in DIR: "
+                            "a restarted server resumes every unfinished batch (default: off, the routes answer 404)")
+    group.add_argument("--batch-max-bytes", type=_size, default=f"{defaults.batch_max_bytes / 1024**3:g}GiB",
+                       help="the most bytes the files under --batch-dir may hold, like '10GiB'; an upload past it "
+                            "is a 413 (batch outputs count too)")
+    group.add_argument("--batch-concurrency", type=_positive(int), default=None, metavar="N",
+                       help="batch lines in flight at once, all batches together (default: --max-num-seqs); they "
+                            "run below every online request")
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
     if text.lstrip().startswith("{"):
@@ -301,6 +321,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _key_config(path: str) -> list[ConfiguredKey]:
+    try:
+        return load_key_config(path)
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return KVEventsConfig.from_json(text)
@@ -345,11 +372,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise SystemExit("--data-parallel-size with --tensor-parallel-size is not supported: pick one")
-    if args.prefix_cache_scope == "key" and not keys + admin_keys:
+    configured = args.api_key_config or []
+    if args.prefix_cache_scope == "key" and not (keys or admin_keys or configured):
         raise SystemExit("--prefix-cache-scope key needs --api-key (or $PAGEGATE_API_KEY): without keys there is "
                          "one tenant")
     gateway = GatewayConfig(host=args.host, port=args.port, grpc_port=args.grpc_port, api_keys=keys,
-                            admin_api_keys=admin_keys,
+                            admin_api_keys=admin_keys, api_key_config=configured,
                             served_model_names=list(names), prefix_cache_scope=args.prefix_cache_scope,
                             max_queue=None if args.max_queue is not None and args.max_queue < 0 else args.max_queue,
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
@@ -373,7 +401,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             responses_store_ttl_s=args.responses_store_ttl,
                             responses_store_path=args.responses_store_path,
                             responses_max_input_items=args.responses_max_input_items,
-                            responses_pin_ttl_s=args.responses_pin_ttl)
+                            responses_pin_ttl_s=args.responses_pin_ttl,
+                            batch_dir=args.batch_dir, batch_max_bytes=parse_bytes(args.batch_max_bytes),
+                            batch_concurrency=args.batch_concurrency or 0)
     return engine, gateway
 
 
@@ -472,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = build_state(engine_config, config, on_fatal=lambda: holder[0].fail())
         app = build_app(state)
-    except ImportError as error:  # --otlp-traces-endpoint without the OpenTelemetry SDK installed
+    # --otlp-traces-endpoint without the OpenTelemetry SDK installed; a --batch-dir another server holds
+    except (ImportError, BatchDirInUse) as error:
         raise SystemExit(str(error)) from None
     # h11 pinned: "auto" takes httptools when installed, which bounds no request head (HeadLimitedH11Protocol
     # answers 431 past --max-header-size).

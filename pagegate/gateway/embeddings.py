@@ -18,8 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagegate.engine.limits import check_embedding_length, check_token_ids
+from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import render, wants_msgpack
 from pagegate.gateway.errors import BadRequest
+from pagegate.gateway.lanes import request_lane
 from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, off_loop
 from pagegate.gateway.protocol import EmbeddingRequest, parse_request
@@ -112,7 +114,8 @@ async def create_embeddings(request: Request) -> Response:
         check_dimensions(prepared.request.dimensions, embedding_size)
     host.admission.admit_embeddings(acquired, len(prepared.inputs), prepared.request.priority)
     embedded = host.engine_requests.embed(acquired, prepared.inputs, f"embd-{request_id_of(request)}",
-                                          prepared.request.priority, prepared.model)
+                                          prepared.request.priority, prepared.model,
+                                          request_key_identity(request.scope), request_lane(request.scope))
     vectors = await until_disconnect(request, embedded)
     if vectors is None:
         return Response(status_code=CLIENT_CLOSED)

@@ -16,6 +16,8 @@ from pagegate.engine.pins import Pin
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.errors import ServiceUnavailable
+from pagegate.gateway.key_config import KeyShares
+from pagegate.gateway.lanes import ONLINE, Lane
 from pagegate.gateway.prepare import PreparedRequest
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
@@ -45,6 +47,7 @@ class EngineRequests:
         # engine request id -> the identity of the API key that sent it: the dashboard names a request only
         # to viewers with the same key
         self.request_tenants: dict[str, str] = {}
+        self.key_shares = KeyShares(config.api_key_config)  # each key's name, weight and quota of pages
 
     # -- counts ----------------------------------------------------------------------------------
     @property
@@ -99,10 +102,10 @@ class EngineRequests:
         started = time.monotonic()
         unique = uuid.uuid4().hex[:8]  # a client may send the same x-request-id twice at once
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
-        tenant = self.cache_tenant(prepared)
+        tenant, key = self.cache_tenant(prepared), self.key_shares.of(prepared.tenant)
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
                                    cache_salt=prepared.cache_salt, pin=prepared.pin, lora_name=lora_name,
-                                   tenant=tenant)  # a pin: one prompt only (a stored response)
+                                   tenant=tenant, lane=prepared.lane, key=key)  # a pin: one prompt only
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)
@@ -141,16 +144,18 @@ class EngineRequests:
         return merger, ids
 
     async def embed(self, acquired: AcquiredModel, inputs: list[list[int]], request_id: str, priority: int = 0,
-                    model: str | None = None) -> list[bytes]:
+                    model: str | None = None, tenant: str | None = None, lane: Lane = ONLINE) -> list[bytes]:
         """Embed every input at once (one engine request each) on the acquired engine (admitted just before); if
         one fails, the caller goes or `end_all` ends it, the others are aborted. A `model` naming a LoRA adapter
-        embeds with it."""
+        embeds with it; `tenant`: the identity of the key that sent it."""
         self._check_acquired(acquired)  # its caller awaits it in a task: the server may have begun stopping since
         engine = acquired.engine
         lora_name = model if model in acquired.model.adapters else None
         unique = uuid.uuid4().hex[:8]
+        key = self.key_shares.of(tenant)
         tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}-{unique}", priority=priority,
-                                                    lora_name=lora_name)) for i, ids in enumerate(inputs)]
+                                                    lora_name=lora_name, lane=lane, key=key))
+                 for i, ids in enumerate(inputs)]
         gathered = asyncio.gather(*tasks)
         stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._embeddings.add(stopped)

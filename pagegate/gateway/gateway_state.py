@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, TypedDict, cast
 from prometheus_client import CollectorRegistry
 from starlette.requests import HTTPConnection
 
+from pagegate.gateway.batches.service import Batches
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.responses.store import ResponseStore
 
@@ -20,6 +21,7 @@ class GatewayState(TypedDict):
     responses: ResponseStore  # stored /v1/responses
     dashboard: DashboardFeed | None  # None: --disable-dashboard
     gateway_registry: CollectorRegistry  # the gateway's own /metrics
+    batches: Batches | None  # the Files and Batch APIs; None: no --batch-dir
 
 
 def gateway_state(request: HTTPConnection) -> GatewayState:

@@ -5,13 +5,12 @@ The batch runner calls the API routes in-process with the lane in the ASGI scope
 
 from __future__ import annotations
 
-from typing import Literal
-
 from starlette.types import Scope
 
-Lane = Literal["online", "batch"]
-ONLINE: Lane = "online"
-BATCH: Lane = "batch"
+from pagegate.engine.tenants import BATCH as BATCH  # the engine's lanes (its scheduler orders by them)
+from pagegate.engine.tenants import ONLINE as ONLINE
+from pagegate.engine.tenants import Lane as Lane
+
 LANE_STATE = "pagegate_lane"  # where the batch runner leaves the lane in the scope's state
 
 

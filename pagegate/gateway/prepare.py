@@ -22,6 +22,7 @@ from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE
 from pagegate.gateway.errors import BadRequest, NotFound
+from pagegate.gateway.lanes import ONLINE, Lane
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -135,6 +136,7 @@ class PreparedRequest:
     reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
     pin: Pin | None = None  # a stored response keeps its conversation's pages in the prefix cache
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
+    lane: Lane = ONLINE  # BATCH: a batch line, run below every online request (lanes.py)
     scoring_size: int = 0  # entries of scored prompt in the answer (check_scoring); 0: it scores no prompt
 
     @property

@@ -15,6 +15,7 @@ from pagegate.gateway.auth import request_is_admin, request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, render, render_in_pieces, wants_msgpack
 from pagegate.gateway.errors import to_api_error
 from pagegate.gateway.gateway_state import host_of
+from pagegate.gateway.lanes import request_lane
 from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import (
     ModelContext,
@@ -50,6 +51,7 @@ async def _generate(
     host, body, acquired = await read_and_acquire(request, generation=True)
     prepared = await off_loop(prepare, body, acquired.model)  # validation and tokenization: never on the event loop
     prepared.tenant = request_key_identity(request.scope)
+    prepared.lane = request_lane(request.scope)
     host.admission.admit(acquired, prepared)
     renderer = renderer_cls(prepared, acquired.model.tokenizer, f"{id_prefix}-{request_id_of(request)}",
                             timing=wants_timing(request.headers))

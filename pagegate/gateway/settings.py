@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagegate.engine.tenants import KeyShare
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -11,6 +13,14 @@ class ServedModel:
 
     name: str
     path: str | None  # a GGUF file or a checkpoint folder; None: the embedded model
+
+
+@dataclass(frozen=True)
+class ConfiguredKey:
+    """An --api-key-config entry (pagegate.gateway.key_config): a client key and its share of the KV pages."""
+
+    key: str
+    share: KeyShare  # its name (what metrics show), weight and quota
 
 
 @dataclass
@@ -21,6 +31,7 @@ class GatewayConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     # Keys that may also manage the server (models and adapters in and out, sleep, wake): pagegate.gateway.auth
     admin_api_keys: list[str] = field(default_factory=list)
+    api_key_config: list[ConfiguredKey] = field(default_factory=list)  # --api-key-config: named, weighted keys
     prefix_cache_scope: str = "shared"  # "key": each API key its own prefix cache (needs api_keys)
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     max_queue: int | None = 1024  # waiting requests before 429; None: unbounded
@@ -70,8 +81,18 @@ class GatewayConfig:
     responses_store_path: str | None = None  # a SQLite file that keeps the store across restarts
     responses_max_input_items: int = 16384  # items in one request's input (OpenAI's bound)
     responses_pin_ttl_s: float = 600.0  # how long a stored response's pages stay pinned (within the pin budget)
+    # The Files and Batch APIs (pagegate.gateway.batches): files, jobs and results under batch_dir, kept across
+    # restarts; None: off (their routes answer 404 saying so).
+    batch_dir: str | None = None
+    batch_max_bytes: int = 10 * 1024**3  # the files' bytes under batch_dir; an upload past it is a 413
+    batch_concurrency: int = 0  # batch lines in flight at once; 0: the engine's --max-num-seqs
+
+    @property
+    def client_api_keys(self) -> list[str]:
+        """The ordinary keys: --api-key's and --api-key-config's."""
+        return [*self.api_keys, *(entry.key for entry in self.api_key_config)]
 
     @property
     def every_api_key(self) -> list[str]:
         """The keys that open the API: the ordinary and the admin ones (an admin key works wherever another does)."""
-        return [*self.api_keys, *self.admin_api_keys]
+        return [*self.client_api_keys, *self.admin_api_keys]

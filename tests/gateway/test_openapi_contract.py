@@ -74,6 +74,11 @@ LEFT_OUT = {
     ("/v1/responses/{response_id}", "delete"): "the Responses API (as above)",
     ("/v1/responses/{response_id}/input_items", "get"): "the Responses API (as above)",
     ("/v1/messages", "post"): "Anthropic's Messages API: its answer and stream events are not modelled yet",
+    **{(path, method): "the Files and Batch APIs (multipart uploads, JSONL files, on only with --batch-dir): not "
+                       "modelled yet" for path, method in (
+        ("/v1/files", "post"), ("/v1/files", "get"), ("/v1/files/{file_id}", "get"), ("/v1/files/{file_id}", "delete"),
+        ("/v1/files/{file_id}/content", "get"), ("/v1/batches", "post"), ("/v1/batches", "get"),
+        ("/v1/batches/{batch_id}", "get"), ("/v1/batches/{batch_id}/cancel", "post"))},
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from pagegate.engine.kv_tiers.records import StackStats, TierStats
 from pagegate.engine.observe.stats import SchedulerStats
 
 if TYPE_CHECKING:
-    from pagegate.kernels.kv_format import KVFormat
+    from pagegate.kernels.kv_format import LayerFormats
 
 HEALTH_GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -86,6 +87,10 @@ class EngineMetrics:
         self.tier_counters = {name: Counter(f"pagegate:kv_tier_{name}", documentation, ["model_name", "tier"],
                                             registry=self.registry) for name, documentation in _TIER_COUNTERS.items()}
         self._last_tiers: dict[str, TierStats] = {}
+        self._keys_shown: set[str] = set()
+        self.key_blocks = Gauge("pagegate:key_kv_blocks_used", "KV pages the running sequences of an API key hold, "
+                                "labelled by its --api-key-config name (else its identity, never the key).",
+                                ["model_name", "key"], registry=self.registry)
         zeros: dict = dict.fromkeys(SchedulerStats.__struct_fields__, 0)
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
@@ -102,7 +107,15 @@ class EngineMetrics:
                          getattr(now, field) - getattr(last, field))
             self._last_tiers[tier] = replace(now)
 
-    def kv_page_format(self, kv_format: KVFormat | None, bytes_per_token: int) -> None:
+    def update_keys(self, pages: Mapping[str, int]) -> None:
+        """pagegate:key_kv_blocks_used: each key's pages; a key seen before that holds none now reads 0."""
+        for key in self._keys_shown - pages.keys():
+            self.key_blocks.labels(self._model_name, key).set(0)
+        for key, held in pages.items():
+            self.key_blocks.labels(self._model_name, key).set(held)
+        self._keys_shown |= pages.keys()
+
+    def kv_page_format(self, kv_format: LayerFormats | None, bytes_per_token: int) -> None:
         """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format (none when
         the model keeps no pages)."""
         if kv_format is None:

@@ -4,7 +4,7 @@ KV-cache events routers read, all fed from the engine thread once per step."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -65,10 +65,13 @@ class EngineMonitor:
         if self.adapter_tags is not None:
             self.adapter_tags.pool = pool
 
-    def refresh(self, stats: SchedulerStats, now: float | None = None, computed: Sequence[Seq] = ()) -> None:
+    def refresh(self, stats: SchedulerStats, now: float | None = None, computed: Sequence[Seq] = (),
+                key_pages: Mapping[str, int] | None = None) -> None:
         """Recompute the gauges and the health grade; publish the pool's new KV events (`computed`: the sequences of
-        the step that stored its pages)."""
+        the step that stored its pages; `key_pages`: the pages each API key's running sequences hold)."""
         self.grade, self.reason = self.metrics.update(stats, now)  # None: update reads the clock
+        if key_pages is not None:
+            self.metrics.update_keys(key_pages)
         if self.tiers is not None:
             self.metrics.update_tiers(self.tiers.stats())
         if self.kv_events is None:

@@ -55,6 +55,7 @@ from pagegate.engine.serving.frames import (
     framed,
 )
 from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
+from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -321,21 +322,22 @@ class CoreClient:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        pin: Pin | None = None, token_ids: list[int] | None = None,
-                       lora_name: str | None = None, tenant: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
+                       key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
         request. The core checks the request (InvalidParamError from its first delta when it breaks a rule).
         `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
         async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin,
-                                                  lora_name=lora_name, tenant=tenant), params.n):
+                                                  lora_name=lora_name, tenant=tenant, lane=lane, key=key), params.n):
             yield delta.output(text, token_ids)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
-                    lora_name: str | None = None) -> bytes:
+                    lora_name: str | None = None, lane: Lane = ONLINE, key: KeyShare | None = None) -> bytes:
         """The prompt's embedding (little-endian float32), pooled in the core; leaving early aborts it."""
         async for delta in self._stream(add_frame(request_id, None, token_ids, SamplingParams(), priority,
-                                                  embed=True, lora_name=lora_name), 1):
+                                                  embed=True, lora_name=lora_name, lane=lane, key=key), 1):
             if delta.finished:
                 if delta.embedding is None:
                     raise RequestFailedError("the engine finished an embedding request without its embedding")

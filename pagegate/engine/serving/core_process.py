@@ -177,7 +177,7 @@ class CoreLoop:
             adapter = self.engine.memory.adapter(frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
                                                       frame.cache_salt, frame.pin, frame.embed, adapter,
-                                                      frame.tenant)
+                                                      frame.tenant, lane=frame.lane, key=frame.key)
             request.prompt = frame.prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core

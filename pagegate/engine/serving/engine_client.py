@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.sampling.params import SamplingParams
+from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
     from pagegate.engine.loading.tokenizer import Tokenizer
@@ -41,16 +42,18 @@ class EngineClient(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
                  pin: Pin | None = None, lora_name: str | None = None,
-                 tenant: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 tenant: str | None = None, lane: Lane = ONLINE,
+                 key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
         joins them where a whole answer is needed); leaving the loop early aborts the request. With a pin, the
         finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL).
         `lora_name`: a registered LoRA adapter it runs with (None: the base model); `tenant`: the sending key's
-        identity where each key keeps its own prefix cache."""
+        identity where each key keeps its own prefix cache; `lane`: online, or batch work below it; `key`: the
+        sending key's name, weight and quota of pages (pagegate.engine.tenants)."""
         ...
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
-                    lora_name: str | None = None) -> bytes:
+                    lora_name: str | None = None, lane: Lane = ONLINE, key: KeyShare | None = None) -> bytes:
         """The prompt's embedding (little-endian float32 bytes), pooled by the engine; cancelling aborts it."""
         ...
 

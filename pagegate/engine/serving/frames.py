@@ -36,6 +36,7 @@ from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -109,7 +110,8 @@ class Add(Frame, tag="add"):
     """A request: its prompt (the text, when it came as text, for the outputs), its sampling parameters, and
     `embed` for an embedding request (its prompt pooled, not continued);
     `lora_name`: the registered LoRA adapter it runs with (None: the base model); `tenant`: the identity of the API
-    key that sent it where each key keeps its own prefix cache (a field of the chain root, never joined to the salt)."""
+    key that sent it where each key keeps its own prefix cache (a field of the chain root, never joined to the salt);
+    `lane`: online, or batch work below it; `key`: the sending key's name, weight and quota of pages."""
 
     request_id: str
     prompt: str | None
@@ -121,6 +123,8 @@ class Add(Frame, tag="add"):
     embed: bool = False
     lora_name: str | None = None
     tenant: str | None = None
+    lane: Lane = ONLINE
+    key: KeyShare | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -373,9 +377,10 @@ class CoreSpec:
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
               cache_salt: str | None = None, pin: Pin | None = None, embed: bool = False,
-              lora_name: str | None = None, tenant: str | None = None) -> Add:
+              lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
+              key: KeyShare | None = None) -> Add:
     return Add(request_id, prompt, token_ids, WireSampling.of(params), priority, cache_salt, pin, embed, lora_name,
-               tenant)
+               tenant, lane, key)
 
 
 # ---- outputs: deltas out of the core -------------------------------------------------------------------

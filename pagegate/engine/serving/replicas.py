@@ -30,6 +30,7 @@ from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.frames import CPUS_ENV
+from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 
 class PrefixIndex:
@@ -127,7 +128,8 @@ class Replicas:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        pin: Pin | None = None, lora_name: str | None = None,
-                       tenant: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       tenant: str | None = None, lane: Lane = ONLINE,
+                       key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
         index = self.route(token_ids, (cache_salt, tenant))
         core = self.cores[index]
@@ -137,7 +139,7 @@ class Replicas:
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
                                               pin=pin, token_ids=token_ids, lora_name=lora_name,
-                                              tenant=tenant)) as outputs:  # leaving early aborts at once, not at GC
+                                              tenant=tenant, lane=lane, key=key)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:
                         self._unstarted_pages[index] -= pages
@@ -148,12 +150,12 @@ class Replicas:
             self._owner.pop(request_id, None)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,
-                    lora_name: str | None = None) -> bytes:
+                    lora_name: str | None = None, lane: Lane = ONLINE, key: KeyShare | None = None) -> bytes:
         """On the core with the fewest pages in use (embedding requests take no prefix hits)."""
         index = min(self._accepting_cores(), key=lambda i: (self._pages_in_use(i), i))
         self._owner[request_id] = core = self.cores[index]
         try:
-            return await core.embed(token_ids, request_id, priority=priority, lora_name=lora_name)
+            return await core.embed(token_ids, request_id, priority=priority, lora_name=lora_name, lane=lane, key=key)
         finally:
             self._owner.pop(request_id, None)
 

@@ -14,6 +14,7 @@ from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, render
 from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
 from pagegate.gateway.gateway_state import host_of
+from pagegate.gateway.lanes import request_lane
 from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest, parse_messages
 from pagegate.gateway.messages.render import MessagesRenderer
 from pagegate.gateway.preamble import read_and_acquire
@@ -29,6 +30,7 @@ async def _prepare(
     parsed = await off_loop(parse_messages, request_cls, body)
     prepared = await off_loop(_prepare_chat, parsed, acquired.model)
     prepared.tenant = request_key_identity(request.scope)
+    prepared.lane = request_lane(request.scope)
     return acquired, parsed, prepared
 
 

@@ -20,6 +20,7 @@ from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.codec import EVENT_STREAM, MSGPACK, render, wants_msgpack
 from pagegate.gateway.errors import BadRequest, NotFound, client_params, to_api_error, without_tags
 from pagegate.gateway.gateway_state import gateway_state
+from pagegate.gateway.lanes import request_lane
 from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, PreparedRequest, off_loop, prepare_chat
 from pagegate.gateway.protocol import parse_request
@@ -70,6 +71,7 @@ async def create_response(request: Request) -> Response:
     turn = await off_loop(prepare_turn, parsed, previous, acquired.model)
     prepared = turn.prepared
     prepared.tenant = tenant
+    prepared.lane = request_lane(request.scope)
     response_id = "resp_" + secrets.token_hex(16)
     if parsed.store:
         prepared.pin = host.engine_requests.pin_for(response_id)

@@ -4,6 +4,7 @@ calls' arguments, results and errors) survives the wire typed; a frame of the wr
 
 from __future__ import annotations
 
+import socket
 from dataclasses import fields, replace
 
 import msgspec
@@ -21,6 +22,7 @@ from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pins import Pin
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.sampling.structured import StructuredOutputsParams
+from pagegate.engine.serving.core_process import CoreLoop
 from pagegate.engine.serving.frames import (
     Abort,
     Call,
@@ -44,6 +46,7 @@ from pagegate.engine.serving.frames import (
     add_frame,
     framed,
 )
+from pagegate.engine.tenants import BATCH, ONLINE, KeyShare
 
 
 def through_the_wire(frame, kinds):
@@ -232,3 +235,22 @@ def test_a_frame_of_the_other_direction_or_shape_is_refused(engine) -> None:
         FrameReader(ToCore).feed(framed(Outputs([], load_of(engine))))
     with pytest.raises(msgspec.ValidationError):
         FrameReader(ToCore).feed(framed(Call(1, "wake", 2.5)))  # no call takes a float
+
+
+def test_the_lane_and_the_keys_share_reach_the_engines_request(engine) -> None:
+    """What the scheduler orders by crosses the seam: a batch request's lane, its key's name, weight and quota."""
+    key = KeyShare("team-a", 2.0, 64)
+    mine, theirs = socket.socketpair()
+    try:
+        loop = CoreLoop(engine, mine)
+        for request_id, lane, share in (("laned", BATCH, key), ("plain", ONLINE, None)):
+            frame = add_frame(request_id, None, [5, 6, 7], SamplingParams(max_tokens=2), lane=lane, key=share)
+            loop._handle(through_the_wire(frame, ToCore))
+            request = engine.requests[request_id]
+            assert (request.lane, request.key) == (lane, share)
+            engine.abort(request_id)
+        with pytest.raises(msgspec.ValidationError):
+            through_the_wire(add_frame("bad", None, [5], SamplingParams(), lane="urgent"), ToCore)  # type: ignore[arg-type]
+    finally:
+        mine.close()
+        theirs.close()
