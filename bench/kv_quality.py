@@ -37,11 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ROOT / "bench/data/kjv_genesis_joseph.txt"
 RESULTS = ROOT / "bench/results"
-FORMATS = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
+FORMATS = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "auto-4")
 # NOTE: the issue sets +0.5% for float16 and +2% for int8/fp8; bfloat16 (8 significant bits, coarser than a scaled
 # int8 row near its amax) is held to the one-byte formats' +2%; issue 59 holds int4 to +1%.
 PPL_GOALS = {"float32": 0.0, "float16": 0.005, "bfloat16": 0.02, "int8": 0.02, "fp8_e4m3": 0.02, "fp8_e5m2": 0.02,
              "int4": 0.01}
+AUTO_4_BYTES = 7500  # auto-4's bytes a token at most (issue 59)
 GAP_GOAL = 0.3  # nats: every greedily chosen token within this of float32's best at that position
 TOLERANCE = 1e-9
 
@@ -52,6 +53,7 @@ class FormatResult:
 
     ppl: float
     ratio: float = 1.0  # ppl / float32 pages' ppl
+    bytes_per_token: int = 0  # K and V of a token in every layer, scales included
     buckets: list[float] = field(default_factory=list)  # ppl per bucket of window positions
     bucket_positions: list[float] = field(default_factory=list)  # each bucket's mean window position
     max_gap: float = 0.0  # nats, over every judged continuation token
@@ -166,6 +168,7 @@ def measure(llm: LLM, ids: list[int], window: int, bucket: int,
     result = FormatResult(perplexity([n for _, n in nlls]), buckets=[p for _, p in buckets],
                           bucket_positions=[round(x, 1) for x, _ in buckets])
     result.seconds = time.perf_counter() - start
+    result.bytes_per_token = llm.engine.runner.kv_bytes_per_token
     return result, continuations
 
 
@@ -190,8 +193,8 @@ def run(model: str | None, reference: LLM, formats: list[str], ids: list[int], w
         result.diverged_at = [first_difference(c, b) for c, b in zip(continuations, base_continuations, strict=True)]
         result.gaps = judged(reference, prompts, continuations, result.diverged_at, base.gaps)
         result.max_gap = max((g for gaps in result.gaps for g in gaps), default=0.0)
-        result.passed = (result.ratio <= 1 + PPL_GOALS.get(fmt, 0.02) + TOLERANCE
-                         and result.max_gap <= GAP_GOAL)
+        # NOTE: auto-4's goal (issue 59, goal 4) is its perplexity and bytes against uniform int4's, no gap
+        result.passed = ratio_goal_met(fmt, result, results) and (fmt == "auto-4" or result.max_gap <= GAP_GOAL)
         results[fmt] = result
         print(f"{fmt}: ppl {result.ppl:.4f} (x{result.ratio:.4f}), max gap {result.max_gap:.3f} nats, "
               f"{result.seconds:.0f} s", flush=True)
@@ -200,13 +203,21 @@ def run(model: str | None, reference: LLM, formats: list[str], ids: list[int], w
     return results
 
 
+def ratio_goal_met(fmt: str, result: FormatResult, results: dict[str, FormatResult]) -> bool:
+    """Within the format's rise over float32 pages; auto-4 (issue 59): below uniform int4's, at <= 7.5 KB a token."""
+    if fmt == "auto-4":
+        return "int4" in results and result.ratio < results["int4"].ratio and result.bytes_per_token <= AUTO_4_BYTES
+    return result.ratio <= 1 + PPL_GOALS.get(fmt, 0.02) + TOLERANCE
+
+
 def table(results: dict[str, FormatResult]) -> str:
-    lines = [f"{'format':<10} {'ppl':>9} {'ratio':>8} {'goal':>7} {'max gap':>8} {'diverged':>10} {'pass':>5}",
-             "-" * 64]
+    lines = [f"{'format':<10} {'bytes':>7} {'ppl':>9} {'ratio':>8} {'goal':>7} {'max gap':>8} {'diverged':>10} "
+             f"{'pass':>5}", "-" * 72]
     for fmt, r in results.items():
         diverged = sum(d is not None for d in r.diverged_at)
-        lines.append(f"{fmt:<10} {r.ppl:>9.4f} {r.ratio:>8.4f} {'+' + format(PPL_GOALS.get(fmt, 0.02), '.1%'):>7} "
-                     f"{r.max_gap:>8.3f} {f'{diverged}/{len(r.diverged_at)}':>10} {'yes' if r.passed else 'NO':>5}")
+        goal = "< int4" if fmt == "auto-4" else "+" + format(PPL_GOALS.get(fmt, 0.02), ".1%")
+        lines.append(f"{fmt:<10} {r.bytes_per_token:>7,} {r.ppl:>9.4f} {r.ratio:>8.4f} {goal:>7} {r.max_gap:>8.3f} "
+                     f"{f'{diverged}/{len(r.diverged_at)}':>10} {'yes' if r.passed else 'NO':>5}")
     return "\n".join(lines)
 
 

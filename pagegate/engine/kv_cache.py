@@ -11,7 +11,7 @@ import torch
 
 from pagegate import kernels
 from pagegate.config import CacheConfig, parse_bytes
-from pagegate.kernels.kv_format import KVFormat
+from pagegate.kernels.kv_format import KVFormat, LayerFormats
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +20,9 @@ _MADV_DONTNEED = 4  # Linux: the range's pages are dropped; an access reads zero
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_format: KVFormat) -> int:
-    """K and V of one page in every layer, in the pages' format (scales included)."""
-    return block_size * kv_format.bytes_per_token(num_layers, num_kv_heads, head_dim)
+def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, formats: LayerFormats) -> int:
+    """K and V of one page in every layer, in each layer's format (scales included)."""
+    return block_size * formats.bytes_per_token(num_kv_heads, head_dim)
 
 
 def device_memory_budget(config: CacheConfig, device: torch.device, profile_peak: int = 0) -> int:
@@ -48,24 +48,29 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes
 
 
 class PagedKVCache:
-    """`layers[i] = (k_cache, v_cache)`, each [num_blocks, block_size, num_kv_heads, row] in `kv_format`
-    (row: head_dim values, and a one-byte format's scale; see pagegate.kernels.kv_format)."""
+    """`layers[i] = (k_cache, v_cache)`, each [num_blocks, block_size, num_kv_heads, row] in layer i's format
+    (row: head_dim values, and a one-byte format's scale; see pagegate.kernels.kv_format): `kv_format` in every
+    layer, or one format a layer."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, kv_format: KVFormat, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        self.kv_format = kv_format
+                 head_dim: int, kv_format: KVFormat | LayerFormats, device: torch.device,
+                 num_cpu_blocks: int = 0) -> None:
+        formats = kv_format if isinstance(kv_format, LayerFormats) else LayerFormats.uniform(kv_format, num_layers)
+        if len(formats.formats) != num_layers:
+            raise ValueError(f"{len(formats.formats)} page formats for {num_layers} layers")
+        self.formats = formats
 
-        def pair(blocks: int, on: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        def pair(fmt: KVFormat, blocks: int, on: torch.device, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             if on.type == "cpu" and not pin:
-                return (untouched_zeros(kv_format, blocks, block_size, num_kv_heads, head_dim),
-                        untouched_zeros(kv_format, blocks, block_size, num_kv_heads, head_dim))
-            return (kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin),
-                    kv_format.empty(blocks, block_size, num_kv_heads, head_dim, on, pin))
+                return (untouched_zeros(fmt, blocks, block_size, num_kv_heads, head_dim),
+                        untouched_zeros(fmt, blocks, block_size, num_kv_heads, head_dim))
+            return (fmt.empty(blocks, block_size, num_kv_heads, head_dim, on, pin),
+                    fmt.empty(blocks, block_size, num_kv_heads, head_dim, on, pin))
 
-        self.layers = [pair(num_blocks, device) for _ in range(num_layers)]
+        self.layers = [pair(fmt, num_blocks, device) for fmt in formats.formats]
         cpu = torch.device("cpu")
-        self.cpu_layers = [pair(num_cpu_blocks, cpu, device.type == "cuda")
-                           for _ in range(num_layers)] if num_cpu_blocks else []
+        self.cpu_layers = [pair(fmt, num_cpu_blocks, cpu, device.type == "cuda")
+                           for fmt in formats.formats] if num_cpu_blocks else []
 
     def release_pages(self, start: int, stop: int) -> None:
         """Give the memory of pages [start, stop) back to the OS (every layer's K and V, the scales inside their

@@ -16,6 +16,8 @@ from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, 
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.lora.model import LoRAModel
+from pagegate.engine.memory.kv_calibration import TEXT as CALIBRATION_TEXT
+from pagegate.engine.memory.kv_calibration import auto4_formats
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
@@ -24,7 +26,7 @@ from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
-from pagegate.kernels.kv_format import resolve_format
+from pagegate.kernels.kv_format import AUTO_4, LayerFormats, resolve_format
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,8 @@ class ModelRunner:
         self.model.fit_context(self.max_model_len)
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
-        self.kv_format = resolve_format(config.cache.kv_cache_dtype, self.model.dtype, self.device)
-        kv_shape = (self.model.num_layers, self.model_config.num_key_value_heads, self.model.head_dim)
+        self.kv_format = self._page_formats()
+        kv_shape = (self.model_config.num_key_value_heads, self.model.head_dim)
         self.kv_bytes_per_token = self.kv_format.bytes_per_token(*kv_shape)
         self.kv_pages = self.kv_format.describe(*kv_shape)
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
@@ -80,6 +82,19 @@ class ModelRunner:
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
         self.tiers = self._tiers()
         self.lora = LoRAModel(self.model, config.lora, self.kv_cache.page_bytes) if config.lora else None
+
+    def _page_formats(self) -> LayerFormats:
+        """Each layer's page format: --kv-cache-dtype's in every layer, or auto-4's calibrated mix."""
+        name, m = self.config.cache.kv_cache_dtype, self.model
+        fmt = resolve_format(name, m.dtype, self.device)
+        if name != AUTO_4:
+            return LayerFormats.uniform(fmt, m.num_layers)
+        if m.tp.size > 1:
+            raise ValueError("auto-4 pages are calibrated on one rank: choose int4 or int8 pages with tensor "
+                             "parallelism")
+        text = CALIBRATION_TEXT.read_text(encoding="utf-8")
+        ids = self.tokenizer.encode(text) if self.tokenizer else list(text.encode())  # bytes: a tokenizer-less model
+        return auto4_formats(m, [i % self.model_config.vocab_size for i in ids])
 
     def allocate_kv_cache(self) -> None:
         """The KV pages and the native decoder over them: at load, and again when a sleeping engine wakes."""
@@ -113,7 +128,7 @@ class ModelRunner:
         """Device and CPU pages: a byte budget (KV memory, swap space) is shared by the ranks, each of which
         holds its KV heads of every page; a GPU's own memory budget is per GPU."""
         cache, m, ranks = self.config.cache, self.model, self.model.tp.size
-        block_bytes = bytes_per_block(m.num_layers, cache.block_size, m.num_kv_heads, m.head_dim, self.kv_format)
+        block_bytes = bytes_per_block(cache.block_size, m.num_kv_heads, m.head_dim, self.kv_format)
         shared = ranks if self.device.type == "cpu" or cache.kv_cache_memory is not None else 1
         num_blocks = cache.num_kv_blocks or self._profiled_budget() // shared // block_bytes
         check_fits(num_blocks, cache.block_size, self.max_model_len, block_bytes)

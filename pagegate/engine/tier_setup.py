@@ -13,7 +13,7 @@ from pagegate.config import CacheConfig, parse_bytes
 from pagegate.engine.kv_tiers import DiskTier, HostTier, ReuseGate, TierStack
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.models.config import ModelConfig
-from pagegate.kernels.kv_format import KVFormat
+from pagegate.kernels.kv_format import LayerFormats
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,13 @@ def build_tiers(cache: CacheConfig, page_bytes: int, fingerprint: bytes) -> Tier
 
 
 def fingerprint(model: nn.Module, config: ModelConfig, tokenizer: Tokenizer | None, block_size: int,
-                kv_format: KVFormat) -> bytes:
+                kv_format: LayerFormats) -> bytes:
     """What a page's bytes depend on: the model's shape, its weights (a spread sample of every tensor, with
     names, shapes and types), the tokenizer, the block size and the page format.
     NOTE: a sample, not a hash of every byte: reading a 7B model's weights at start would cost seconds; any
     retrained or requantized weight changes most sampled bytes."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([repr(config), block_size, kv_format.name], sort_keys=True).encode())
+    digest.update(json.dumps([repr(config), block_size, kv_format.key], sort_keys=True).encode())
     digest.update((tokenizer.backend_json() if tokenizer is not None else "").encode())
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())

@@ -45,7 +45,9 @@ typedef struct {
     const float *q_norm, *k_norm;                 /* [head_dim] RMSNorm of each q / k head before RoPE; NULL: none */
     const float *post_attn_norm, *post_ffn_norm;  /* Gemma: RMSNorm of the attention / MLP output; NULL: none */
     pgd_linear qkv, o, gate_up, down;
-    uint8_t *k_cache, *v_cache;  /* [pages, block_size, kv_heads, row] in the model's kv_format */
+    uint8_t *k_cache, *v_cache;  /* [pages, block_size, kv_heads, row] in kv_format */
+    int kv_format;               /* this layer's pages' PG_ format (cpu_paged.h): auto-4 mixes int8 and int4 */
+    int64_t kv_row_bytes;        /* one (slot, KV head) row of it */
     const float *cos_sin;      /* this layer's RoPE table [positions, 2 * head_dim] (the model's or a local one) */
     int window;                /* 0: none */
     float softcap;             /* attention scores s -> softcap * tanh(s / softcap); 0: none */
@@ -55,8 +57,6 @@ enum { PGD_SILU = 0, PGD_GELU_TANH = 1 };  /* the gated MLP's activation: SwiGLU
 
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    int kv_format;         /* the pages' PG_ format (cpu_paged.h) */
-    int64_t kv_row_bytes;  /* one (slot, KV head) row of it */
     float eps, scale;
     int exact;             /* 1: integer blocks too take float32 inputs (the torch path's arithmetic) */
     int act;               /* PGD_SILU or PGD_GELU_TANH */
@@ -281,7 +281,7 @@ static void pgd_rope(float *x, const float *cos_sin, int d) {
    their cache slot. */
 static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, float *qkv) {
     const int d = m->head_dim, heads = m->num_heads + m->num_kv_heads;
-    const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = m->num_kv_heads * m->kv_row_bytes;
+    const int64_t width = (int64_t)(m->num_heads + 2 * m->num_kv_heads) * d, slot_stride = m->num_kv_heads * layer->kv_row_bytes;
     #pragma omp for schedule(static)
     for (int item = 0; item < s->tokens * heads; item++) {
         const int t = item / heads, h = item % heads;
@@ -290,18 +290,18 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
         if (norm) pgd_rms_norm(head, norm, d, m->eps, head);
         pgd_rope(head, layer->cos_sin + s->positions[t] * 2 * d, d);
         if (h < m->num_heads) {
-            if (m->kv_format == PG_I4) pg_rotate(head, d);  /* R q meets R k */
+            if (layer->kv_format == PG_I4) pg_rotate(head, d);  /* R q meets R k */
             continue;
         }
         if (s->slots[t] < 0) continue;
-        const int64_t at = s->slots[t] * slot_stride + (h - m->num_heads) * m->kv_row_bytes;
+        const int64_t at = s->slots[t] * slot_stride + (h - m->num_heads) * layer->kv_row_bytes;
         float *value = head + (int64_t)m->num_kv_heads * d;
-        if (m->kv_format == PG_I4) {  /* int4 pages hold R k and R v (rotation.py); k and v are not read again here */
+        if (layer->kv_format == PG_I4) {  /* int4 pages hold R k and R v (rotation.py); k and v are not read again here */
             pg_rotate(head, d);
             pg_rotate(value, d);
         }
-        pg_store_row(m->kv_format, head, d, layer->k_cache + at);
-        pg_store_row(m->kv_format, value, d, layer->v_cache + at);
+        pg_store_row(layer->kv_format, head, d, layer->k_cache + at);
+        pg_store_row(layer->kv_format, value, d, layer->v_cache + at);
     }
 }
 
@@ -320,14 +320,14 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
                             const float *qkv_t, int first, int last, float *acc, float *row_max, float *row_sum) {
     const int d = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
     const int32_t *table = s->block_tables + seq * s->table_width;
-    const int64_t slot_stride = m->num_kv_heads * m->kv_row_bytes;
-    const int ahead = pg_ahead(PGD_PREFETCH_BYTES, m->kv_row_bytes);
+    const int64_t slot_stride = m->num_kv_heads * layer->kv_row_bytes;
+    const int ahead = pg_ahead(PGD_PREFETCH_BYTES, layer->kv_row_bytes);
     const float *query_row[PGD_MAX_GROUP];
     int64_t head_offset[PGD_MAX_GROUP], slot[PGD_KEY_TILE + PG_MAX_AHEAD + 4];
     float probs[PGD_MAX_GROUP * PGD_KEY_TILE];
     for (int r = 0; r < group; r++) {
         query_row[r] = qkv_t + (int64_t)(g * group + r) * d;
-        head_offset[r] = g * m->kv_row_bytes;
+        head_offset[r] = g * layer->kv_row_bytes;
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
     }
@@ -336,7 +336,7 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
         const int n = last + 1 - start < PGD_KEY_TILE ? last + 1 - start : PGD_KEY_TILE;
         const int known = last + 1 - start < n + ahead ? last + 1 - start : n + ahead;
         pg_slots(table, bs, slot_stride, start, known, n + ahead + 4, slot);
-        pg_score_tile(m->kv_format, layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
+        pg_score_tile(layer->kv_format, layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
         for (int r = 0; r < group; r++) {
             float *p = probs + r * PGD_KEY_TILE;
             if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
@@ -346,7 +346,7 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
             row_sum[r] = row_sum[r] * correction + pg_exp_sum(p, n, new_max);
             row_max[r] = new_max;
         }
-        pg_accumulate_tile(m->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
+        pg_accumulate_tile(layer->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
     }
 }
 
@@ -385,12 +385,12 @@ static void pgd_merge_state(int group, int d, float *total, const float *part) {
 }
 
 /* A merged state's rows, normalised, into token t's heads of KV head g (rotated back from int4 pages' space). */
-static void pgd_finish_state(const pgd_model *m, int g, const float *state, float *out_t) {
+static void pgd_finish_state(const pgd_model *m, const pgd_layer *layer, int g, const float *state, float *out_t) {
     const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
     for (int r = 0; r < group; r++) {
         float *out = out_t + (int64_t)(g * group + r) * d;
         for (int i = 0; i < d; i++) out[i] = state[r * d + i] / state[group * d + group + r];
-        if (m->kv_format == PG_I4) pg_unrotate(out, d);
+        if (layer->kv_format == PG_I4) pg_unrotate(out, d);
     }
 }
 
@@ -406,7 +406,7 @@ static void pgd_attend_item(const pgd_model *m, const pgd_layer *layer, const pg
         pgd_attend_part(m, layer, s, t, seq, g, p, qkv_t, part);
         pgd_merge_state(group, m->head_dim, total, part);
     }
-    pgd_finish_state(m, g, total, out_t);
+    pgd_finish_state(m, layer, g, total, out_t);
 }
 
 /* Whether the step's (token, KV head) items are too few to keep the threads busy, and their parts few enough to
@@ -456,7 +456,7 @@ static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_
         pgd_parts(layer, s, t, b->token_seq[t], &first_part, &parts);
         float *total = b->attn_parts + (int64_t)item * most * state_size;
         for (int p = 1; p < parts; p++) pgd_merge_state(group, m->head_dim, total, total + p * state_size);
-        pgd_finish_state(m, item % kv_heads, total, out + t * out_width);
+        pgd_finish_state(m, layer, item % kv_heads, total, out + t * out_width);
     }
 }
 

@@ -70,13 +70,13 @@ cdef extern from "cpu_decode.h":
         pgd_linear qkv, o, gate_up, down
         uint8_t *k_cache
         uint8_t *v_cache
+        int kv_format
+        int64_t kv_row_bytes
         const float *cos_sin
         int window
         float softcap
     ctypedef struct pgd_model:
         int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size
-        int kv_format
-        int64_t kv_row_bytes
         float eps, scale
         int exact
         int act
@@ -323,7 +323,7 @@ cdef class DecodeModel:
     (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes] (a layer's projection whose rows come in
     parts of different types: a list of triples, part after part); each layer is (attn_norm, ffn_norm,
     qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm, post_attn_norm, post_ffn_norm, local_rope,
-    softcap) with caches [pages, block_size, kv_heads, row] of one page format (kv_format.py): ffn_norm the norm before the MLP;
+    softcap) with caches [pages, block_size, kv_heads, row] of a page format each (kv_format.py): ffn_norm the norm before the MLP;
     q_norm and k_norm [head_dim] (QK-norm) and the post-norms [hidden] (Gemma) None where the layer has
     none; local_rope True for a layer on `local_cos_sin` rather than `cos_sin`; softcap the attention
     score cap (None or 0: none). `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU), `embed_scale`
@@ -384,10 +384,6 @@ cdef class DecodeModel:
         q, kv = heads * head_dim, kv_heads * head_dim
         first_cache = layers[0][6]
         self.num_pages, m.block_size = first_cache.shape[0], first_cache.shape[1]
-        kv_format = format_of(first_cache)
-        m.kv_format = FORMAT_CODES[kv_format.dtype]
-        m.kv_row_bytes = pg_row_bytes(m.kv_format, head_dim)
-        cache_shape = (self.num_pages, m.block_size, kv_heads, kv_format.row_width(head_dim))
         for i, (attn_norm, ffn_norm, qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm,
                 post_attn_norm, post_ffn_norm, local_rope, softcap) in enumerate(layers):
             layer = &self.layers[i]
@@ -407,6 +403,10 @@ cdef class DecodeModel:
                                                     (down, intermediate, hidden, "down_proj"))):
                 targets[j][0] = _linear_parts(spec, k, n, f"layer {i} {name}", rest)
                 rest += len(spec) - 1 if isinstance(spec, list) else 0
+            kv_format = format_of(k_cache)  # each layer's own: auto-4 mixes int8 and int4
+            layer.kv_format = FORMAT_CODES[kv_format.dtype]
+            layer.kv_row_bytes = pg_row_bytes(layer.kv_format, head_dim)
+            cache_shape = (self.num_pages, m.block_size, kv_heads, kv_format.row_width(head_dim))
             layer.k_cache = <uint8_t *>_address(k_cache, kv_format.dtype, cache_shape, "k cache")
             layer.v_cache = <uint8_t *>_address(v_cache, kv_format.dtype, cache_shape, "v cache")
             layer.window = window or 0

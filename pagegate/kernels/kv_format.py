@@ -20,6 +20,7 @@ written (no page ever changes scale later), and a dot product needs one multiply
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -86,17 +87,50 @@ FORMATS = {f.name: f for f in (
     KVFormat("int8", torch.int8, 127.0), KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0), KVFormat("int4", torch.uint8, 8.0, bits=4))}
 _BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
+AUTO_4 = "auto-4"  # int8 pages in the quarter of layers where int4 costs most, int4 in the rest (kv_calibration.py)
+
+
+@dataclass(frozen=True)
+class LayerFormats:
+    """The pages' format in each layer: `name` is what --kv-cache-dtype asked for (auto-4 mixes int8 and int4)."""
+
+    name: str
+    formats: tuple[KVFormat, ...]
+
+    @classmethod
+    def uniform(cls, fmt: KVFormat, num_layers: int) -> LayerFormats:
+        return cls(fmt.name, (fmt,) * num_layers)
+
+    @property
+    def key(self) -> str:
+        """The name with each layer's format where they differ: what the bytes of a page depend on."""
+        if all(f.name == self.name for f in self.formats):
+            return self.name
+        return f"{self.name}:{','.join(f.name for f in self.formats)}"
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one token in every layer."""
+        return sum(f.bytes_per_token(1, num_kv_heads, head_dim) for f in self.formats)
+
+    def describe(self, num_kv_heads: int, head_dim: int) -> str:
+        """What the start-up line says of the pages, e.g. "int8 pages, 3,960 bytes a token"."""
+        counts = Counter(f.name for f in self.formats)
+        mix = "" if self.key == self.name else " (" + ", ".join(
+            f"{n} layer{'s' * (n > 1)} {name}" for name, n in sorted(counts.items())) + ")"
+        return f"{self.name} pages{mix}, {self.bytes_per_token(num_kv_heads, head_dim):,} bytes a token"
 
 
 def resolve_format(name: str, model_dtype: torch.dtype, device: torch.device) -> KVFormat:
     """The format `--kv-cache-dtype name` gives pages of a model computing in model_dtype on device ("auto": int8 on
-    a CPU, the model's dtype elsewhere); a format the device cannot serve is refused here, at start, never replaced
-    by another.
+    a CPU, the model's dtype elsewhere; auto-4: int4, the format of a draft model's pages beside a target's auto-4
+    mix); a format the device cannot serve is refused here, at start, never replaced by another.
 
     NOTE: int8 is the CPU's default for what was measured there: a quarter of float32's bytes a token (SmolLM2: 11.9
     KB against 46.1), +0.12% perplexity (bench/kv_quality.py), and the fastest decode at long context (kv_speed)."""
+    if name == AUTO_4:  # a model's own pages take int8 in some layers (kv_calibration.py); one format here: int4's
+        name = "int4"
     if name != "auto" and name not in FORMATS:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(FORMATS)}")
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {AUTO_4}, {', '.join(FORMATS)}")
     if name == "auto":
         return FORMATS["int8"] if device.type == "cpu" else _BY_DTYPE.get(model_dtype, FORMATS["float32"])
     fmt = FORMATS[name]

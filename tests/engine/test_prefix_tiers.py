@@ -15,7 +15,7 @@ from pagegate import LLM, SamplingParams
 from pagegate.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.engine.kv_cache import PagedKVCache
 from pagegate.engine.pins import Pin
-from pagegate.kernels.kv_format import FORMATS
+from pagegate.kernels.kv_format import AUTO_4, FORMATS, LayerFormats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = np.random.default_rng(0).integers(10, 2000, 100).tolist()  # six full pages and a bit
@@ -54,7 +54,9 @@ def test_pages_pushed_out_come_back_from_host_memory(kv_cache_dtype: str) -> Non
 
 @pytest.mark.parametrize("kv_cache_dtype", [d for d in KV_CACHE_DTYPES if d != "auto"])
 def test_page_bytes_round_trip_in_every_format(kv_cache_dtype: str) -> None:
-    cache = PagedKVCache(3, 8, 16, 2, 64, FORMATS[kv_cache_dtype], torch.device("cpu"))
+    formats = (LayerFormats(AUTO_4, (FORMATS["int8"], FORMATS["int4"], FORMATS["int4"])) if kv_cache_dtype == AUTO_4
+               else FORMATS[kv_cache_dtype])
+    cache = PagedKVCache(3, 8, 16, 2, 64, formats, torch.device("cpu"))
     for k, v in cache.layers:
         k.view(torch.uint8).copy_(torch.randint(0, 256, k.view(torch.uint8).shape, dtype=torch.uint8))
         v.view(torch.uint8).copy_(torch.randint(0, 256, v.view(torch.uint8).shape, dtype=torch.uint8))

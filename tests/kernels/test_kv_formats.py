@@ -12,6 +12,7 @@ from pagegate.config import KV_CACHE_DTYPES
 from pagegate.kernels import copy_blocks, reference, swap_blocks
 from pagegate.kernels.dispatch import cpu_kernel
 from pagegate.kernels.kv_format import (
+    AUTO_4,
     FORMATS,
     as_bytes,
     dequantize_rows,
@@ -57,7 +58,7 @@ def in_format(batch: PagedBatch, name: str) -> PagedBatch:
 
 
 def test_the_flag_lists_every_format():
-    assert KV_CACHE_DTYPES == ("auto", *FORMATS)
+    assert KV_CACHE_DTYPES == ("auto", *FORMATS, AUTO_4)
 
 
 def test_an_unknown_format_is_refused_with_the_choices():

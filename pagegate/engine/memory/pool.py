@@ -139,8 +139,7 @@ class KVPool:
         """The pages `kv_bytes` hold; ValueError when they cannot hold one sequence of max_model_len."""
         runner, cache = self._paged_runner("an encoder keeps no KV pages"), self.config.cache
         model = runner.model
-        page = bytes_per_block(model.num_layers, cache.block_size, model.num_kv_heads, model.head_dim,
-                               runner.kv_format)
+        page = bytes_per_block(cache.block_size, model.num_kv_heads, model.head_dim, runner.kv_format)
         check_fits(kv_bytes // page, cache.block_size, runner.max_model_len, page)
         return kv_bytes // page
 
