@@ -1,18 +1,18 @@
 """Batch lines in the idle capacity: what a batch beside online traffic costs the online users (issue 60, goal 3).
 
-    python -m bench.batches [--lines 2000] [--streams 16] [--think 2.0] [--window 60] [--rounds 2]
+    python -m bench.batches [--lines 2000] [--streams 16] [--window 60] [--rounds 2]
 
 One server (SmolLM2 Q4_1, `--batch-dir` in a temporary folder), driven by the official `openai` SDK. Each round
 runs three phases of `--window` seconds, in turn:
 
-- **online**: `--streams` users, each sending streamed chat requests (`--max-tokens` tokens, ignore_eos) one after
-  another, with an exponential pause of mean `--think` seconds between them: the arrivals together are a Poisson
-  process. Per request: time to first token; in all: output tokens a second.
+- **online**: `--streams` streamed chat requests (`--max-tokens` tokens, ignore_eos) arriving as a Poisson process
+  over the window (exponential gaps of mean window / streams, the same draws in every phase). Per request: time to
+  first token, and its output rate (its tokens over its time, from sending to the last chunk).
 - **batch**: a `--lines`-line batch (`/v1/chat/completions`, the same length of answer) on an otherwise idle
   server; its throughput is the slope of `request_counts.completed` over the window (polled every half second).
 - **both**: a fresh batch of the same lines, and the online users beside it.
 
-Goals: online TTFT p99 and output tok/s beside the batch within 10% of alone; the batch beside online traffic at
+Goals: online TTFT p99 and output tok/s (the median request's) beside the batch within 10% of alone; the batch beside online traffic at
 ≥ 70% of its idle throughput. The medians over rounds are printed with their ratios; the PNG
 (docs/bench-batches.png) draws both lanes over time in the last round's phases; bench/results/batches.json
 keeps every round.
@@ -51,7 +51,8 @@ class Phase:
     """One phase's figures."""
 
     name: str
-    ttft: list[float] = field(default_factory=list)  # seconds, every online request that ended in the window
+    ttft: list[float] = field(default_factory=list)  # seconds, every online request
+    rates: list[float] = field(default_factory=list)  # each online request's output tokens over its whole time
     online_tokens: int = 0
     batch_lines: list[tuple[float, int]] = field(default_factory=list)  # (seconds into the phase, completed)
     online_done: list[tuple[float, int]] = field(default_factory=list)  # (seconds into the phase, tokens so far)
@@ -62,7 +63,7 @@ class Phase:
 
     @property
     def online_tok_s(self) -> float:
-        return self.online_tokens / self.window if self.window else 0.0
+        return statistics.median(self.rates) if self.rates else 0.0
 
     @property
     def batch_lines_s(self) -> float:
@@ -79,30 +80,36 @@ def chat_body(i: int, max_tokens: int) -> dict:
             "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "ignore_eos": True}
 
 
-async def online_user(client: openai.AsyncOpenAI, model: str, user: int, args: argparse.Namespace, phase: Phase,
-                      started: float, rng: random.Random) -> None:
-    """One user's loop: a streamed request, a pause, until the window ends (a request in flight then is dropped)."""
-    i = user
-    while time.perf_counter() - started < phase.window:
-        await asyncio.sleep(rng.expovariate(1.0 / args.think))
-        sent = time.perf_counter()
-        first, tokens = None, 0
-        body = chat_body(i, args.max_tokens)
-        stream = await client.chat.completions.create(model=model, stream=True, messages=body["messages"],
-                                                      max_tokens=args.max_tokens, temperature=0.7, seed=i,
-                                                      extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                tokens += 1
-        now = time.perf_counter()
-        if now - started > phase.window:
-            return
-        if first is not None:
-            phase.ttft.append(first - sent)
-        phase.online_tokens += tokens
-        phase.online_done.append((now - started, phase.online_tokens))
-        i += args.streams
+async def online_stream(client: openai.AsyncOpenAI, model: str, i: int, at: float, args: argparse.Namespace,
+                        phase: Phase, started: float) -> None:
+    """One streamed request, sent `at` seconds into the phase."""
+    await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+    sent = time.perf_counter()
+    first, tokens = None, 0
+    stream = await client.chat.completions.create(model=model, stream=True, messages=chat_body(i, 0)["messages"],
+                                                  max_tokens=args.max_tokens, temperature=0.7, seed=i,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+        if chunk.usage is not None:  # a chunk may carry several tokens: count them from the usage
+            tokens = chunk.usage.completion_tokens
+    now = time.perf_counter()
+    if first is not None:
+        phase.ttft.append(first - sent)
+        phase.rates.append(tokens / (now - sent))
+    phase.online_tokens += tokens
+    phase.online_done.append((now - started, phase.online_tokens))
+
+
+def arrivals(args: argparse.Namespace, seed: int) -> list[float]:
+    """`--streams` arrival times: a Poisson process of rate streams / window, cut at the window's end."""
+    rng, t, times = random.Random(seed), 0.0, []
+    while len(times) < args.streams:
+        t += rng.expovariate(args.streams / args.window)
+        times.append(min(t, args.window * 0.95))
+    return times
 
 
 async def watch_batch(client: openai.AsyncOpenAI, batch_id: str, phase: Phase, started: float) -> None:
@@ -130,8 +137,8 @@ async def run_phase(client: openai.AsyncOpenAI, model: str, args: argparse.Names
     if batch_id:
         tasks.append(watch_batch(client, batch_id, phase, started))
     if name != "batch":
-        rng = random.Random(round_no)
-        tasks += [online_user(client, model, u, args, phase, started, rng) for u in range(args.streams)]
+        tasks += [online_stream(client, model, i, at, args, phase, started)
+                  for i, at in enumerate(arrivals(args, round_no))]
     await asyncio.gather(*tasks)
     if batch_id:
         await client.batches.cancel(batch_id)
@@ -151,6 +158,8 @@ async def wait_cancelled(client: openai.AsyncOpenAI, batch_id: str) -> None:
 async def bench(base_url: str, args: argparse.Namespace) -> list[dict[str, Phase]]:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
+    warm = Phase("warm-up", window=1.0)
+    await asyncio.gather(*(online_stream(client, model, i, 0.0, args, warm, time.perf_counter()) for i in range(4)))
     rounds = []
     for r in range(args.rounds):
         phases = {}
@@ -197,7 +206,8 @@ def draw(phases: dict[str, Phase], path: Path) -> None:
     fig, (left, right) = figure(ncols=2, width=9.0)
     for name, style in (("batch", "--"), ("both", "-")):
         points = phases[name].batch_lines
-        left.plot([t for t, _ in points], [n for _, n in points], style, label=f"batch lines, {name}")
+        left.plot([t for t, _ in points], [n for _, n in points], style,
+                  label="on an idle server" if name == "batch" else "beside the online requests")
     left.set(xlabel="seconds", ylabel="batch lines completed", title="batch lane")
     left.legend(fontsize=7)
     for name, style in (("online", "--"), ("both", "-")):
@@ -214,7 +224,6 @@ def main() -> None:
     parser.add_argument("--model", default=str(SMOLLM2))
     parser.add_argument("--lines", type=int, default=2000)
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--think", type=float, default=2.0, help="mean pause between a user's requests (s)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--window", type=float, default=60.0, help="seconds a phase runs")
     parser.add_argument("--rounds", type=int, default=2)

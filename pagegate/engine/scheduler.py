@@ -299,8 +299,9 @@ class Scheduler:
         """Add to `batch`, lane by lane, the lane's running sequences' next tokens, then its swapped ones coming
         back, then its new ones, within the step's token budget and, for embedding sequences, `pooling` tokens.
 
-        NOTE: the batch lane is filled once the online lane is done, so it takes only the budget and the pages online
-        sequences leave, and while an online sequence waits for them, no batch sequence comes back or is admitted.
+        NOTE: the batch lane is filled only in a step without online tokens (so it never slows an online step), at
+        most batch_step_tokens of it (so an online request that arrives waits for one short step), and from the pages
+        online sequences leave: while an online sequence waits for them, no batch sequence comes back or is admitted.
         Its running sequences are not scheduled yet while the online lane fills, so an online sequence short of
         pages may preempt them (the tail of the running list, and _yield_batch) before it touches another online
         one."""
@@ -309,6 +310,10 @@ class Scheduler:
         self.key_pages.recount(self.running, self.tables)
         placed = True
         for lane in LANES:
+            if lane == BATCH:
+                if batch.num_batched_tokens:
+                    break  # NOTE: batch tokens would slow an online step; its sequences keep their pages and wait
+                budget = min(budget, self.config.batch_step_tokens)
             budget, placed = self._fill_lane(lane, batch, budget, now, may_add=placed)
             self._lanes_in_order(lane)
 

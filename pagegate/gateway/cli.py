@@ -142,6 +142,9 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=defaults.scheduling_policy,
                        help="priority: honour requests' priority (else a non-zero priority is a 400)")
+    group.add_argument("--batch-step-tokens", type=_positive(int), default=defaults.batch_step_tokens, metavar="N",
+                       help="batch-lane (/v1/batches) tokens a step at most; such a step holds no online tokens, and "
+                            "an online request that arrives waits for it (default %(default)s)")
 
 
 def _server_flags(group: argparse._ArgumentGroup) -> None:
@@ -352,7 +355,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                         kv_cache_disk=args.kv_cache_disk, kv_offload_min_reuse=args.kv_offload_min_reuse)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
-                                scheduling_policy=args.scheduling_policy)
+                                scheduling_policy=args.scheduling_policy, batch_step_tokens=args.batch_step_tokens)
     paths = list(args.model or ([args.model_tag] if args.model_tag else []))
     models = served_models(paths, names, args.models_dir)
     if models:  # several models: a name each (--served-model-name gave one per model, not aliases)

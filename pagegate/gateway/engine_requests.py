@@ -43,6 +43,7 @@ class EngineRequests:
         self._pending = 0  # admitted engine requests without a first output yet
         self._unsubmitted = 0  # admitted sequences whose streams have not reached the engine's inbox yet
         self._active: set[OutputMerger] = set()
+        self._streamed: set[OutputMerger] = set()  # the active ones sent as streams: they share the chunk rate
         self._embeddings: set[asyncio.Future[None]] = set()  # admitted embedding requests: end_all's way to end them
         # engine request id -> the identity of the API key that sent it: the dashboard names a request only
         # to viewers with the same key
@@ -69,9 +70,10 @@ class EngineRequests:
         return self._unsubmitted
 
     def stream_pace(self) -> float:
-        """Seconds between two chunks of one stream: the chunk-rate budget shared by all generations."""
+        """Seconds between two chunks of one stream: the chunk-rate budget shared by the streamed generations (a
+        whole answer, a batch line's included, sends no chunks)."""
         rate = self.config.stream_chunk_rate
-        return min(len(self._active) / rate, MAX_STREAM_PACE_S) if rate > 0 else 0.0
+        return min(len(self._streamed) / rate, MAX_STREAM_PACE_S) if rate > 0 else 0.0
 
     # -- what an engine request carries ----------------------------------------------------------
     def cache_tenant(self, prepared: PreparedRequest) -> str | None:
@@ -119,6 +121,7 @@ class EngineRequests:
 
         def on_close(merger: OutputMerger, unfinished: set[int]) -> None:
             self._active.discard(merger)
+            self._streamed.discard(merger)
             for rid in ids:
                 self.request_tenants.pop(rid, None)
             for index in list(waiting):
@@ -136,6 +139,8 @@ class EngineRequests:
 
         merger = OutputMerger(streams, on_first, on_close, on_finished)
         self._active.add(merger)
+        if prepared.stream:
+            self._streamed.add(merger)
         # The merger's pump tasks put the requests in the engine's inbox on their first step; callbacks run
         # in the order they are scheduled, so this one runs right after those steps.
         seqs = len(ids) * prepared.params.n

@@ -41,8 +41,9 @@ def test_no_batch_sequence_is_admitted_while_an_online_one_waits_for_pages():
 
 def test_an_online_prompt_preempts_running_batch_sequences_least_urgent_first():
     driver = Driver(scheduler(12))
+    first, second, third = fill_with_batch(driver, 3, prompt=3 * BLOCK)  # 9 pages of 12
     online = driver.add(2 * BLOCK, ONLINE, max_tokens=50)
-    first, second, third = fill_with_batch(driver, 3, prompt=3 * BLOCK)  # 2 + 9 pages of 12
+    driver.step()  # 2 pages more: 1 free
     arriving = driver.add(4 * BLOCK, ONLINE)
     batch = driver.step()
     assert arriving.status is SeqStatus.RUNNING
@@ -54,9 +55,9 @@ def test_an_online_prompt_preempts_running_batch_sequences_least_urgent_first():
 
 
 def test_online_growth_preempts_batch_even_when_batch_arrived_first():
-    driver = Driver(scheduler(8, swap_blocks=16))
+    driver = Driver(scheduler(7, swap_blocks=16))
     early = fill_with_batch(driver, 1, prompt=3 * BLOCK)[0]
-    online = driver.add(4 * BLOCK, ONLINE, max_tokens=50)  # 4 pages; the batch decode takes the last free one
+    online = driver.add(4 * BLOCK, ONLINE, max_tokens=50)  # 4 pages: the pool's last
     driver.step()
     assert driver.sched.pool.num_free_blocks == 0
     driver.step()  # the online sequence's next token needs a fifth page: the batch one's go
@@ -73,16 +74,15 @@ def test_batch_growth_never_preempts_an_online_sequence():
     for _ in range(3):
         driver.step()
     assert online.status is SeqStatus.RUNNING and driver.pages(online) == 5
-    assert batch_seq.status is SeqStatus.WAITING  # it gave its own pages up when the pool ran out
+    assert batch_seq.status is SeqStatus.WAITING  # no step without online tokens: it never ran, nor took a page
 
 
 def test_batch_admission_leaves_headroom_for_an_online_prompt():
     driver = Driver(scheduler(20, headroom=0.25))  # 5 pages of headroom
     assert driver.sched.batch_headroom_blocks == 5
-    driver.add(BLOCK, ONLINE, max_tokens=50)
     batch_seqs = [driver.add(4 * BLOCK - 2, BATCH, max_tokens=2) for _ in range(4)]  # never a fifth page
     driver.step()
-    assert [s.status for s in batch_seqs].count(SeqStatus.RUNNING) == 3  # 1 + 12 pages used; a fourth leaves 3
+    assert [s.status for s in batch_seqs].count(SeqStatus.RUNNING) == 3  # 12 pages used; a fourth leaves 4
     arriving = driver.add(4 * BLOCK, ONLINE)
     batch = driver.step()
     assert arriving.status is SeqStatus.RUNNING and batch.preempted == 0
@@ -97,14 +97,18 @@ def test_an_online_prompt_takes_a_running_batch_sequences_seat():
     assert first.status is SeqStatus.RUNNING and second.status is SeqStatus.WAITING
 
 
-def test_a_batch_prompt_takes_only_the_budget_online_leaves():
-    driver = Driver(scheduler(64, budget=6 * BLOCK))
-    online = driver.add(6 * BLOCK, ONLINE)
+def test_batch_tokens_run_only_in_steps_without_online_ones_and_at_most_batch_step_tokens():
+    driver = Driver(scheduler(64, budget=6 * BLOCK, batch_step_tokens=2 * BLOCK))
+    online = driver.add(6 * BLOCK, ONLINE, max_tokens=3)
     batch_seq = driver.add(10 * BLOCK, BATCH)
-    batch = driver.step()
-    assert batch.seqs == [online] and batch_seq.status is SeqStatus.WAITING
-    batch = driver.step()  # one decode token left for online: the batch prompt gets the rest
-    assert batch.seqs == [online, batch_seq] and batch.num_tokens == [1, 6 * BLOCK - 1]
+    while online.status is not SeqStatus.FINISHED:
+        batch = driver.step()
+        assert batch.seqs == [online] and batch_seq.num_computed == 0  # budget left over, yet not a batch token
+    batch = driver.step()  # online is done: a batch step, of at most batch_step_tokens
+    assert batch.seqs == [batch_seq] and batch.num_tokens == [2 * BLOCK]
+    running = driver.add(BLOCK, ONLINE)
+    batch = driver.step()  # an online prompt arrives: the batch sequence keeps its pages and sits the step out
+    assert batch.seqs == [running] and batch_seq.status is SeqStatus.RUNNING and batch_seq.num_computed == 2 * BLOCK
 
 
 def test_a_batch_requests_priority_orders_it_among_batch_requests_only():
@@ -121,7 +125,7 @@ def test_a_batch_requests_priority_orders_it_among_batch_requests_only():
 
 
 def test_a_swapped_batch_sequence_does_not_hold_online_admission_back():
-    driver = Driver(scheduler(8, swap_blocks=16))
+    driver = Driver(scheduler(7, swap_blocks=16))
     victim = fill_with_batch(driver, 1, prompt=4 * BLOCK)[0]
     driver.add(4 * BLOCK, ONLINE, max_tokens=50)
     driver.step()  # the batch sequence made way
