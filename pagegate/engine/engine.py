@@ -48,6 +48,7 @@ class Engine:
         self.metrics = self.monitor.metrics
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
+        self.clock: Callable[[], float] = time.monotonic  # what steps read the time from (tests move it)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -104,7 +105,7 @@ class Engine:
     def step_requests(self) -> list[Request]:
         """One step; the requests that moved in it (failed ones included), for callers that build their own
         outputs (the core process sends deltas)."""
-        now = time.monotonic()
+        now = self.clock()
         batch = self.scheduler.schedule(now)
         failed = [self._fail(seq.request) for seq in batch.failed]
         if not batch.seqs:
@@ -114,7 +115,7 @@ class Engine:
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
                             if s.num_computed <= s.num_prompt_tokens)
         sampling = [s for s in batch.seqs if s.num_computed == len(s.token_ids)]
-        moved, sampled = self._sample(sampling, logits, time.monotonic())
+        moved, sampled = self._sample(sampling, logits, self.clock())
         self.monitor.computed(prompt_tokens, sampled)
         self.refresh_stats(now, batch.seqs)
         return failed + moved
@@ -178,11 +179,10 @@ class Engine:
             log.exception("request %s failed while taking token %d", seq.request.request_id, result.token_id)
             seq.request.error = f"internal error after token {result.token_id}: {type(error).__name__}: {error}"
             return False
+        self.scheduler.take_pins(seq, now)  # its prompt's prefixes once computed, all it wrote once it finished
         if seq.finish_reason is None:
             return True
         seq.status = SeqStatus.FINISHED
-        if seq.request.pin is not None and seq.index == 0:
-            self.scheduler.pin(seq, seq.request.pin, now)
         self.scheduler.free(seq)
         return False
 

@@ -44,7 +44,7 @@ class RequestIntake:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids) if tokenizer else None
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None, pin: Pin | None = None,
+                     priority: int = 0, cache_salt: str | None = None, pins: tuple[Pin, ...] = (),
                      embed: bool = False, lora: Registered | None = None, tenant: str | None = None, *,
                      lane: Lane = ONLINE, key: KeyShare | None = None) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
@@ -68,7 +68,7 @@ class RequestIntake:
         matcher = self.grammar_matcher(params.structured_outputs) if params.structured_outputs else None
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
-                       logit_bias=bias, pin=pin, embed=embed, lora_name=lora.request.lora_name if lora else None,
+                       logit_bias=bias, pins=pins, embed=embed, lora_name=lora.request.lora_name if lora else None,
                        lane=lane, key=key)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:

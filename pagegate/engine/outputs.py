@@ -48,6 +48,7 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)  # Request.timings(): core monotonic times, timeline
     error: str | None = None  # set when the request failed; the outputs are then incomplete
     prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: one per prompt token, the first None
+    pinned_tokens: list[int] = field(default_factory=list)  # per pin of the request, the tokens its pages hold
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta of the same request (its choices' new tokens, text and logprobs; its state)."""
@@ -67,6 +68,7 @@ class RequestOutput:
         self.finished, self.num_cached_tokens, self.error = delta.finished, delta.num_cached_tokens, delta.error
         self.metrics = delta.metrics or self.metrics
         self.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else self.prompt_logprobs
+        self.pinned_tokens = delta.pinned_tokens or self.pinned_tokens
 
     @property
     def num_generated_tokens(self) -> int:

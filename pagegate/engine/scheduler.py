@@ -167,23 +167,49 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.release(seq)
 
-    def pin(self, seq: Sequence, pin: Pin, now: float) -> bool:
-        """Hold the full cached pages of a finishing sequence under `pin.key` (before `free`)."""
+    def take_pins(self, seq: Sequence, now: float) -> None:
+        """After a token of `seq`: take its request's pins of prompt prefixes once the prompt is computed (its first
+        token), those of all it wrote once it finished (before `free`), on its first choice's pages; each pin's
+        tokens go back with the request's outputs."""
+        request = seq.request
+        if seq.index != 0 or not request.pins:
+            return
+        prefixes, finished = len(seq.output_token_ids) == 1, seq.finish_reason is not None
+        for i, pin in enumerate(request.pins):
+            if prefixes if pin.num_tokens is not None else finished:
+                request.pinned_tokens[i] = self.pin(seq, pin, now)
+
+    def pin(self, seq: Sequence, pin: Pin, now: float) -> int:
+        """Hold pages of `seq` under `pin.key` (before `free`): the leading run of its cached full pages, up to
+        `pin.num_tokens` tokens (None: all it computed). The tokens those pages hold; 0 when nothing was pinned."""
         if seq.handle == NO_PAGES or self.tables.is_swapped(seq.handle):
-            return False
-        full = self.tables.num_committed(seq.handle) // self.block_size
-        pages = self.tables.block_ids(seq.handle)[:full]
-        hashes = {int(b): self.pool.block_hash(int(b)) for b in pages}
-        cached = np.array([b for b, h in hashes.items() if h is not None], dtype=np.int32)
-        if self.tiers is not None:  # a stored conversation spills down the tiers when its pin goes, seen once or not
-            self.tiers.tiers.gate.vouch(h for h in hashes.values() if h is not None)
-        return self.pins.hold(pin.key, cached, now + pin.ttl_s)
+            return 0
+        tokens = self.tables.num_committed(seq.handle)
+        if pin.num_tokens is not None:
+            tokens = min(tokens, pin.num_tokens)
+        pages = self.tables.block_ids(seq.handle)[:tokens // self.block_size]
+        hashes = []
+        for page in pages:
+            page_hash = self.pool.block_hash(int(page))
+            if page_hash is None:
+                break  # a hit ends at the first page that is not cached: nothing after it can be found
+            hashes.append(page_hash)
+        if not self.pins.hold(pin.key, pages[:len(hashes)], now, pin.ttl_s, key_name(seq)):
+            return 0
+        if self.tiers is not None:  # pinned pages spill down the tiers when the pin goes, seen once or not
+            self.tiers.tiers.gate.vouch(hashes)
+        return len(hashes) * self.block_size
 
     def unpin(self, key: str) -> bool:
         return self.pins.release(key)
 
+    def pinned_by_key(self) -> dict[str, int]:
+        """Pages the pins of each named API key hold (pagegate:key_kv_blocks_pinned)."""
+        return self.pins.pages_by_owner()
+
     def _free_up(self, needed: int, pins: bool = True) -> bool:
-        """Release pins, oldest first (unless not `pins`: batch work leaves them, they hold online conversations),
+        """Release pins, least recently used first (unless not `pins`: batch work leaves them, they hold online
+        conversations and prefixes),
         then idle LoRA adapters' pages, least recently used first, until `needed` pages are free; whether they are."""
         if self.pool.num_free_blocks < needed and self.grow_pool is not None:
             self.grow_pool(needed - self.pool.num_free_blocks)
@@ -738,6 +764,7 @@ class Scheduler:
             hits, num_hit = self._stage(seq, found, hits, num_hit, batch)
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += num_hit
+        self.pins.refresh(hits, key_name(seq), now)
         seq.handle = self.tables.add_sequence(hits, num_hit, request.root_hash)
         seq.num_computed = num_hit
         self.key_pages.add(seq, self.tables.num_blocks(seq.handle))

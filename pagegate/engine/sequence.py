@@ -100,7 +100,8 @@ class Request:
     error: str | None = None
     matcher: LLMatcher | None = None  # structured outputs: the compiled grammar at its start
     logit_bias: LogitBias | None = None  # params.logit_bias as tensors, built once
-    pin: Pin | None = None  # hold the finished pages for the conversation's next turn
+    pins: tuple[Pin, ...] = ()  # pages to hold for later requests (a conversation's next turn, a cached prefix)
+    pinned_tokens: list[int] = field(default_factory=list)  # per pin, the tokens its pages hold (0: none yet)
     prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: scored so far (the first None)
     timeline: Timeline = field(default_factory=Timeline)  # preemptions, prefix hits, pages held
     embed: bool = False  # an embedding request: its prompt is pooled, nothing is generated
@@ -110,6 +111,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)
+        self.pinned_tokens = [0] * len(self.pins)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
@@ -134,7 +136,8 @@ class Request:
                                     list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
                    for s in self.seqs if self.forked or self.params.n == 1]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, self.finished,
-                             self.num_cached_tokens, self.timings(), self.error, self.scored_prompt)
+                             self.num_cached_tokens, self.timings(), self.error, self.scored_prompt,
+                             list(self.pinned_tokens))
 
     def timings(self) -> dict[str, Any]:
         """Core monotonic times of its milestones, and its timeline (observe/timeline.py)."""

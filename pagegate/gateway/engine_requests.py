@@ -19,6 +19,7 @@ from pagegate.gateway.errors import ServiceUnavailable
 from pagegate.gateway.key_config import KeyShares
 from pagegate.gateway.lanes import ONLINE, Lane
 from pagegate.gateway.prepare import PreparedRequest
+from pagegate.gateway.prompt_cache import scoped
 from pagegate.gateway.request_timing import TimingRecorder, sampling_attributes
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.streaming import OutputMerger
@@ -88,6 +89,14 @@ class EngineRequests:
         """What keeps a stored response's conversation in the KV cache for a while (its pages pinned)."""
         return Pin(key, self.config.responses_pin_ttl_s)
 
+    @staticmethod
+    def pins_of(prepared: PreparedRequest) -> tuple[Pin, ...]:
+        """The request's pins as the engine takes them: the prompt caching it asked for, its keys scoped to the
+        sending API key (in the order of `cache_pins`: the engine reports their tokens in it), then a stored
+        response's."""
+        cache = (scoped(pin, prepared.tenant, prepared.model, prepared.cache_salt) for pin in prepared.cache_pins)
+        return (*cache, *((prepared.pin,) if prepared.pin is not None else ()))
+
     def unpin(self, key: str) -> None:
         """Let the engine release what `pin_for(key)` pinned (the response left the store or was continued)."""
         for engine in self._running_engines():
@@ -106,8 +115,8 @@ class EngineRequests:
         ids = [f"{request_id}-{i}-{unique}" for i in range(len(prepared.prompts))]
         tenant, key = self.cache_tenant(prepared), self.key_shares.of(prepared.tenant)
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
-                                   cache_salt=prepared.cache_salt, pin=prepared.pin, lora_name=lora_name,
-                                   tenant=tenant, lane=prepared.lane, key=key)  # a pin: one prompt only
+                                   cache_salt=prepared.cache_salt, pins=self.pins_of(prepared), lora_name=lora_name,
+                                   tenant=tenant, lane=prepared.lane, key=key)  # pins: one prompt only
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

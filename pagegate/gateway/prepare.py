@@ -23,6 +23,7 @@ from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.lanes import ONLINE, Lane
+from pagegate.gateway.prompt_cache import key_pin
 from pagegate.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -135,6 +136,8 @@ class PreparedRequest:
     tool_calls: CallParsing | None = None  # chat with tools offered: read calls from the output
     reasoning: str | None = None  # the reasoning parser that splits <think> blocks off the answer (chat)
     pin: Pin | None = None  # a stored response keeps its conversation's pages in the prefix cache
+    # prompt caching the client asked for (prompt_cache.py): its keys are scoped to the tenant when it is sent
+    cache_pins: list[Pin] = field(default_factory=list)
     tenant: str | None = None  # the identity of the API key that sent it (None without --api-key)
     lane: Lane = ONLINE  # BATCH: a batch line, run below every online request (lanes.py)
     scoring_size: int = 0  # entries of scored prompt in the answer (check_scoring); 0: it scores no prompt
@@ -218,9 +221,11 @@ def prepare_chat(body: dict[str, Any] | ChatCompletionRequest, model: ModelConte
         params.grammar_after_token = reasoning_end(prompt, model)
     if offered and model.call_format.keeps_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token
+    cache_pins = [key_pin(request.prompt_cache_key, len(prompt.token_ids), request.prompt_cache_retention)
+                  ] if request.prompt_cache_key is not None else []
     return PreparedRequest(request, name, [prompt], params, request.priority, request.cache_salt,
                            CallParsing.of(request, offered, model.call_format), model.reasoning_parser,
-                           scoring_size=size)
+                           scoring_size=size, cache_pins=cache_pins)
 
 
 def check_scoring(num_prompt_tokens: int, alternatives: list[int], copies: int, param: str,

@@ -402,6 +402,13 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="More variables for the chat template (e.g. Qwen3's enable_thinking).")
     add_generation_prompt: bool = True
+    prompt_cache_key: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="Pin the prompt's KV pages under this key (for this API key) so later prompts with its prefix "
+                    "find them cached.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="How long a prompt_cache_key's pages stay pinned: 24h, else 5 minutes (each hit "
+                          "renews it; pins give way to requests that need the pages).")
     continue_final_message: bool = Field(
         False, description="Go on writing the last (assistant) message instead of starting a new one; needs "
                            "add_generation_prompt false.")

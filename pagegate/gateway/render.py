@@ -39,12 +39,14 @@ class PromptProgress:
 
     generated: int = 0  # tokens of all its choices
     cached: int = 0  # prompt tokens served from the prefix cache
+    pinned: list[int] = field(default_factory=list)  # per pin of its request, the tokens its pages hold
     prompt_logprobs: list[Logprob | None] | None = None
     last: RequestOutput | None = None  # its finishing delta (its timings), once it finished
 
     def take(self, output: RequestOutput) -> None:
         self.generated += output.num_generated_tokens
         self.cached = output.num_cached_tokens
+        self.pinned = output.pinned_tokens or self.pinned
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         if output.finished:

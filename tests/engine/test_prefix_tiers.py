@@ -104,7 +104,7 @@ def test_tiers_need_prefix_caching() -> None:
 def test_a_stored_conversation_spills_to_the_tiers_when_its_pin_goes() -> None:
     """Its pages were seen once, below the reuse gate's two: the pin vouches for them."""
     llm = engine(kv_offload_memory="8MiB", kv_offload_min_reuse=2)
-    request = llm.engine.intake.make_request("turn-1", PROMPT, GREEDY, pin=Pin("conversation", 600.0))
+    request = llm.engine.intake.make_request("turn-1", PROMPT, GREEDY, pins=(Pin("conversation", 600.0),))
     llm.engine.add(request)
     while llm.engine.has_unfinished():
         llm.engine.step()

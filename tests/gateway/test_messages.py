@@ -119,7 +119,19 @@ def test_bad_requests_are_anthropic_400s(http: httpx.Client, model: str, body: d
     assert error["error"]["message"]
 
 
+CACHED = {"type": "ephemeral"}
+
+
 @pytest.mark.parametrize("request_fields, named, not_named", [
+    # prompt-cache breakpoints: none on an empty text block, at most 4, Anthropic's types and TTLs, 1 h before 5 min
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "", "cache_control": CACHED}]}]},
+     "messages.0.content.0.text: cache_control cannot be set for empty text blocks", "TextBlock"),
+    ({"system": [{"type": "text", "text": f"{i}.", "cache_control": CACHED} for i in range(5)]}, "Found 5", "chat"),
+    ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+     "system.0.cache_control.ttl", "CacheControl"),
+    ({"tools": [{**WEATHER, "cache_control": {"type": "persistent"}}]}, "tools.0.cache_control.type", "CacheControl"),
+    ({"system": [{"type": "text", "text": "x", "cache_control": CACHED}], "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]}, "ttl '1h'", "chat"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name", "NamedToolChoice"),
     ({"stop_sequences": [""]}, "stop_sequences", "'stop'"),
     ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences", "'stop'"),

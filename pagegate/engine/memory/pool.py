@@ -83,7 +83,8 @@ class KVPool:
 
     def refresh_stats(self, now: float | None = None, computed: list[Sequence] | None = None) -> None:
         """Recompute the gauges and the health grade from the scheduler's counts (`computed`: a step's batch)."""
-        self.monitor.refresh(self.scheduler.stats(), now, computed or [], self.scheduler.pages_by_key())
+        scheduler = self.scheduler
+        self.monitor.refresh(scheduler.stats(), now, computed or [], scheduler.pages_by_key(), scheduler.pinned_by_key())
 
     # ---- sleep, wake, resize -----------------------------------------------------------------------------
 

@@ -91,6 +91,9 @@ class EngineMetrics:
         self.key_blocks = Gauge("pagegate:key_kv_blocks_used", "KV pages the running sequences of an API key hold, "
                                 "labelled by its --api-key-config name (else its identity, never the key).",
                                 ["model_name", "key"], registry=self.registry)
+        self.key_pinned = Gauge("pagegate:key_kv_blocks_pinned", "KV pages the prefix pins of an API key hold (its "
+                                "stored conversations, cache breakpoints and prompt_cache_keys), labelled as "
+                                "pagegate:key_kv_blocks_used.", ["model_name", "key"], registry=self.registry)
         zeros: dict = dict.fromkeys(SchedulerStats.__struct_fields__, 0)
         self._last = SchedulerStats(**{**zeros, "spec_accepted_per_position": ()})  # the totals the counters saw
 
@@ -107,13 +110,19 @@ class EngineMetrics:
                          getattr(now, field) - getattr(last, field))
             self._last_tiers[tier] = replace(now)
 
-    def update_keys(self, pages: Mapping[str, int]) -> None:
-        """pagegate:key_kv_blocks_used: each key's pages; a key seen before that holds none now reads 0."""
+    def update_keys(self, pages: Mapping[str, int], pinned: Mapping[str, int] | None = None) -> None:
+        """pagegate:key_kv_blocks_used and pagegate:key_kv_blocks_pinned: each key's pages; a key seen before that
+        holds none now reads 0."""
+        pinned = pinned or {}
         for key in self._keys_shown - pages.keys():
             self.key_blocks.labels(self._model_name, key).set(0)
+        for key in self._keys_shown - pinned.keys():
+            self.key_pinned.labels(self._model_name, key).set(0)
         for key, held in pages.items():
             self.key_blocks.labels(self._model_name, key).set(held)
-        self._keys_shown |= pages.keys()
+        for key, held in pinned.items():
+            self.key_pinned.labels(self._model_name, key).set(held)
+        self._keys_shown |= pages.keys() | pinned.keys()
 
     def kv_page_format(self, kv_format: LayerFormats | None, bytes_per_token: int) -> None:
         """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format (none when

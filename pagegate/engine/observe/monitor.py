@@ -66,12 +66,13 @@ class EngineMonitor:
             self.adapter_tags.pool = pool
 
     def refresh(self, stats: SchedulerStats, now: float | None = None, computed: Sequence[Seq] = (),
-                key_pages: Mapping[str, int] | None = None) -> None:
+                key_pages: Mapping[str, int] | None = None, key_pins: Mapping[str, int] | None = None) -> None:
         """Recompute the gauges and the health grade; publish the pool's new KV events (`computed`: the sequences of
-        the step that stored its pages; `key_pages`: the pages each API key's running sequences hold)."""
+        the step that stored its pages; `key_pages`: the pages each API key's running sequences hold; `key_pins`:
+        those each key's pins hold)."""
         self.grade, self.reason = self.metrics.update(stats, now)  # None: update reads the clock
         if key_pages is not None:
-            self.metrics.update_keys(key_pages)
+            self.metrics.update_keys(key_pages, key_pins)
         if self.tiers is not None:
             self.metrics.update_tiers(self.tiers.stats())
         if self.kv_events is None:

@@ -63,12 +63,13 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None) -> AsyncIterator[RequestOutput]:
+                       pins: tuple[Pin, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come, each one the whole answer so far; leaving the loop early aborts the
         request (its pages are free within one step). InvalidParamError before the first output for a bad
-        request, RequestFailedError when it fails, EngineDeadError when the engine dies under it. With a pin,
-        the finished request's pages stay cached under its key (see `unpin`)."""
-        outputs = self.client.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt, pin=pin)
+        request, RequestFailedError when it fails, EngineDeadError when the engine dies under it. With `pins`,
+        its pages stay cached under each one's key (see `unpin`)."""
+        outputs = self.client.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                       pins=pins)
         joined: RequestOutput | None = None
         async with aclosing(outputs):  # closed at once when the caller leaves: the abort goes out now, not at GC
             async for delta in outputs:

@@ -321,7 +321,7 @@ class CoreClient:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None, token_ids: list[int] | None = None,
+                       pins: tuple[Pin, ...] = (), token_ids: list[int] | None = None,
                        lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
                        key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
@@ -329,7 +329,7 @@ class CoreClient:
         `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
-        async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pin,
+        async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pins,
                                                   lora_name=lora_name, tenant=tenant, lane=lane, key=key), params.n):
             yield delta.output(text, token_ids)
 

@@ -176,7 +176,7 @@ class CoreLoop:
             self.seqs_taken += sampling.n
             adapter = self.engine.memory.adapter(frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
-                                                      frame.cache_salt, frame.pin, frame.embed, adapter,
+                                                      frame.cache_salt, tuple(frame.pins), frame.embed, adapter,
                                                       frame.tenant, lane=frame.lane, key=frame.key)
             request.prompt = frame.prompt
             self.engine.add(request)

@@ -41,12 +41,12 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
-                 pin: Pin | None = None, lora_name: str | None = None,
+                 pins: tuple[Pin, ...] = (), lora_name: str | None = None,
                  tenant: str | None = None, lane: Lane = ONLINE,
                  key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
-        joins them where a whole answer is needed); leaving the loop early aborts the request. With a pin, the
-        finished request's pages stay in the prefix cache under its key (within the pin budget, for its TTL).
+        joins them where a whole answer is needed); leaving the loop early aborts the request. With `pins`, its
+        pages stay in the prefix cache under each one's key (within the pin budget, for its TTL).
         `lora_name`: a registered LoRA adapter it runs with (None: the base model); `tenant`: the sending key's
         identity where each key keeps its own prefix cache; `lane`: online, or batch work below it; `key`: the
         sending key's name, weight and quota of pages (pagegate.engine.tenants)."""

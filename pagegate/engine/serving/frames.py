@@ -119,7 +119,7 @@ class Add(Frame, tag="add"):
     params: WireSampling
     priority: int = 0
     cache_salt: str | None = None
-    pin: Pin | None = None
+    pins: list[Pin] = msgspec.field(default_factory=list)
     embed: bool = False
     lora_name: str | None = None
     tenant: str | None = None
@@ -206,7 +206,8 @@ class WireTimings(msgspec.Struct, array_like=True):
 
 class RequestDelta(msgspec.Struct, array_like=True):
     """What one request gained since its last delta: each choice's new part, the prompt's logprobs (once, when all
-    are in), its timings (once, when it finishes), an embedding request's vector (little-endian float32 bytes)."""
+    are in), its timings (once, when it finishes), an embedding request's vector (little-endian float32 bytes), and
+    the tokens each of its pins holds."""
 
     request_id: str
     finished: bool
@@ -216,12 +217,14 @@ class RequestDelta(msgspec.Struct, array_like=True):
     choices: list[CompletionOutput] = msgspec.field(default_factory=list)
     prompt_logprobs: list[Logprob | None] | None = None
     embedding: bytes | None = None
+    pinned_tokens: list[int] | None = None  # a request with pins: the tokens each one holds so far
 
     def output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
         """This delta as the engine's output type (its choices hold only what is new)."""
         return RequestOutput(self.request_id, prompt, prompt_token_ids, self.choices, self.finished,
                              self.num_cached_tokens, self.timings.metrics() if self.timings is not None else {},
-                             self.error.message if self.error is not None else None, self.prompt_logprobs)
+                             self.error.message if self.error is not None else None, self.prompt_logprobs,
+                             self.pinned_tokens or [])
 
 
 class WireTokenizer(msgspec.Struct, array_like=True):
@@ -376,10 +379,10 @@ class CoreSpec:
 
 
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
-              cache_salt: str | None = None, pin: Pin | None = None, embed: bool = False,
+              cache_salt: str | None = None, pins: tuple[Pin, ...] = (), embed: bool = False,
               lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
               key: KeyShare | None = None) -> Add:
-    return Add(request_id, prompt, token_ids, WireSampling.of(params), priority, cache_salt, pin, embed, lora_name,
+    return Add(request_id, prompt, token_ids, WireSampling.of(params), priority, cache_salt, list(pins), embed, lora_name,
                tenant, lane, key)
 
 
@@ -421,7 +424,8 @@ class DeltaWriter:
                             WireError.of(request.error) if request.error is not None else None,
                             request.num_cached_tokens, WireTimings(**request.timings()) if finished else None,
                             choices, scored,
-                            request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None)
+                            request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None,
+                            list(request.pinned_tokens) if request.pins else None)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)

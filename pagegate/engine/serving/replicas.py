@@ -127,7 +127,7 @@ class Replicas:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
-                       pin: Pin | None = None, lora_name: str | None = None,
+                       pins: tuple[Pin, ...] = (), lora_name: str | None = None,
                        tenant: str | None = None, lane: Lane = ONLINE,
                        key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
@@ -138,7 +138,7 @@ class Replicas:
         self._owner[request_id] = core
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
-                                              pin=pin, token_ids=token_ids, lora_name=lora_name,
+                                              pins=pins, token_ids=token_ids, lora_name=lora_name,
                                               tenant=tenant, lane=lane, key=key)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:

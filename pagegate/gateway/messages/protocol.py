@@ -3,6 +3,7 @@
 A Messages request becomes the chat request it means: `system` a system message, text blocks content, `tool_use`
 blocks an assistant's tool_calls, `tool_result` blocks tool messages; tool_choice auto/any/tool/none are chat's
 auto/required/named/none. Thinking blocks a client hands back are dropped (templates leave old reasoning out).
+A block marked with `cache_control` is a prompt-cache breakpoint (messages/cache.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from pagegate.gateway.protocol import FUNCTION_NAME, INT32, StrictModel, parse_r
 Message = dict[str, Any]
 
 
+class CacheControl(StrictModel):
+    """A prompt-cache breakpoint: the prompt up to the end of its block stays cached for `ttl`."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     citations: list[Any] | None = None
-    cache_control: dict[str, Any] | None = None  # prefix caching is automatic here
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(StrictModel):
@@ -31,7 +39,7 @@ class ToolUseBlock(StrictModel):
     id: str = Field(min_length=1)
     name: str
     input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(StrictModel):
@@ -39,7 +47,7 @@ class ToolResultBlock(StrictModel):
     tool_use_id: str = Field(min_length=1)
     content: str | list[TextBlock] = ""
     is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -66,7 +74,7 @@ class ToolDefinition(StrictModel):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(StrictModel):

@@ -1,9 +1,10 @@
 """Engine outputs -> Anthropic Messages objects and stream events.
 
 An answer's events (reasoning, text, calls: pagegate.gateway.answer) become content blocks in the order they come:
-`thinking`, `text`, one `tool_use` per call. Streamed: `message_start`, then per block `content_block_start`, its
-deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` with the
-stop reason and usage, and `message_stop`.
+`thinking`, `text`, one `tool_use` per call. Streamed: `message_start` (with the first output, when the prompt's
+cache reads and writes are known), then per block `content_block_start`, its deltas (`thinking_delta`,
+`text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` with the stop reason and usage,
+and `message_stop`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagegate.engine.outputs import CompletionOutput
+from pagegate.engine.outputs import CompletionOutput, RequestOutput
 from pagegate.gateway.answer import AnswerEvent, Reasoning
+from pagegate.gateway.prompt_cache import cache_writes
 from pagegate.gateway.render import ItemRenderer
 from pagegate.gateway.tool_formats import ParsedCall
 
@@ -26,6 +28,7 @@ class MessagesRenderer(ItemRenderer):
     stop_sequences: list[str] = field(default_factory=list)
     blocks: list[dict[str, Any]] = field(default_factory=list)
     open_kind: str | None = None  # the type of the last block while it still grows
+    started: bool = False  # message_start went out
 
     object_name = "message"
 
@@ -36,10 +39,14 @@ class MessagesRenderer(ItemRenderer):
                 "stop_sequence": self.stop_sequence(completion), "usage": self.usage_of()}
 
     def usage_of(self) -> dict[str, Any]:
-        """Anthropic counts cache reads apart: input_tokens are the prompt tokens computed anew."""
-        prompt, cached, generated = len(self.prepared.prompts[0].token_ids), self.cached_tokens(), self.generated_tokens()
-        return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": cached, "output_tokens": generated}
+        """Anthropic's split of the prompt: tokens read from the prefix cache, tokens this request wrote into pages
+        its breakpoints pinned (by their TTL), and input_tokens, the rest; they add up to the prompt."""
+        prompt, read = len(self.prepared.prompts[0].token_ids), self.cached_tokens()
+        progress = self.progress.get(0)
+        five, hour = cache_writes(self.prepared.cache_pins, progress.pinned if progress else [], read)
+        return {"input_tokens": prompt - read - five - hour, "cache_creation_input_tokens": five + hour,
+                "cache_read_input_tokens": read, "output_tokens": self.generated_tokens(),
+                "cache_creation": {"ephemeral_5m_input_tokens": five, "ephemeral_1h_input_tokens": hour}}
 
     def stop_reason(self, completion: CompletionOutput | None) -> str | None:
         if completion is None or not completion.finished:
@@ -55,8 +62,14 @@ class MessagesRenderer(ItemRenderer):
         return reason if isinstance(reason, str) and reason in self.stop_sequences else None
 
     # -- the stream -----------------------------------------------------------------------------------
-    def opening_chunks(self) -> list[dict]:
-        return [{"type": "message_start", "message": self.message(None)}]
+    def update(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        """The first output opens the message: its usage then says what the prompt read and wrote in the cache (it
+        travels with the first tokens either way)."""
+        events = super().update(prompt_index, output)
+        if self.started:
+            return events
+        self.started = True
+        return [{"type": "message_start", "message": dict(self.message(None), content=[])}, *events]
 
     def error_chunk(self, body: dict) -> dict:
         return body  # already Anthropic's shape (the route's error_body)
@@ -64,7 +77,8 @@ class MessagesRenderer(ItemRenderer):
     def closing(self, completion: CompletionOutput) -> list[dict]:
         events = self.close_block()
         final = self.final = self.message(completion)
-        return [*events, {"type": "message_delta", "usage": {"output_tokens": final["usage"]["output_tokens"]},
+        usage = {key: value for key, value in final["usage"].items() if key != "cache_creation"}  # the totals
+        return [*events, {"type": "message_delta", "usage": usage,
                           "delta": {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}},
                 {"type": "message_stop"}]
 

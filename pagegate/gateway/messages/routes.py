@@ -15,6 +15,7 @@ from pagegate.gateway.codec import EVENT_STREAM, render
 from pagegate.gateway.errors import anthropic_error_body, client_params, to_api_error
 from pagegate.gateway.gateway_state import host_of
 from pagegate.gateway.lanes import request_lane
+from pagegate.gateway.messages.cache import breakpoint_pins, breakpoints
 from pagegate.gateway.messages.protocol import CountTokensRequest, MessagesRequest, parse_messages
 from pagegate.gateway.messages.render import MessagesRenderer
 from pagegate.gateway.preamble import read_and_acquire
@@ -24,21 +25,26 @@ from pagegate.gateway.streaming import collect, stream_body
 
 
 async def _prepare(
-    request: Request, request_cls: type[MessagesRequest] = MessagesRequest,
+    request: Request, request_cls: type[MessagesRequest] = MessagesRequest, cache: bool = True,
 ) -> tuple[AcquiredModel, MessagesRequest, PreparedRequest]:
     _, body, acquired = await read_and_acquire(request, generation=True)
     parsed = await off_loop(parse_messages, request_cls, body)
-    prepared = await off_loop(_prepare_chat, parsed, acquired.model)
+    prepared = await off_loop(_prepare_chat, parsed, acquired.model, cache)
     prepared.tenant = request_key_identity(request.scope)
     prepared.lane = request_lane(request.scope)
     return acquired, parsed, prepared
 
 
-def _prepare_chat(parsed: MessagesRequest, model: ModelContext) -> PreparedRequest:
-    """The chat request it is, prepared; a 400 names the field of the Messages request, not of the chat one."""
+def _prepare_chat(parsed: MessagesRequest, model: ModelContext, cache: bool) -> PreparedRequest:
+    """The chat request it is, prepared, with its cache breakpoints' pins when `cache`; a 400 names the field of
+    the Messages request, not of the chat one."""
     parsed.check_conversation()
+    marks = breakpoints(parsed)
     with client_params(parsed.client_param):
-        return prepare_chat(parsed.chat_body(), model)
+        prepared = prepare_chat(parsed.chat_body(), model)
+    if cache and marks:
+        prepared.cache_pins = breakpoint_pins(parsed, marks, prepared.prompts[0].token_ids, model)
+    return prepared
 
 
 async def create_message(request: Request) -> Response:
@@ -59,5 +65,5 @@ async def create_message(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count as /v1/messages would render it (nothing runs)."""
-    _, _, prepared = await _prepare(request, CountTokensRequest)
+    _, _, prepared = await _prepare(request, CountTokensRequest, cache=False)
     return render({"input_tokens": len(prepared.prompts[0].token_ids)}, msgpack_body=False)

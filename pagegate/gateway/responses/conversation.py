@@ -80,7 +80,9 @@ def chat_body(request: ResponsesRequest, conversation: list[Message]) -> dict[st
     body: dict[str, Any] = {"model": request.model, "messages": system + conversation, "stream": request.stream,
                             "max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
                             "top_p": request.top_p, "parallel_tool_calls": request.parallel_tool_calls,
-                            "chat_template_kwargs": request.chat_template_kwargs}
+                            "chat_template_kwargs": request.chat_template_kwargs,
+                            "prompt_cache_key": request.prompt_cache_key,
+                            "prompt_cache_retention": request.prompt_cache_retention}
     if request.tools:
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in request.tools]

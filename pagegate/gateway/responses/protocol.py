@@ -153,7 +153,8 @@ class ResponsesRequest(StrictModel):
     include: list[str] | None = None  # nothing extra to include: accepted and ignored
     truncation: Literal["disabled", "auto"] | None = None
     service_tier: Literal["auto", "default"] | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # as on chat completions: the prompt's pages pinned under it
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=0), INTEGRAL] | None = None  # logprobs: not yet on this API
     stream_options: dict[str, Any] | None = None

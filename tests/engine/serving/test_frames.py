@@ -127,11 +127,12 @@ def test_sampling_params_survive_the_wire(n, temperature, top_k, seed, max_token
                             stop_token_ids=stop_token_ids, logit_bias=bias or None, logprobs=logprobs,
                             prompt_logprobs=logprobs, include_stop_str_in_output=flags[0], ignore_eos=flags[1],
                             skip_special_tokens=flags[2], structured_outputs=structured, grammar_after_token=after)
-    add = through_the_wire(add_frame("r", None, [1, 2], params, 3, "salt", Pin("key", 5.0)), ToCore)
+    pins = (Pin("key", 5.0), Pin("prefix", 300.0, 48))
+    add = through_the_wire(add_frame("r", None, [1, 2], params, 3, "salt", pins), ToCore)
     back = add.sampling
     assert back == params and back.stop_token_set == params.stop_token_set == frozenset(stop_token_ids)
-    assert (add.request_id, add.token_ids, add.priority, add.cache_salt, add.pin) == ("r", [1, 2], 3, "salt",
-                                                                                      Pin("key", 5.0))
+    assert (add.request_id, add.token_ids, add.priority, add.cache_salt, add.pins) == ("r", [1, 2], 3, "salt",
+                                                                                       list(pins))
 
 
 def test_a_choice_tuple_arrives_as_its_list() -> None:
