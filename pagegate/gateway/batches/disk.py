@@ -88,9 +88,12 @@ class BatchDisk:
         """Remove what no record names: temporary files a crash left, files whose row was never written (or was
         deleted before the crash), inputs of batches that ended. How many were removed."""
         removed = 0
-        for folder, keep in ((self.files, known_files), (self.inputs, live_batches)):
+        for folder, keep, ours in ((self.files, known_files, FILE_ID), (self.inputs, live_batches, BATCH_ID)):
             for entry in folder.iterdir():
-                if entry.name not in keep:
+                # NOTE: only names this server makes (an id, or its temporary): --batch-dir may name a folder that
+                # holds someone's own files, and the sweep must never touch them
+                name = entry.name.removeprefix(".").removesuffix(".tmp")
+                if entry.name not in keep and ours.fullmatch(name) and entry.is_file() and not entry.is_symlink():
                     entry.unlink(missing_ok=True)
                     removed += 1
         return removed

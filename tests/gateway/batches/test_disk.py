@@ -58,6 +58,7 @@ def test_the_sweep_removes_what_no_record_names(tmp_path: Path) -> None:
     disk.link_input(BATCH, kept)
     ended = "batch_" + "d" * 24
     disk.link_input(ended, kept)
+    (tmp_path / "files" / "notes.txt").write_bytes(b"not the server's")  # a folder the user already had
     assert disk.sweep({kept}, {BATCH}) == 3
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept]
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept, "notes.txt"]
     assert [p.name for p in (tmp_path / "inputs").iterdir()] == [BATCH]
