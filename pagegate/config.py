@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -21,6 +21,7 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+STEP_TOKENS, CPU_STEP_TOKENS = 2048, 512  # a step's token budget by default (SchedulerConfig.on_device)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "auto-4")  # --kv-cache-dtype
 
 
@@ -52,7 +53,7 @@ class SchedulerConfig:
     """Batch shape limits and preemption policy."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # tokens a step holds; None: on_device chooses
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     aging_rate: float = 1.0  # priority levels gained per second waited
@@ -63,6 +64,25 @@ class SchedulerConfig:
     # that arrives waits for one such step. bench/batches.py (SmolLM2 Q4_1, 2 cores): 8 kept online TTFT p99 within
     # 10% (16 added 10 ms to 44, 32 added 23) at 65% of the batch lane's uncapped speed on an idle server.
     batch_step_tokens: int = 8
+
+    def on_device(self, device_type: str, generates: bool) -> SchedulerConfig:
+        """This config with the step's token budget chosen where it was left to the device.
+
+        NOTE: on a CPU a step of 2048 prompt tokens takes seconds (SmolLM2 on 2 cores: ~4 s), and every stream and
+        every prompt that arrives waits for it: a prompt's next turn that the cache nearly completes waited ~1.5 s
+        for ~0.4 s of work (bench/agent_cache.py). 512 (llama.cpp's micro-batch) keeps steps short at no cost in
+        throughput measured there (prefill of 512 and 2,000 tokens, 64 parallel sequences: SmolLM2 Q4_1 and a
+        100M F32 Llama within noise of 2048). An encoder's inputs run whole, so it keeps 2048."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=CPU_STEP_TOKENS if device_type == "cpu" and generates
+                       else STEP_TOKENS)
+
+    @property
+    def step_tokens(self) -> int:
+        """max_num_batched_tokens, once chosen (on_device)."""
+        assert self.max_num_batched_tokens is not None, "on_device() chooses the step's token budget"
+        return self.max_num_batched_tokens
 
     def table_shape(self, max_model_len: int, block_size: int) -> tuple[int, int]:
         """Block-table rows (running, swapped and forking sequences) and pages a row holds (one spare)."""

@@ -58,6 +58,7 @@ cdef class BlockPool:
     cdef void log_eviction(self, int32_t block) noexcept
     cdef int check_ids(self, const int32_t* ids, Py_ssize_t n, bint allocated) except -1
     cdef bint same_content(self, int32_t b, uint64_t h, uint64_t parent, const int32_t* t) noexcept
+    cdef int walk_chain(self, const int32_t* t, int num_full, uint64_t parent, int32_t* out) noexcept
     cdef int take_free(self) noexcept
     cdef void release(self, int32_t block) noexcept
     cdef void ref(self, int32_t block) noexcept

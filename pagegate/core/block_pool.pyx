@@ -417,28 +417,41 @@ cdef class BlockPool:
         `root_hash` salts the chain (tenants with different salts never share pages).
         """
         cdef cnp.ndarray tokens = as_int32_array(token_ids)
-        cdef const int32_t* t = <int32_t*>cnp.PyArray_DATA(tokens)
-        cdef int bs = self.block_size, num_full = tokens.shape[0] // bs, i = 0
-        cdef cnp.npy_intp dims = num_full
+        cdef cnp.npy_intp dims = tokens.shape[0] // self.block_size
         cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT32, 0)
-        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        cdef uint64_t parent = <uint64_t>root_hash, h
-        cdef int32_t b
-        if self.enable_prefix_caching:
-            while i < num_full:
-                h = hash_tokens(parent, &t[i * bs], bs) & self.hash_mask
-                b = self.find(h)
-                # NOTE: a hit is confirmed against the stored tokens and parent: hashes are 64 bits (fewer in
-                # tests), and a false hit would silently attend to another prompt's KV. A collision is a miss.
-                if b == -1 or not self.same_content(b, h, parent, &t[i * bs]):
-                    break
-                self.ref(b)
-                o[i] = b
-                parent = h
-                i += 1
+        cdef int i = self.walk_chain(<int32_t*>cnp.PyArray_DATA(tokens), dims, <uint64_t>root_hash,
+                                     <int32_t*>cnp.PyArray_DATA(out))
         self.prefix_queries += tokens.shape[0]
-        self.prefix_hits += i * bs
-        return out[:i], i * bs
+        self.prefix_hits += i * self.block_size
+        return out[:i], i * self.block_size
+
+    def cached_prefix_tokens(self, token_ids, root_hash: int = 0) -> int:
+        """The tokens match_prefix would find now, without taking references or counting a query."""
+        cdef cnp.ndarray tokens = as_int32_array(token_ids)
+        return self.walk_chain(<int32_t*>cnp.PyArray_DATA(tokens), tokens.shape[0] // self.block_size,
+                               <uint64_t>root_hash, NULL) * self.block_size
+
+    cdef int walk_chain(self, const int32_t* t, int num_full, uint64_t parent, int32_t* out) noexcept:
+        """How many of the first num_full pages of t are cached in a chain from parent; each one found is
+        referenced and written to out, unless out is NULL."""
+        cdef int bs = self.block_size, i = 0
+        cdef uint64_t h
+        cdef int32_t b
+        if not self.enable_prefix_caching:
+            return 0
+        while i < num_full:
+            h = hash_tokens(parent, &t[i * bs], bs) & self.hash_mask
+            b = self.find(h)
+            # NOTE: a hit is confirmed against the stored tokens and parent: hashes are 64 bits (fewer in tests),
+            # and a false hit would silently attend to another prompt's KV. A collision is a miss.
+            if b == -1 or not self.same_content(b, h, parent, &t[i * bs]):
+                break
+            if out != NULL:
+                self.ref(b)
+                out[i] = b
+            parent = h
+            i += 1
+        return i
 
     def prefix_hashes(self, token_ids, root_hash: int = 0) -> cnp.ndarray:
         """The chain hash of every full page of `token_ids` (uint64), as cache_block and match_prefix compute it."""

@@ -45,7 +45,7 @@ class DraftModel:
         self.native = NativeDecoder.build(m, self.kv_cache)
         max_seqs, max_blocks = config.scheduler.table_shape(max_model_len, block_size)
         self.tables = BlockTables(BlockPool(num_blocks, block_size, False), max_seqs, max_blocks)
-        self.builder = BatchBuilder(self.tables, max_seqs, config.scheduler.max_num_batched_tokens + max_seqs)
+        self.builder = BatchBuilder(self.tables, max_seqs, config.scheduler.step_tokens + max_seqs)
         self._handles: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         self._guessed_from: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         log.info("draft model %s: %d KV pages of its own", path, num_blocks)

@@ -48,7 +48,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float = 0.9, swap_space: float = 0.0, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  preemption_mode: str | None = None, watermark: float = 0.01, seed: int = 0,
                  served_model_name: str | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,

@@ -148,13 +148,19 @@ class ModelRunner:
         if self.device.type == "cuda" and self.config.cache.kv_cache_memory is None:
             torch.cuda.reset_peak_memory_stats(self.device)
             scheduler = self.config.scheduler
-            self.model.profile_forward(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+            self.model.profile_forward(scheduler.step_tokens, scheduler.max_num_seqs)
             peak = torch.cuda.max_memory_allocated(self.device)
         return device_memory_budget(self.config.cache, self.device, peak)
 
+    @property
+    def chunk_invariant(self) -> bool:
+        """Whether a token's arithmetic is the same whatever step it rides in, however its prompt was chunked: every
+        step runs on the native decoder (LoRA rows too), whose rows never depend on each other (cpu_decode.h)."""
+        return self.native is not None and (self.lora is None or self.lora.table is not None)
+
     def bind(self, tables: BlockTables) -> None:
         """Write each step's inputs from the scheduler's block tables."""
-        self.builder = BatchBuilder(tables, tables.max_seqs, self.config.scheduler.max_num_batched_tokens)
+        self.builder = BatchBuilder(tables, tables.max_seqs, self.config.scheduler.step_tokens)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -59,6 +59,7 @@ POOLING_SHARE = 0.5
 POOLING_SLICE_S = 0.25
 POOLING_SLICE_MIN = 64  # tokens: fewer would pay a step's fixed cost for too little work
 POOLING_WINDOW_MAX_S = 5.0  # the longest run of generation-only steps one slice earns
+NEAR_SCAN = 64  # waiting sequences looked up in the prefix cache each step for _nearly_cached
 DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
 
 
@@ -129,6 +130,10 @@ class Scheduler:
         # False for an engine that serves embeddings alone (an encoder): its embeddings take whole steps, since no
         # generation can come to wait behind a slice
         self.generates = True
+        # False when every step runs the same arithmetic for a token whatever else it holds (the native step): then a
+        # cold prompt need not stop at its hit's end (_hit_end)
+        self.cuts_at_hits = True
+        self._near: dict[Sequence, int] = {}  # this step's nearly cached waiting sequences: tokens each computes
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
@@ -263,7 +268,7 @@ class Scheduler:
         NOTE: an online prompt that arrives is admitted at once, preempting batch work if it must; the headroom is
         there so that it need not: its first chunk (at most one step's token budget) finds free pages, and no batch
         sequence loses its work to it. A fraction of the pool bounds it, so a small pool still runs batch work."""
-        step_pages = -(-self.config.max_num_batched_tokens // self.block_size)
+        step_pages = -(-self.config.step_tokens // self.block_size)
         return min(step_pages, int(self.cache.batch_headroom * num_blocks))
 
     def take_pages_short(self) -> int:
@@ -331,9 +336,10 @@ class Scheduler:
         Its running sequences are not scheduled yet while the online lane fills, so an online sequence short of
         pages may preempt them (the tail of the running list, and _yield_batch) before it touches another online
         one."""
-        budget = self.config.max_num_batched_tokens - batch.num_batched_tokens
+        budget = self.config.step_tokens - batch.num_batched_tokens
         self._pooling_left = pooling
         self.key_pages.recount(self.running, self.tables)
+        self._near = self._nearly_cached(budget)
         placed = True
         for lane in LANES:
             if lane == BATCH:
@@ -379,8 +385,8 @@ class Scheduler:
                 i, budget = i + added, budget - added
                 if added:
                     continue
-            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
-            if n == 0:  # an embedding whose slice is spent or not due: the next sequences still run
+            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget - self._near_reserve(lane, budget)))
+            if n == 0:  # an embedding whose slice is spent or not due, or budget kept for near hits: the next run
                 i += 1
                 continue
             if not self._within_quota(seq, n, batch, now):
@@ -410,7 +416,7 @@ class Scheduler:
         return self._slice_tokens()
 
     def _slice_tokens(self) -> int:
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.step_tokens
         self._slice = min(self._slice, budget)
         return self._slice if self.generates else budget
 
@@ -435,8 +441,9 @@ class Scheduler:
         float rounding, Q8-rounded activations in the decode steps after it amplify it: on SmolLM2 Q4_1, 954-token
         prompts, greedy answers on the cached prefix parted from the cold run's in 3 of 6 (4 of 6 with the rest on
         the torch forward alone, runner.py), none with this cut. The cost is one more small step per prompt longer
-        than a page."""
-        if not self.prefix_caching:
+        than a page, paid only where a token's arithmetic depends on its step (cuts_at_hits: the torch forward; the
+        native step's never does)."""
+        if not self.prefix_caching or not self.cuts_at_hits:
             return 0
         return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
 
@@ -710,13 +717,41 @@ class Scheduler:
         for _, level in itertools.groupby(ordered, key=self._level):
             queues: dict[str | None, deque[Sequence]] = {}
             for seq in level:
-                queues.setdefault(key_name(seq), deque()).append(seq)
+                if seq in self._near:
+                    yield seq  # nearly cached: first in its level (_nearly_cached)
+                else:
+                    queues.setdefault(key_name(seq), deque()).append(seq)
             while queues:
                 name = min(queues, key=lambda k: (self.key_pages.share(queues[k][0]), queues[k][0].sort_key))
                 queue = queues[name]
                 yield queue.popleft()
                 if not queue:
                     del queues[name]
+
+    def _nearly_cached(self, budget: int) -> dict[Sequence, int]:
+        """The waiting online prompts (the first NEAR_SCAN) whose every page but a few tokens' (at most a quarter of
+        the budget) the pool holds now: the tokens each would compute.
+
+        NOTE: such a prompt (an agent's next turn after its breakpoint, a chat resent with one more message) costs
+        a few tokens of compute, and waiting behind long prompts' chunks would cost it many steps: it is admitted
+        first in its priority level, and running prompts' chunks leave it room (_near_reserve). Shortest work first
+        (SGLang's longest-prefix-match policy orders its queue so); a quarter of the budget bounds what it takes
+        from the long prompts it passes, which still get half of each step."""
+        if not self.prefix_caching:
+            return {}
+        near = {}
+        for seq in [seq for seq in self.waiting if seq.request.lane == ONLINE][:NEAR_SCAN]:
+            if seq.pools or seq.request.prompt_logprobs is not None:
+                continue
+            tokens = seq.token_ids[:len(seq.token_ids) - 1]
+            cached = self.pool.cached_prefix_tokens(tokens, seq.request.root_hash)
+            if cached and len(seq.token_ids) - cached <= budget // 4:
+                near[seq] = len(seq.token_ids) - cached
+        return near
+
+    def _near_reserve(self, lane: Lane, budget: int) -> int:
+        """The part of `budget` running prompts' chunks leave to this step's nearly cached prompts."""
+        return min(sum(self._near.values()), budget // 2) if lane == ONLINE and self._near else 0
 
     def _level(self, seq: Sequence) -> tuple[int, int]:
         """A waiting sequence's lane and priority level (aged, under the priority policy: whole levels gained)."""

@@ -18,7 +18,9 @@ from types import FrameType
 import uvicorn
 
 from pagegate.config import (
+    CPU_STEP_TOKENS,
     KV_CACHE_DTYPES,
+    STEP_TOKENS,
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
@@ -138,7 +140,9 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
     defaults = SchedulerConfig()
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"tokens a step holds (default: {CPU_STEP_TOKENS} on a CPU, {STEP_TOKENS} on CUDA "
+                            "and for an encoder)")
     group.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=defaults.scheduling_policy,
                        help="priority: honour requests' priority (else a non-zero priority is a 400)")

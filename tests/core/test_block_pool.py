@@ -1,5 +1,7 @@
 """BlockPool: unit tests and a hypothesis state machine against the pure-Python oracle."""
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -195,6 +197,12 @@ class PoolMachine(RuleBasedStateMachine):
         tokens = [t for c in chunks for t in c] + [1] * extra
         blocks, n = self.pool.match_prefix(tokens)
         assert (blocks.tolist(), n) == self.model.match_prefix(tokens)
+
+    @rule(chunks=st.lists(tokens_st, max_size=3), extra=st.integers(0, BS - 1))
+    def cached_prefix_tokens(self, chunks, extra):
+        """What match_prefix would find, found without a reference or a query counted (matches_model checks)."""
+        tokens = [t for c in chunks for t in c] + [1] * extra
+        assert self.pool.cached_prefix_tokens(tokens) == copy.deepcopy(self.model).match_prefix(tokens)[1]
 
     def same_outcome(self, model_op, pool_op, ids):
         try:

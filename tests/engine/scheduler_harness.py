@@ -16,10 +16,12 @@ BLOCK = 4  # tokens a page: small, so a few tokens cross pages
 
 
 def scheduler(num_blocks: int, *, swap_blocks: int = 0, budget: int = 512, max_num_seqs: int = 64,
-              headroom: float = 0.0, policy: str = "fcfs", batch_step_tokens: int | None = None) -> Scheduler:
+              headroom: float = 0.0, policy: str = "fcfs", batch_step_tokens: int | None = None,
+              prefix_caching: bool = False) -> Scheduler:
     """No prefix caching (every page is a sequence's own) and no watermark unless asked: page counts are exact;
     batch-lane steps as large as the budget unless asked."""
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False, watermark=0.0, batch_headroom=headroom)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching, watermark=0.0,
+                        batch_headroom=headroom)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
                              preemption_mode="swap" if swap_blocks else "recompute",
                              batch_step_tokens=batch_step_tokens or budget)
@@ -36,12 +38,14 @@ class Driver:
     finished: list[Sequence] = field(default_factory=list)
 
     def add(self, prompt_len: int, lane: Lane = ONLINE, key: KeyShare | None = None, max_tokens: int = 4,
-            priority: int = 0) -> Sequence:
+            priority: int = 0, tokens: list[int] | None = None) -> Sequence:
+        """A sequence of `prompt_len` ones, or of `tokens`."""
         number = next(self.ids)
-        request = Request(f"r{number}", None, [1] * prompt_len, SamplingParams(max_tokens=max_tokens),
+        prompt = list(tokens) if tokens is not None else [1] * prompt_len
+        request = Request(f"r{number}", None, prompt, SamplingParams(max_tokens=max_tokens),
                           priority=priority, arrival_time=self.now, lane=lane, key=key)
         request.order = number
-        seq = Sequence(request, 0, list(request.prompt_token_ids), prompt_len)
+        seq = Sequence(request, 0, list(request.prompt_token_ids), len(prompt))
         request.seqs.append(seq)
         self.sched.add(seq)
         return seq

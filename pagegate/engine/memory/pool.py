@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagegate.config import EngineConfig
 from pagegate.engine.encoder_runner import EncoderRunner
 from pagegate.engine.kv_cache import bytes_per_block, check_fits
+from pagegate.engine.loading.loader import resolve_device
 from pagegate.engine.lora.adapter import AdapterWeights
 from pagegate.engine.lora.model import LoRAModel, Registered, resolve_adapter
 from pagegate.engine.lora.request import LoRARequest
@@ -55,6 +57,8 @@ class KVPool:
         worker died."""
         if elastic is not None:
             config = elastic_config(config, elastic)
+        config = replace(config, scheduler=config.scheduler.on_device(resolve_device(config.device).type,
+                                                                       generates=config.task != "embed"))
         runner = make_runner(config)
         try:
             pool = cls(config, runner, elastic)
@@ -73,6 +77,7 @@ class KVPool:
                               runner.max_model_len, config.speculative, runner.draft, runner.tiers, runner.lora,
                               elastic.floor if elastic else None, elastic.grow_now if elastic else None)
         scheduler.generates = runner.serves.generate  # an encoder's embeddings run in whole steps
+        scheduler.cuts_at_hits = not runner.chunk_invariant
         runner.bind(scheduler.tables)
         return scheduler
 
