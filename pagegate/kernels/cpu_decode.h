@@ -29,6 +29,7 @@
 #define PGD_PART_KEYS 256         /* keys of one attention part: a fixed span, aligned to key 0 */
 #define PGD_SPLIT_STATES 2048     /* part states a step may keep to split few (token, KV head) items over threads */
 #define PGD_TILE_GROUPS 4         /* weight row groups a thread takes together in a step of many tokens */
+#define PGD_BLOCK_ROWS 32         /* query rows (tokens x heads of a KV head) that read each key tile once */
 
 /* A linear layer: N rows of K weights in one ggml type (F32/F16 rows or blocks), an optional bias; `rest`: the
    layer's next rows, in another type (a packed projection whose shards the file keeps in different types). */
@@ -313,6 +314,26 @@ static void pgd_visible(const pgd_layer *layer, const pgd_step *s, int t, int se
     *last = pos;
 }
 
+/* One tile of n keys (at `slot`) for `rows` query rows of one KV head: their scores, the online softmax's step
+   (each row's running max and sum, its acc [rows, d] rescaled), the values weighed into acc. Each row's arithmetic
+   is its own: the same whichever rows share the call. */
+static void pgd_tile(const pgd_model *m, const pgd_layer *layer, const int64_t *slot, int n, const float **query_row,
+                     const int64_t *head_offset, int rows, int ahead, float *probs, float *acc, float *row_max,
+                     float *row_sum) {
+    const int d = m->head_dim;
+    pg_score_tile(layer->kv_format, layer->k_cache, slot, n, query_row, head_offset, rows, d, ahead, probs, PGD_KEY_TILE);
+    for (int r = 0; r < rows; r++) {
+        float *p = probs + r * PGD_KEY_TILE;
+        if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
+        else pg_scale(p, m->scale, n);
+        const float new_max = fmaxf(row_max[r], pg_max(p, n)), correction = expf(row_max[r] - new_max);
+        if (correction != 1.0f) pg_scale(acc + r * d, correction, d);
+        row_sum[r] = row_sum[r] * correction + pg_exp_sum(p, n, new_max);
+        row_max[r] = new_max;
+    }
+    pg_accumulate_tile(layer->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, rows, d, ahead, acc);
+}
+
 /* Token t's query heads of KV head g over keys [first, last] of sequence seq, with an online softmax over
    tiles of keys: leaves each row's unnormalised output in acc [group, d], its running max and sum of
    exp(score - max) in row_max and row_sum (an empty range: -inf and 0). */
@@ -336,17 +357,7 @@ static void pgd_attend_keys(const pgd_model *m, const pgd_layer *layer, const pg
         const int n = last + 1 - start < PGD_KEY_TILE ? last + 1 - start : PGD_KEY_TILE;
         const int known = last + 1 - start < n + ahead ? last + 1 - start : n + ahead;
         pg_slots(table, bs, slot_stride, start, known, n + ahead + 4, slot);
-        pg_score_tile(layer->kv_format, layer->k_cache, slot, n, query_row, head_offset, group, d, ahead, probs, PGD_KEY_TILE);
-        for (int r = 0; r < group; r++) {
-            float *p = probs + r * PGD_KEY_TILE;
-            if (layer->softcap > 0.0f) pg_softcap(p, m->scale / layer->softcap, layer->softcap, n);
-            else pg_scale(p, m->scale, n);
-            const float new_max = fmaxf(row_max[r], pg_max(p, n)), correction = expf(row_max[r] - new_max);
-            if (correction != 1.0f) pg_scale(acc + r * d, correction, d);
-            row_sum[r] = row_sum[r] * correction + pg_exp_sum(p, n, new_max);
-            row_max[r] = new_max;
-        }
-        pg_accumulate_tile(layer->kv_format, layer->v_cache, slot, n, probs, PGD_KEY_TILE, head_offset, group, d, ahead, acc);
+        pgd_tile(m, layer, slot, n, query_row, head_offset, group, ahead, probs, acc, row_max, row_sum);
     }
 }
 
@@ -409,6 +420,80 @@ static void pgd_attend_item(const pgd_model *m, const pgd_layer *layer, const pg
     pgd_finish_state(m, layer, g, total, out_t);
 }
 
+/* Part p for the tokens of a block (pgd_attend_block) that see keys of it: each row's acc [d] in acc (rows of
+   token `first_row / group` on), its max and sum in row_max and row_sum. Tiles that every such token sees whole
+   are read once for all their rows; the tiles where the tokens' last keys fall, token by token. */
+static void pgd_block_part(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int seq, int t0, int count,
+                           int p, const float **query_row, const int64_t *head_offset, float *acc, float *row_max,
+                           float *row_sum) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int32_t *table = s->block_tables + seq * s->table_width;
+    const int64_t slot_stride = m->num_kv_heads * layer->kv_row_bytes;
+    const int ahead = pg_ahead(PGD_PREFETCH_BYTES, layer->kv_row_bytes);
+    int64_t slot[PGD_KEY_TILE + PG_MAX_AHEAD + 4];
+    float probs[PGD_BLOCK_ROWS * PGD_KEY_TILE];
+    int hi[PGD_BLOCK_ROWS], first = count;  /* each token's last key in the part; the first token that sees it */
+    for (int i = count - 1; i >= 0; i--) {
+        int lo, last;
+        pgd_visible(layer, s, t0 + i, seq, &lo, &last);
+        hi[i] = (p + 1) * PGD_PART_KEYS - 1 < last ? (p + 1) * PGD_PART_KEYS - 1 : last;
+        if (hi[i] < p * PGD_PART_KEYS) break;
+        first = i;
+    }
+    for (int r = first * group; r < count * group; r++) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    memset(acc + (int64_t)first * group * d, 0, sizeof(float) * (count - first) * group * d);
+    for (int start = p * PGD_PART_KEYS; start <= hi[count - 1]; start += PGD_KEY_TILE) {
+        int whole = count;  /* tokens [whole, count) see the tile's every key; hi rises with the token */
+        while (whole > first && hi[whole - 1] >= start + PGD_KEY_TILE - 1) whole--;
+        for (int i = first; i <= whole; i++) {  /* token by token, then (i == whole) the rest at once */
+            if (i < whole && hi[i] < start) continue;
+            const int n = i < whole ? hi[i] + 1 - start : PGD_KEY_TILE, top = i < whole ? hi[i] : hi[count - 1];
+            const int rows = (i < whole ? 1 : count - whole) * group, r0 = i * group;
+            if (rows == 0) continue;
+            const int known = top + 1 - start < n + ahead ? top + 1 - start : n + ahead;
+            pg_slots(table, m->block_size, slot_stride, start, known, n + ahead + 4, slot);
+            pgd_tile(m, layer, slot, n, query_row + r0, head_offset + r0, rows, ahead, probs, acc + (int64_t)r0 * d,
+                     row_max + r0, row_sum + r0);
+        }
+    }
+}
+
+/* Attention for KV head g of a block of `count` consecutive tokens of one sequence (no sliding window), from
+   t0: bit for bit what pgd_attend_item computes for each alone (the same tiles, parts and merges per row), with
+   each key tile read and converted once for the block's rows rather than once per token. */
+static void pgd_attend_block(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, int seq, int g, int t0,
+                             int count, const float *qkv, int64_t qkv_width, float *out, int64_t out_width) {
+    const int d = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int64_t state_size = (int64_t)group * (d + 2);
+    const float *query_row[PGD_BLOCK_ROWS];
+    int64_t head_offset[PGD_BLOCK_ROWS];
+    float acc[PGD_BLOCK_ROWS * PGD_MAX_HEAD_DIM], row_max[PGD_BLOCK_ROWS], row_sum[PGD_BLOCK_ROWS];
+    float total[PGD_BLOCK_ROWS * (PGD_MAX_HEAD_DIM + 2)], part[PGD_MAX_GROUP * (PGD_MAX_HEAD_DIM + 2)];
+    for (int r = 0; r < count * group; r++) {
+        query_row[r] = qkv + (t0 + r / group) * qkv_width + (int64_t)(g * group + r % group) * d;
+        head_offset[r] = g * layer->kv_row_bytes;
+    }
+    int first_part, parts;
+    pgd_parts(layer, s, t0 + count - 1, seq, &first_part, &parts);  /* the last token has the most */
+    for (int p = first_part; p < first_part + parts; p++) {
+        pgd_block_part(m, layer, s, seq, t0, count, p, query_row, head_offset, acc, row_max, row_sum);
+        for (int i = 0; i < count; i++) {
+            int token_first, token_parts;
+            pgd_parts(layer, s, t0 + i, seq, &token_first, &token_parts);
+            if (p >= token_first + token_parts) continue;
+            float *state = p == token_first ? total + i * state_size : part;
+            memcpy(state, acc + (int64_t)i * group * d, sizeof(float) * group * d);
+            memcpy(state + group * d, row_max + i * group, sizeof(float) * group);
+            memcpy(state + group * d + group, row_sum + i * group, sizeof(float) * group);
+            if (p > token_first) pgd_merge_state(group, d, total + i * state_size, part);
+        }
+    }
+    for (int i = 0; i < count; i++) pgd_finish_state(m, layer, g, total + i * state_size, out + (t0 + i) * out_width);
+}
+
 /* Whether the step's (token, KV head) items are too few to keep the threads busy, and their parts few enough to
    keep every part's state (PGD_SPLIT_STATES): then the threads take parts, not items. */
 static int pgd_split_parts(const pgd_model *m, const pgd_layer *layer, const pgd_step *s, const pgd_buffers *b,
@@ -433,10 +518,17 @@ static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_
     const int64_t state_size = (int64_t)group * (m->head_dim + 2);
     int most;
     if (!pgd_split_parts(m, layer, s, b, omp_get_num_threads(), &most)) {
+        const int per_block = layer->window > 0 ? 1 : PGD_BLOCK_ROWS / group;
         #pragma omp for schedule(dynamic)
         for (int item = 0; item < s->tokens * kv_heads; item++) {
-            const int t = item / kv_heads;
-            pgd_attend_item(m, layer, s, t, b->token_seq[t], item % kv_heads, qkv + t * qkv_width, out + t * out_width);
+            const int t = item / kv_heads, seq = b->token_seq[t];
+            const int offset = t - s->query_start[seq];  /* blocks start every per_block tokens of a sequence */
+            if (offset % per_block != 0) continue;
+            const int left = s->query_start[seq + 1] - t, count = left < per_block ? left : per_block;
+            if (count == 1)
+                pgd_attend_item(m, layer, s, t, seq, item % kv_heads, qkv + t * qkv_width, out + t * out_width);
+            else
+                pgd_attend_block(m, layer, s, seq, item % kv_heads, t, count, qkv, qkv_width, out, out_width);
         }
         return;
     }

@@ -110,9 +110,11 @@ def test_on_one_thread_as_on_two(model_file: Path, alone: Answer) -> None:
 
 def test_past_one_attention_part_whoever_computes_the_parts(model_file: Path) -> None:
     """Past 256 keys a token's attention runs in parts: alone on two threads they are split over the threads,
-    beside three other long prompts each thread takes whole (token, KV head) items; the same bits either way."""
+    beside three other long prompts each thread takes whole (token, KV head) items, and a prompt's tokens share each
+    key tile in blocks that its chunks cut elsewhere; the same bits every way."""
     long = [(11 * i + 5) % 250 + 3 for i in range(300)]
     with threads(2):
         alone = answer(make(model_file, enable_prefix_caching=False), [], probe=long)
         beside = answer(make(model_file, enable_prefix_caching=False), [p * 5 for p in others(3, seed=6)], probe=long)
-    assert beside == alone
+        chunked = answer(make(model_file, enable_prefix_caching=False, max_num_batched_tokens=23), [], probe=long)
+    assert beside == alone and chunked == alone
