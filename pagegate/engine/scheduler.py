@@ -134,6 +134,7 @@ class Scheduler:
         # cold prompt need not stop at its hit's end (_hit_end)
         self.cuts_at_hits = True
         self._near: dict[Sequence, int] = {}  # this step's nearly cached waiting sequences: tokens each computes
+        self._others_left = 0  # tokens other prompts may still take in a step with nearly cached ones
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
@@ -340,6 +341,7 @@ class Scheduler:
         self._pooling_left = pooling
         self.key_pages.recount(self.running, self.tables)
         self._near = self._nearly_cached(budget)
+        self._others_left = budget // 4  # other prompts' tokens in a step with nearly cached ones
         placed = True
         for lane in LANES:
             if lane == BATCH:
@@ -385,8 +387,8 @@ class Scheduler:
                 i, budget = i + added, budget - added
                 if added:
                     continue
-            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget - self._near_reserve(lane, budget)))
-            if n == 0:  # an embedding whose slice is spent or not due, or budget kept for near hits: the next run
+            n = self._chunk(seq, seq.num_computed, self._allowance(seq, budget))
+            if n == 0:  # an embedding whose slice is spent or not due, or a prompt beside near hits: the next run
                 i += 1
                 continue
             if not self._within_quota(seq, n, batch, now):
@@ -421,8 +423,12 @@ class Scheduler:
         return self._slice if self.generates else budget
 
     def _allowance(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest."""
-        return min(budget, self._pooling_left) if seq.pools else budget
+        """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest, and for a
+        prompt beside nearly cached ones what is left of the others' quarter (_nearly_cached)."""
+        budget = min(budget, self._pooling_left) if seq.pools else budget
+        if self._near and seq not in self._near and seq.num_uncomputed > 1:
+            budget = min(budget, self._others_left)
+        return budget
 
     def _chunk(self, seq: Sequence, start: int, allowance: int) -> int:
         """Tokens `seq` computes this step from position `start`: what is left, within the allowance, stopping at
@@ -451,6 +457,8 @@ class Scheduler:
         batch.add(seq, n)
         if seq.pools:
             self._pooling_left -= n
+        if self._near and seq not in self._near:
+            self._others_left -= n
 
     def _reserve(self, seq: Sequence, n: int) -> None:
         before = self.tables.num_blocks(seq.handle)
@@ -734,9 +742,9 @@ class Scheduler:
 
         NOTE: such a prompt (an agent's next turn after its breakpoint, a chat resent with one more message) costs
         a few tokens of compute, and waiting behind long prompts' chunks would cost it many steps: it is admitted
-        first in its priority level, and running prompts' chunks leave it room (_near_reserve). Shortest work first
-        (SGLang's longest-prefix-match policy orders its queue so); a quarter of the budget bounds what it takes
-        from the long prompts it passes, which still get half of each step."""
+        first in its priority level, and the other prompts' chunks in its step take at most a quarter of the budget
+        together (_allowance), so that the step it waits for is short. Shortest work first (SGLang's longest-prefix-
+        match policy orders its queue so); the long prompts it passes still get a quarter of each step."""
         if not self.prefix_caching:
             return {}
         near = {}
@@ -748,10 +756,6 @@ class Scheduler:
             if cached and len(seq.token_ids) - cached <= budget // 4:
                 near[seq] = len(seq.token_ids) - cached
         return near
-
-    def _near_reserve(self, lane: Lane, budget: int) -> int:
-        """The part of `budget` running prompts' chunks leave to this step's nearly cached prompts."""
-        return min(sum(self._near.values()), budget // 2) if lane == ONLINE and self._near else 0
 
     def _level(self, seq: Sequence) -> tuple[int, int]:
         """A waiting sequence's lane and priority level (aged, under the priority policy: whole levels gained)."""

@@ -23,7 +23,7 @@ def fresh(n: int, start: int) -> list[int]:
     return [start + i for i in range(n)]
 
 
-def test_a_nearly_cached_prompt_passes_waiting_prompts_and_gets_room_beside_a_running_one():
+def test_a_nearly_cached_prompt_passes_waiting_prompts_in_a_short_step():
     driver = cached_driver()
     long = driver.add(0, tokens=fresh(60, 1000))
     driver.step()  # the long prompt takes the whole budget
@@ -33,8 +33,8 @@ def test_a_nearly_cached_prompt_passes_waiting_prompts_and_gets_room_beside_a_ru
     batch = driver.step()
     shares = dict(zip(batch.seqs, batch.num_tokens, strict=True))
     assert shares[turn] == 2 and turn.num_computed == len(turn.token_ids) - 1  # its first token is sampled
-    assert shares[long] == BUDGET - 2  # the running prompt left it room
-    assert earlier not in shares  # the earlier, longer prompt waits: the budget is spent
+    assert shares[long] == BUDGET // 4  # the other prompts take a quarter: a short step
+    assert earlier not in shares  # the earlier, longer prompt waits: that quarter is spent
     assert turn.request.num_cached_tokens == len(HISTORY)
 
 
