@@ -133,7 +133,7 @@ class Scheduler:
         # False when every step runs the same arithmetic for a token whatever else it holds (the native step): then a
         # cold prompt need not stop at its hit's end (_hit_end)
         self.cuts_at_hits = True
-        self._near: dict[Sequence, int] = {}  # this step's nearly cached waiting sequences: tokens each computes
+        self._near: set[Sequence] = set()  # this step's nearly cached waiting sequences
         self._others_left = 0  # tokens other prompts may still take in a step with nearly cached ones
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
@@ -427,7 +427,7 @@ class Scheduler:
         prompt beside nearly cached ones what is left of the others' quarter (_nearly_cached)."""
         budget = min(budget, self._pooling_left) if seq.pools else budget
         if self._near and seq not in self._near and seq.num_uncomputed > 1:
-            budget = min(budget, self._others_left)
+            budget = min(budget, max(self._others_left, 0))  # a decode's guesses may have taken it below 0
         return budget
 
     def _chunk(self, seq: Sequence, start: int, allowance: int) -> int:
@@ -736,9 +736,9 @@ class Scheduler:
                 if not queue:
                     del queues[name]
 
-    def _nearly_cached(self, budget: int) -> dict[Sequence, int]:
+    def _nearly_cached(self, budget: int) -> set[Sequence]:
         """The waiting online prompts (the first NEAR_SCAN) whose every page but a few tokens' (at most a quarter of
-        the budget) the pool holds now: the tokens each would compute.
+        the budget) the pool holds now.
 
         NOTE: such a prompt (an agent's next turn after its breakpoint, a chat resent with one more message) costs
         a few tokens of compute, and waiting behind long prompts' chunks would cost it many steps: it is admitted
@@ -746,15 +746,15 @@ class Scheduler:
         together (_allowance), so that the step it waits for is short. Shortest work first (SGLang's longest-prefix-
         match policy orders its queue so); the long prompts it passes still get a quarter of each step."""
         if not self.prefix_caching:
-            return {}
-        near = {}
+            return set()
+        near = set()
         for seq in [seq for seq in self.waiting if seq.request.lane == ONLINE][:NEAR_SCAN]:
             if seq.pools or seq.request.prompt_logprobs is not None:
                 continue
             tokens = seq.token_ids[:len(seq.token_ids) - 1]
             cached = self.pool.cached_prefix_tokens(tokens, seq.request.root_hash)
             if cached and len(seq.token_ids) - cached <= budget // 4:
-                near[seq] = len(seq.token_ids) - cached
+                near.add(seq)
         return near
 
     def _level(self, seq: Sequence) -> tuple[int, int]:

@@ -59,3 +59,14 @@ def test_a_prompt_stops_at_its_hit_end_only_where_the_runner_needs_it():
             batch = driver.step()
             taken += [n for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if s is seq]
         assert taken[:len(chunks)] == chunks
+
+
+def test_the_others_quarter_never_goes_below_nothing():
+    """A decode's guesses (speculation) count against the quarter uncapped and may overdraw it: a prompt then gets
+    no tokens that step, never a negative count."""
+    driver = cached_driver()
+    turn = driver.add(0, tokens=HISTORY + [7, 8])
+    prompt = driver.add(0, tokens=fresh(30, 4000))
+    sched = driver.sched
+    sched._near, sched._others_left = {turn}, -3
+    assert sched._allowance(prompt, BUDGET) == 0 and sched._allowance(turn, BUDGET) == BUDGET
