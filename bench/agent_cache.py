@@ -32,11 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.plots import add_png_argument, figure, save_figure, wanted  # noqa: E402
+from bench.served_bench import RESULTS, serve_args, served_parser  # noqa: E402
 from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
-SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ROOT / "bench/data/kjv_genesis_joseph.txt"
-RESULTS = ROOT / "bench/results"
 SERVER_ARGS = ["--kv-cache-memory", "192MiB", "--max-pinned-fraction", "0.4", "--max-model-len", "8192"]
 
 
@@ -177,8 +176,7 @@ def draw(rounds: list[dict[str, Mode]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2))
+    parser = served_parser(__doc__)
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
@@ -187,12 +185,9 @@ def main() -> None:
     parser.add_argument("--other-tokens", type=int, default=300, help="tokens of an unrelated stream's prompt")
     parser.add_argument("--gap", type=float, default=2.0, help="seconds between one turn's end and the next turn")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--server-args", default="", help="more flags for pagegate serve")
     add_png_argument(parser, "agent-cache")
     args = parser.parse_args()
-    server_args = ["--model", args.model, "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0",
-                   *SERVER_ARGS, *args.server_args.split()]
-    with ServerProcess(server_args) as server:
+    with ServerProcess(serve_args(args, *SERVER_ARGS)) as server:
         rounds = asyncio.run(bench(server.base_url, args))
     figures = report(rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)

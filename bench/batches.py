@@ -38,10 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.plots import add_png_argument, figure, save_figure, wanted  # noqa: E402
+from bench.served_bench import RESULTS, serve_args, served_parser  # noqa: E402
 from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
-SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-RESULTS = ROOT / "bench/results"
 TOPICS = ["the sea", "a lighthouse", "winter", "a market", "the moon", "a library", "bread", "a river", "trains",
           "a garden", "mountains", "a clock", "rain", "a violin", "the desert", "bees"]
 
@@ -140,16 +139,19 @@ async def run_phase(client: openai.AsyncOpenAI, model: str, args: argparse.Names
         tasks += [online_stream(client, model, i, at, args, phase, started)
                   for i, at in enumerate(arrivals(args, round_no))]
     await asyncio.gather(*tasks)
-    if batch_id:
+    if batch_id and (await client.batches.retrieve(batch_id)).status not in ENDED:
         await client.batches.cancel(batch_id)
         await wait_cancelled(client, batch_id)
     return phase
 
 
+ENDED = ("cancelled", "completed", "failed", "expired")  # a batch's statuses once it ends
+
+
 async def wait_cancelled(client: openai.AsyncOpenAI, batch_id: str) -> None:
     """Until the cancelled batch's lines in flight have ended (the next phase starts on an idle server)."""
     for _ in range(600):
-        if (await client.batches.retrieve(batch_id)).status in ("cancelled", "completed", "failed", "expired"):
+        if (await client.batches.retrieve(batch_id)).status in ENDED:
             return
         await asyncio.sleep(0.5)
     raise TimeoutError(f"batch {batch_id} did not end after its cancel")
@@ -220,20 +222,16 @@ def draw(phases: dict[str, Phase], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2))
+    parser = served_parser(__doc__)
     parser.add_argument("--lines", type=int, default=2000)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--window", type=float, default=60.0, help="seconds a phase runs")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--server-args", default="", help="more flags for pagegate serve")
     add_png_argument(parser, "batches")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagegate-batches-") as batch_dir:
-        server_args = ["--model", args.model, "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0",
-                       "--batch-dir", batch_dir, *args.server_args.split()]
-        with ServerProcess(server_args) as server:
+        with ServerProcess(serve_args(args, "--batch-dir", batch_dir)) as server:
             rounds = asyncio.run(bench(server.base_url, args))
     figures = report(rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)

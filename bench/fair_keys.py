@@ -30,10 +30,9 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.served_bench import RESULTS, serve_args, served_parser  # noqa: E402
 from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
-SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-RESULTS = ROOT / "bench/results"
 KEYS = {"light": "sk-light-0123456789", "heavy": "sk-heavy-0123456789"}
 
 
@@ -121,23 +120,19 @@ def report(rounds: list[dict[str, dict[str, Lane]]], args: argparse.Namespace) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2))
+    parser = served_parser(__doc__)
     parser.add_argument("--heavy", type=int, default=64)
     parser.add_argument("--light", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--window", type=float, default=40.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--heavy-alone", action="store_true", help="also a phase of the heavy key alone")
-    parser.add_argument("--server-args", default="", help="more flags for pagegate serve")
     args = parser.parse_args()
     with tempfile.NamedTemporaryFile("w", suffix=".json") as config:
         json.dump([{"name": name, "key": key, "weight": 1} for name, key in KEYS.items()], config)
         config.flush()
-        server_args = ["--model", args.model, "--device", "cpu", "--disable-uvicorn-access-log", "--grpc-port", "0",
-                       "--api-key-config", config.name, "--max-num-seqs", str(args.heavy + args.light),
-                       *args.server_args.split()]
-        with ServerProcess(server_args) as server:
+        flags = ("--api-key-config", config.name, "--max-num-seqs", str(args.heavy + args.light))
+        with ServerProcess(serve_args(args, *flags)) as server:
             rounds = asyncio.run(bench(server.base_url, args))
     figures = report(rounds, args)
     RESULTS.mkdir(parents=True, exist_ok=True)
