@@ -748,7 +748,7 @@ class Scheduler:
         if not self.prefix_caching:
             return set()
         near = set()
-        for seq in [seq for seq in self.waiting if seq.request.lane == ONLINE][:NEAR_SCAN]:
+        for seq in itertools.islice((seq for seq in self.waiting if seq.request.lane == ONLINE), NEAR_SCAN):
             if seq.pools or seq.request.prompt_logprobs is not None:
                 continue
             tokens = seq.token_ids[:len(seq.token_ids) - 1]
