@@ -42,7 +42,9 @@ class Engine:
         self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
         self.generation = runner.generation  # the sampling defaults the model's folder sets
         self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids,
-                                    runner.max_model_len, config.scheduler, runner.device, runner.serves)
+                                    runner.max_model_len, config.scheduler, runner.device, runner.serves,
+                                    runner.images.spec if runner.images is not None else None,
+                                    config.cache.block_size)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)
         self.postprocessor = PostProcessor(runner.eos_token_ids, runner.max_model_len)
         self.metrics = self.monitor.metrics

@@ -30,4 +30,5 @@ def forward(model: CausalLM, kv_cache: PagedKVCache, step: StepInputs,
 
     attn = AttentionMetadata(tensor(step.slot_mapping), tensor(step.block_tables), tensor(step.seq_lens),
                              tensor(step.query_start_loc))
-    return model(tensor(step.input_ids), tensor(step.positions), kv_cache.layers, attn)
+    given = None if step.given is None else (tensor(step.given[0]).long(), step.given[1].to(device))
+    return model(tensor(step.input_ids), tensor(step.positions), kv_cache.layers, attn, given)

@@ -4,6 +4,9 @@ engine's side of every rule in `limits.py` is checked here, once, for every requ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -20,6 +23,7 @@ from pagegate.engine.limits import (
 )
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from pagegate.engine.lora.model import Registered
+from pagegate.engine.media.prompt_images import ImageInput, VisionSpec
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.pins import Pin
 from pagegate.engine.pooling import Serves
@@ -33,8 +37,10 @@ from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, eos_token_ids: list[int],
                  max_model_len: int, scheduler: SchedulerConfig, device: torch.device,
-                 serves: Serves | None = None) -> None:
+                 serves: Serves | None = None, vision: VisionSpec | None = None, block_size: int = 16) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision  # a vision-language model's image checks (None: it takes no images)
+        self.block_size = block_size
         self.model_identity = repr(model_config)  # the model's part of every chain root (chain_root.py)
         self.serves = serves or Serves()
         self.vocab_size = model_config.vocab_size
@@ -46,12 +52,13 @@ class RequestIntake:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None, pins: tuple[Pin, ...] = (),
                      embed: bool = False, lora: Registered | None = None, tenant: str | None = None, *,
-                     lane: Lane = ONLINE, key: KeyShare | None = None) -> Request:
+                     lane: Lane = ONLINE, key: KeyShare | None = None,
+                     images: Sequence[tuple[bytes, np.ndarray]] = ()) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
         prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled. `lora`: the
         adapter it runs with (lora.model.resolve_adapter); `tenant`: the identity of the API key that sent it, when
         each key keeps its own prefix cache (--prefix-cache-scope key); `lane` and `key`: who it runs for, as the
-        scheduler weighs it (tenants.py)."""
+        scheduler weighs it (tenants.py); `images`: (digest, tiles) of each image its image tokens hold, in order."""
         check_task(self.serves.generate, self.serves.pooling is not None, embed)
         if embed and params.n != 1:
             raise InvalidParamError("an embedding request has one choice", "n")
@@ -60,6 +67,7 @@ class RequestIntake:
             check_embedding_length(len(token_ids), self.max_model_len)
         else:
             check_context(len(token_ids), params.max_tokens, self.max_model_len)
+        placed, keys = self._images(token_ids, images, embed)
         check_priority(priority, self.scheduler.scheduling_policy)
         check_choices(params.n, self.scheduler.max_num_seqs)
         # NOTE: the adapter's identity (name and weights digest), the salt and the tenant root the chain as separate
@@ -69,7 +77,16 @@ class RequestIntake:
         bias = LogitBias.of(params.logit_bias, self.vocab_size, self.device)
         return Request(request_id, text, token_ids, params, priority, cache_salt, root_hash=root, matcher=matcher,
                        logit_bias=bias, pins=pins, embed=embed, lora_name=lora.request.lora_name if lora else None,
-                       lane=lane, key=key)
+                       lane=lane, key=key, images=placed, prefix_keys=keys)
+
+    def _images(self, token_ids: list[int], images: Sequence[tuple[bytes, np.ndarray]],
+                embed: bool) -> tuple[tuple[ImageInput, ...], list[int] | None]:
+        if self.vision is None or embed:
+            if images:
+                raise InvalidParamError("this model does not take images" if self.vision is None else
+                                        "an embedding request takes no images", "images")
+            return (), None
+        return self.vision.inputs(token_ids, images, self.block_size)
 
     def grammar_matcher(self, structured: StructuredOutputsParams) -> LLMatcher:
         """A fresh matcher of the constraint (compiled once, then cached)."""

@@ -14,6 +14,8 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.lora.request import LoRARequest
+from pagegate.engine.media.images import ImageLimits, image_from_pil
+from pagegate.engine.media.placement import PlacedImage, place_images
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagegate.engine.sampling.params import SamplingParams
@@ -25,6 +27,7 @@ class TextPrompt(TypedDict):
 
     prompt: str
     cache_salt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]  # {"image": a PIL image or a list}: one per placeholder in `prompt`
 
 
 class TokensPrompt(TypedDict):
@@ -39,7 +42,7 @@ Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, Any]]
 Params = SamplingParams | Sequence[SamplingParams] | None
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
 
 
 class LLM:
@@ -140,12 +143,29 @@ class LLM:
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False,
                       lora: LoRARequest | None = None) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
+        images: list[PlacedImage] = []
+        pictures = _pictures(prompt)
+        if pictures:
+            text, engine_prompt, images = self._place(engine_prompt, pictures)
         adapter = self.engine.memory.adapter(lora)
         request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
-                                                  embed=embed, lora=adapter)
+                                                  embed=embed, lora=adapter, images=images)
         if text is not None:
             request.prompt = text
         return request
+
+    def _place(self, prompt: str | list[int], pictures: list[Any]) -> tuple[str, str, list[PlacedImage]]:
+        """(the prompt as written, as the model reads it, its images) of a text prompt with image placeholders."""
+        processing = self.engine.runner.processing
+        if processing is None:
+            raise ValueError("this model does not take images (multi_modal_data)")
+        if not isinstance(prompt, str):
+            raise ValueError("multi_modal_data goes with a text prompt, whose placeholders the images fill")
+        limits = ImageLimits(max_images=len(pictures))
+        decoded = [image_from_pil(picture, f"multi_modal_data.image.{i}", limits)
+                   for i, picture in enumerate(pictures)]
+        text, images = place_images(prompt, decoded, processing, "prompt")
+        return prompt, text, images
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -230,6 +250,18 @@ def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int], str | None]:
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt), None
     raise TypeError(f"a prompt is a str, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def _pictures(prompt: Prompt) -> list[Any]:
+    """The PIL images of a prompt's `multi_modal_data` (vLLM's {"image": image or [images]})."""
+    if not isinstance(prompt, Mapping) or "multi_modal_data" not in prompt:
+        return []
+    data = dict(prompt["multi_modal_data"])
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"unsupported multi_modal_data modality {sorted(unknown)}; this engine takes 'image'")
+    image = data.get("image")
+    return list(image) if isinstance(image, list | tuple) else [image] if image is not None else []
 
 
 def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

@@ -69,6 +69,9 @@ class StepInputs:
     swap_out: np.ndarray  # [P, 2] (device page, cpu page)
     copies: np.ndarray  # [C, 2] (src, dst)
     swap_in: np.ndarray  # [Q, 2] (cpu page, device page)
+    # (tokens int32 [R], rows float32 [R, hidden]): input rows in place of those tokens' embeddings (an image
+    # encoder's); rank 0 only: a vision-language model runs on one rank
+    given: tuple[np.ndarray, torch.Tensor] | None = None
 
     PARTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
              "swap_out", "copies", "swap_in")

@@ -4,6 +4,7 @@ allocates the KV pages, and turns each scheduled batch into tensors, a forward a
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -12,12 +13,16 @@ from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.draft import DraftModel
 from pagegate.engine.forward import forward
+from pagegate.engine.image_step import ImageRows
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.lora.model import LoRAModel
+from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.prompt_images import VisionSpec
 from pagegate.engine.memory.kv_calibration import TEXT as CALIBRATION_TEXT
 from pagegate.engine.memory.kv_calibration import auto4_formats
+from pagegate.engine.models.idefics3_vision import load_idefics3_vision
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
@@ -82,6 +87,21 @@ class ModelRunner:
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
         self.tiers = self._tiers()
         self.lora = LoRAModel(self.model, config.lora, self.kv_cache.page_bytes) if config.lora else None
+        self.processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing
+        self.images = self._image_rows(path)
+
+    def _image_rows(self, path: Path) -> ImageRows | None:
+        """The image encoder of a vision-language model (None: a text-only one), on this rank alone."""
+        if self.model_config.vision is None:
+            return None
+        if self.workers is not None or self.draft is not None or self.config.lora is not None:
+            raise ValueError("a vision-language model runs without tensor parallelism, a draft model or LoRA yet")
+        self.processing = Idefics3Processing.from_folder(path)
+        vision = load_idefics3_vision(path, device=self.device)
+        spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len)
+        log.info("image encoder: %s, %.0f MiB of its output kept across requests", self.model_config.vision,
+                 self.config.image_cache_memory / 2**20)
+        return ImageRows(vision.encode, spec, self.config.image_cache_memory)
 
     def _page_formats(self) -> LayerFormats:
         """Each layer's page format: --kv-cache-dtype's in every layer, or auto-4's calibrated mix."""
@@ -172,8 +192,9 @@ class ModelRunner:
         input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)  # known tokens, then the guesses
                                  for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
                                 dtype=np.int64, count=len(slots))
+        given = self.images.given(seqs, counts, starts) if self.images is not None else None
         step = StepInputs(input_ids, positions, slots, block_tables, seq_lens, starts,
-                          batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"))
+                          batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"), given)
         if self.workers is not None:
             self.workers.channel.send(step)
         # NOTE: every step runs on the native decoder where there is one, prefill included: its arithmetic is the

@@ -462,7 +462,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int) -> None:
         before = self.tables.num_blocks(seq.handle)
-        self.tables.append(seq.handle, seq.token_ids[seq.num_computed:seq.num_computed + n])
+        self.tables.append(seq.handle, seq.keys(seq.num_computed, seq.num_computed + n))
         seq.num_computed += n
         self.key_pages.add(seq, self.tables.num_blocks(seq.handle) - before)
 
@@ -751,7 +751,7 @@ class Scheduler:
         for seq in itertools.islice((seq for seq in self.waiting if seq.request.lane == ONLINE), NEAR_SCAN):
             if seq.pools or seq.request.prompt_logprobs is not None:
                 continue
-            tokens = seq.token_ids[:len(seq.token_ids) - 1]
+            tokens = seq.keys(0, len(seq.token_ids) - 1)
             cached = self.pool.cached_prefix_tokens(tokens, seq.request.root_hash)
             if cached and len(seq.token_ids) - cached <= budget // 4:
                 near.add(seq)
@@ -774,7 +774,7 @@ class Scheduler:
         if request.prompt_logprobs is not None and request.scoring_prompt:  # a hit has no logits to score
             limit = min(limit, len(request.prompt_logprobs) - 1)
         # an embedding request takes no hits: mean pooling needs every position's hidden state (pooling.py)
-        tokens = seq.token_ids[:limit] if not seq.pools else []
+        tokens = seq.keys(0, limit) if not seq.pools else []
         try:
             if not self._acquire_adapter(seq):
                 return 0

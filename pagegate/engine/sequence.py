@@ -12,6 +12,7 @@ from llguidance import LLMatcher
 
 from pagegate.core import NO_PAGES
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker
+from pagegate.engine.media.prompt_images import ImageInput
 from pagegate.engine.observe.timeline import Timeline
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
@@ -62,6 +63,14 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def keys(self, start: int, end: int) -> list[int]:
+        """Its tokens [start, end) as the prefix cache knows them: an image's tokens are words of its content hash
+        (media/prompt_images.py)."""
+        keys = self.request.prefix_keys
+        if keys is None or start >= len(keys):
+            return self.token_ids[start:end]
+        return keys[start:end] + self.token_ids[len(keys):end] if end > len(keys) else keys[start:end]
+
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
@@ -108,6 +117,8 @@ class Request:
     embedding: torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
     lane: Lane = ONLINE  # BATCH: runs only in the pages and step budget online requests leave (tenants.py)
     key: KeyShare | None = None  # the API key it runs for: its weight and quota of pages (None: no key)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in prompt order
+    prefix_keys: list[int] | None = None  # the prompt as the prefix cache knows it, where it holds images
 
     def __post_init__(self) -> None:
         self.effective_priority = float(self.priority)

@@ -76,6 +76,9 @@ typedef struct {
     const int32_t *seq_lens, *query_start;
     const pgl_table *lora;  /* the adapters' slots; NULL, or lora_groups.count 0: every token runs on the base */
     pgl_groups lora_groups;
+    int num_given;  /* tokens whose input rows are given (an image encoder's), not looked up from ids */
+    const int32_t *given_tokens;  /* [num_given]: which tokens */
+    const float *given;  /* [num_given, hidden]: their input rows, used as they are (not scaled) */
 } pgd_step;
 
 /* Per-step buffers, sized by the caller for PGD_MAX_TOKENS tokens. `normed` holds the input of the
@@ -647,7 +650,7 @@ static void pgd_layer_forward(const pgd_model *m, int index, const pgd_step *s, 
 }
 
 /* The decoder over the step's tokens on `threads` threads: x [T, hidden] ends as the final norm's
-   output of their embeddings (looked up here from ids). */
+   output of their embeddings (looked up here from ids; the step's given rows in place of theirs). */
 static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *ids, float *x, pgd_buffers *b,
                         int threads) {
     const int tokens = s->tokens;
@@ -666,6 +669,10 @@ static void pgd_forward(const pgd_model *m, const pgd_step *s, const int64_t *id
                 pgq_dequantize_row_of(m->embed.qtype, m->embed.data, m->embed.n, ids[t], m->hidden, xt);
             if (m->embed_scale != 0.0f) pg_scale(xt, m->embed_scale, m->hidden);
         }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < s->num_given; r++)
+            memcpy(x + (int64_t)s->given_tokens[r] * m->hidden, s->given + (int64_t)r * m->hidden,
+                   m->hidden * sizeof(float));
         for (int l = 0; l < m->num_layers; l++) pgd_layer_forward(m, l, s, x, b, &act);
         #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++) {

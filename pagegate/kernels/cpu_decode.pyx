@@ -95,6 +95,9 @@ cdef extern from "cpu_decode.h":
         const int32_t *query_start
         const pgl_table *lora
         pgl_groups lora_groups
+        int num_given
+        const int32_t *given_tokens
+        const float *given
     ctypedef struct pgd_buffers:
         float *normed
         float *qkv
@@ -430,13 +433,26 @@ cdef class DecodeModel:
 
     def forward(self, const int64_t[::1] ids, const int64_t[::1] positions, const int64_t[::1] slots,
                 const int32_t[:, ::1] block_tables, const int32_t[::1] seq_lens, const int32_t[::1] query_start,
-                LoRATable lora=None, lora_groups=None):
+                LoRATable lora=None, lora_groups=None, given=None):
         """Final hidden states [T, hidden] (float32) of the step's tokens; their K and V go to their slots. With
-        `lora` and `lora_groups` (LoRATable's groups), the grouped tokens run with their slots' adapters."""
+        `lora` and `lora_groups` (LoRATable's groups), the grouped tokens run with their slots' adapters. `given`:
+        (tokens int32 [R], rows float32 [R, hidden]), input rows that replace those tokens' embeddings."""
         cdef pgd_step s
         s.lora = NULL
         s.lora_groups.count = 0
         s.lora_groups.shrunk = NULL
+        cdef const int32_t[::1] given_tokens
+        cdef const float[:, ::1] given_rows
+        s.num_given = 0
+        if given is not None:
+            given_tokens, given_rows = given[0], given[1].numpy()
+            if given_rows.shape[0] != given_tokens.shape[0] or given_rows.shape[1] != self.model.hidden \
+                    or given_tokens.shape[0] > ids.shape[0] \
+                    or any(not 0 <= t < ids.shape[0] for t in given_tokens):
+                raise ValueError("the given input rows are not [tokens of the step, hidden]")
+            s.num_given = given_tokens.shape[0]
+            if s.num_given:
+                s.given_tokens, s.given = &given_tokens[0], &given_rows[0, 0]
         s.tokens, s.seqs = ids.shape[0], seq_lens.shape[0]
         if s.tokens < 1 or s.seqs < 1:
             raise ValueError(_STEP_ERRORS[1])

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+VISION_PREFIXES = ("model.vision_model.", "model.connector.")  # an Idefics3 checkpoint's image encoder
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -160,16 +161,17 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _ignorable(name, model.config):
+            for stored in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = _text_model_name(stored, model.config)
+                if name is None or _ignorable(name, model.config):
                     continue
                 if name in layout:  # the common case: read only this rank's slice
                     target = layout[name]
-                    tensor = reader.get_slice(name)[target.source] if target.source else reader.get_tensor(name)
+                    tensor = reader.get_slice(stored)[target.source] if target.source else reader.get_tensor(stored)
                     copy_into(name, model.from_hf(name, tensor), target)
                     loaded.add(name)
                     continue
-                for part, tensor in model.unfused(name, reader.get_tensor(name)):
+                for part, tensor in model.unfused(name, reader.get_tensor(stored)):
                     if part not in layout:
                         raise ModelLoadError(f"unexpected tensor {name} in {file.name}: the model has no such "
                                              "weight")
@@ -180,6 +182,16 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint is missing tensor(s): {shown}")
+
+
+def _text_model_name(name: str, config: ModelConfig) -> str | None:
+    """A vision-language checkpoint's text-model tensor under the text model's own name; None for the image
+    encoder's tensors (engine/models/idefics3_vision.py loads those)."""
+    if config.vision is None:
+        return name
+    if name.startswith(VISION_PREFIXES):
+        return None
+    return "model." + name.removeprefix("model.text_model.") if name.startswith("model.text_model.") else name
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

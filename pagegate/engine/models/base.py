@@ -10,6 +10,7 @@ from pagegate import kernels
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.layers import (
     AttentionMetadata,
+    Given,
     KVCache,
     Linear,
     PagedAttention,
@@ -52,9 +53,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] for flattened tokens input_ids [T] at positions [T]."""
-        return self.model(input_ids, positions, kv_caches, attn)
+                attn: AttentionMetadata, given: Given | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for flattened tokens input_ids [T] at positions [T]; `given` input rows (an
+        image encoder's) replace their tokens' embeddings."""
+        if given is None:
+            return self.model(input_ids, positions, kv_caches, attn)
+        return self.model(input_ids, positions, kv_caches, attn, given)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden [N, hidden] that sample (soft-capped where the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "idefics3"}  # SmolVLM's: SigLIP + Llama
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -66,6 +67,8 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the same on the logits
     local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers where it differs (Gemma 3)
+    vision: str | None = None  # the image encoder's family ("idefics3": SmolVLM); None: a text-only model
+    image_token_id: int | None = None  # the placeholder token whose embeddings the image encoder's rows replace
 
     def sliding_window_for(self, layer: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
@@ -98,7 +101,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Parse a config.json dict; unsupported architectures and RoPE types fail here."""
+        """Parse a config.json dict; unsupported architectures and RoPE types fail here. A vision-language model's
+        config is its text model's, with its vision family and image token."""
+        if (raw.get("architectures") or [None])[0] in VISION_ARCHITECTURES:
+            return _vision_language(raw)
         architecture = _architecture(raw)
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in SUPPORTED_ACTIVATIONS:
@@ -138,6 +144,15 @@ class ModelConfig:
             final_logit_softcap=raw.get("final_logit_softcapping") or None,
             local_rope=_local_rope(raw) if architecture == "Gemma3ForCausalLM" else None,
         )
+
+
+def _vision_language(raw: dict[str, Any]) -> ModelConfig:
+    text = dict(raw["text_config"])
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    config = ModelConfig.from_dict({**text, "architectures": [_ARCHITECTURE_BY_MODEL_TYPE.get(
+        text.get("model_type", "llama"), "LlamaForCausalLM")]})
+    return replace(config, vision=VISION_ARCHITECTURES[raw["architectures"][0]],
+                   image_token_id=int(raw["image_token_id"]))
 
 
 def token_id_list(value: int | list[int] | None) -> list[int]:

@@ -18,6 +18,7 @@ from pagegate.engine.parallel import TensorParallel
 from pagegate.kernels.quant import linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+Given = tuple[torch.Tensor, torch.Tensor]  # (tokens [R], rows [R, hidden]): input rows in place of embeddings
 
 
 @dataclass

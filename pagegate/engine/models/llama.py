@@ -11,6 +11,7 @@ from pagegate.engine.models.base import CausalLM, Decoder
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.layers import (
     AttentionMetadata,
+    Given,
     KVCache,
     PackedLinear,
     PagedAttention,
@@ -99,10 +100,12 @@ class DecoderModel(Decoder):
         self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn: AttentionMetadata) -> torch.Tensor:
+                attn: AttentionMetadata, given: Given | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if given is not None:
+            x[given[0]] = given[1].to(x.dtype)
         cos_sin = self.rotary(positions)
         local = self.local_rotary(positions) if self.local_rotary is not None else cos_sin
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -127,9 +127,13 @@ class NativeDecoder:
         table, groups = self.adapters or (None, None)
         if len(step.input_ids) <= self.max_tokens:
             return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                                             step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups)
-        return torch.cat([self.kernel_model.forward(*part, lora=table, lora_groups=part_groups)
-                          for part, part_groups in _cut(step, groups, self.max_tokens)])
+                                             step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups,
+                                             given=step.given)
+        return torch.cat([self.kernel_model.forward(*part, lora=table, lora_groups=part_groups,
+                                                    given=_given_part(step.given, part_start, len(part[0])))
+                          for (part, part_groups), part_start in zip(_cut(step, groups, self.max_tokens),
+                                                                     range(0, len(step.input_ids), self.max_tokens),
+                                                                     strict=True)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of any number of rows on the kernel, each row's as it would be alone."""
@@ -152,6 +156,16 @@ def _cut(step: StepInputs, groups: Groups | None, size: int) -> Iterator[tuple[t
         arrays = (step.input_ids[t0:t1], step.positions[t0:t1], step.slot_mapping[t0:t1],
                   np.ascontiguousarray(step.block_tables[first:last]), part_lens, part_starts)
         yield arrays, None if slots is None else slot_groups(slots[t0:t1])
+
+
+def _given_part(given: tuple[np.ndarray, torch.Tensor] | None, start: int,
+                size: int) -> tuple[np.ndarray, torch.Tensor] | None:
+    """The given input rows of tokens [start, start + size), numbered from start."""
+    if given is None:
+        return None
+    tokens, rows = given
+    inside = (tokens >= start) & (tokens < start + size)
+    return (tokens[inside] - start).astype(np.int32), rows[torch.from_numpy(inside)].contiguous()
 
 
 def _row_slots(groups: Groups, tokens: int) -> np.ndarray:

@@ -11,10 +11,11 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import (
@@ -24,6 +25,7 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
+from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -99,6 +101,7 @@ class CoreClient:
         self._load: CoreLoad | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.grammars: GrammarCompiler | None = None
+        self.processing: Idefics3Processing | None = None  # a vision-language model's (from its Ready frame)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class CoreClient:
         self.default_sampling = ready.default_sampling
         self.eos_token_ids = ready.eos_token_ids
         self.tokenizer = ready.tokenizer.tokenizer() if ready.tokenizer is not None else None
+        self.processing = ready.processing
         self._load = ready.load
         if self.tokenizer is not None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -323,14 +327,16 @@ class CoreClient:
                        priority: int = 0, cache_salt: str | None = None,
                        pins: tuple[Pin, ...] = (), token_ids: list[int] | None = None,
                        lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
-                       key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       key: KeyShare | None = None,
+                       images: Sequence[tuple[bytes, np.ndarray]] = ()) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes (RequestOutput.add joins them); leaving the loop early aborts the
         request. The core checks the request (InvalidParamError from its first delta when it breaks a rule).
         `token_ids`: the prompt's, when the caller has tokenized it already (Replicas, to route it)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = token_ids if token_ids is not None else self.token_ids(prompt)
         async for delta in self._stream(add_frame(request_id, text, token_ids, params, priority, cache_salt, pins,
-                                                  lora_name=lora_name, tenant=tenant, lane=lane, key=key), params.n):
+                                                  lora_name=lora_name, tenant=tenant, lane=lane, key=key,
+                                                  images=images), params.n):
             yield delta.output(text, token_ids)
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,

@@ -177,7 +177,8 @@ class CoreLoop:
             adapter = self.engine.memory.adapter(frame.lora_name)
             request = self.engine.intake.make_request(frame.request_id, frame.token_ids, sampling, frame.priority,
                                                       frame.cache_salt, tuple(frame.pins), frame.embed, adapter,
-                                                      frame.tenant, lane=frame.lane, key=frame.key)
+                                                      frame.tenant, lane=frame.lane, key=frame.key,
+                                                      images=[image.image() for image in frame.images])
             request.prompt = frame.prompt
             self.engine.add(request)
         except Exception as error:  # that request fails, not the core
@@ -256,7 +257,8 @@ def ready_frame(loop: CoreLoop) -> Ready:
     engine = loop.engine
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.generation.sampling_overrides(),
-                 WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load())
+                 WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load(),
+                 engine.runner.processing)
 
 
 def _never_outlive(parent_pid: int) -> None:

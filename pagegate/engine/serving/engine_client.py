@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
@@ -12,7 +12,10 @@ from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pagegate.engine.loading.tokenizer import Tokenizer
+    from pagegate.engine.media.idefics3 import Idefics3Processing
     from pagegate.engine.pins import Pin
     from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.sampling.structured import StructuredOutputsParams
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 class EngineClient(Protocol):
     model_name: str
     tokenizer: Tokenizer | None
+    processing: Idefics3Processing | None  # a vision-language model's image preprocessing (None: text only)
     max_model_len: int
     kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
     vocab_size: int
@@ -42,14 +46,15 @@ class EngineClient(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                  priority: int = 0, cache_salt: str | None = None,
                  pins: tuple[Pin, ...] = (), lora_name: str | None = None,
-                 tenant: str | None = None, lane: Lane = ONLINE,
-                 key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 tenant: str | None = None, lane: Lane = ONLINE, key: KeyShare | None = None,
+                 images: Sequence[tuple[bytes, np.ndarray]] = ()) -> AsyncGenerator[RequestOutput, None]:
         """Each output's delta as it comes: every choice's new token ids, text and logprobs (RequestOutput.add
         joins them where a whole answer is needed); leaving the loop early aborts the request. With `pins`, its
         pages stay in the prefix cache under each one's key (within the pin budget, for its TTL).
         `lora_name`: a registered LoRA adapter it runs with (None: the base model); `tenant`: the sending key's
         identity where each key keeps its own prefix cache; `lane`: online, or batch work below it; `key`: the
-        sending key's name, weight and quota of pages (pagegate.engine.tenants)."""
+        sending key's name, weight and quota of pages (pagegate.engine.tenants); `images`: (digest, tiles) of the
+        images the prompt's image tokens hold, in order."""
         ...
 
     async def embed(self, token_ids: list[int], request_id: str, *, priority: int = 0,

@@ -20,6 +20,7 @@ NOTE: a socketpair, not ZMQ: each side's own thread writes and reads the socket,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
@@ -29,6 +30,7 @@ import numpy as np
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
+from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -106,12 +108,34 @@ class WireSampling(msgspec.Struct, array_like=True):
         return SamplingParams(**wire)
 
 
+class WireImage(msgspec.Struct, array_like=True):
+    """One image of a prompt, as the gateway decoded and preprocessed it: its digest and float32 tiles."""
+
+    digest: bytes
+    shape: list[int]
+    tiles: bytes
+
+    @classmethod
+    def of(cls, image: tuple[bytes, np.ndarray]) -> WireImage:
+        digest, tiles = image
+        return cls(digest, list(tiles.shape), np.ascontiguousarray(tiles, dtype=np.float32).tobytes())
+
+    def image(self) -> tuple[bytes, np.ndarray]:
+        """(digest, tiles); InvalidParamError when the bytes are not the shape's."""
+        count = int(np.prod(self.shape)) if self.shape else 0
+        if count * 4 != len(self.tiles) or any(n < 0 for n in self.shape):
+            raise InvalidParamError(f"an image's tiles ({len(self.tiles)} bytes) are not float32 {self.shape}",
+                                    "images")
+        return self.digest, np.frombuffer(self.tiles, dtype=np.float32).reshape(self.shape)
+
+
 class Add(Frame, tag="add"):
     """A request: its prompt (the text, when it came as text, for the outputs), its sampling parameters, and
     `embed` for an embedding request (its prompt pooled, not continued);
     `lora_name`: the registered LoRA adapter it runs with (None: the base model); `tenant`: the identity of the API
     key that sent it where each key keeps its own prefix cache (a field of the chain root, never joined to the salt);
-    `lane`: online, or batch work below it; `key`: the sending key's name, weight and quota of pages."""
+    `lane`: online, or batch work below it; `key`: the sending key's name, weight and quota of pages; `images`: the
+    images its image tokens hold, in order."""
 
     request_id: str
     prompt: str | None
@@ -125,6 +149,7 @@ class Add(Frame, tag="add"):
     tenant: str | None = None
     lane: Lane = ONLINE
     key: KeyShare | None = None
+    images: list[WireImage] = msgspec.field(default_factory=list)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -267,6 +292,7 @@ class Ready(Frame, tag="ready"):
     default_sampling: dict[str, int | float]  # generation_config.json, as SamplingParams keywords (top_k an int)
     tokenizer: WireTokenizer | None
     load: CoreLoad
+    processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing
 
 
 class Outputs(Frame, tag="outputs"):
@@ -381,9 +407,9 @@ class CoreSpec:
 def add_frame(request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, priority: int = 0,
               cache_salt: str | None = None, pins: tuple[Pin, ...] = (), embed: bool = False,
               lora_name: str | None = None, tenant: str | None = None, lane: Lane = ONLINE,
-              key: KeyShare | None = None) -> Add:
+              key: KeyShare | None = None, images: Sequence[tuple[bytes, np.ndarray]] = ()) -> Add:
     return Add(request_id, prompt, token_ids, WireSampling.of(params), priority, cache_salt, list(pins), embed, lora_name,
-               tenant, lane, key)
+               tenant, lane, key, [WireImage.of(image) for image in images])
 
 
 # ---- outputs: deltas out of the core -------------------------------------------------------------------

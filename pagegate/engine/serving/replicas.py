@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,6 +75,7 @@ class Replicas:
         self.cores = cores
         first = cores[0]
         self.model_name, self.tokenizer, self.max_model_len = first.model_name, first.tokenizer, first.max_model_len
+        self.processing = first.processing
         self.vocab_size, self.default_sampling, self.kv_pages = first.vocab_size, first.default_sampling, first.kv_pages
         self.on_dead: Callable[[], None] | None = None
         for core in cores:
@@ -128,8 +130,8 @@ class Replicas:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
                        pins: tuple[Pin, ...] = (), lora_name: str | None = None,
-                       tenant: str | None = None, lane: Lane = ONLINE,
-                       key: KeyShare | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       tenant: str | None = None, lane: Lane = ONLINE, key: KeyShare | None = None,
+                       images: Sequence[tuple[bytes, np.ndarray]] = ()) -> AsyncGenerator[RequestOutput, None]:
         token_ids = self.cores[0].token_ids(prompt)
         index = self.route(token_ids, (cache_salt, tenant))
         core = self.cores[index]
@@ -139,7 +141,7 @@ class Replicas:
         try:
             async with aclosing(core.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
                                               pins=pins, token_ids=token_ids, lora_name=lora_name,
-                                              tenant=tenant, lane=lane, key=key)) as outputs:  # leaving early aborts at once, not at GC
+                                              tenant=tenant, lane=lane, key=key, images=images)) as outputs:  # leaving early aborts at once, not at GC
                 async for output in outputs:
                     if pages:
                         self._unstarted_pages[index] -= pages

@@ -1,0 +1,64 @@
+"""The image encoder at step time: each image's rows are computed once (kept by content hash, within a byte bound,
+least recently used out first) and put in place of its placeholder tokens' embeddings in the steps that hold them."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence as Seq
+
+import numpy as np
+import torch
+
+from pagegate.engine.media.prompt_images import ImageInput, VisionSpec
+from pagegate.engine.sequence import Sequence
+
+Given = tuple[np.ndarray, torch.Tensor]  # (step tokens int32 [R], rows float32 [R, hidden])
+
+
+class ImageRows:
+    """The encoder's rows of the images in a step; `encode`: float32 tiles [n, 3, S, S] -> rows [R, hidden]."""
+
+    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], spec: VisionSpec, max_bytes: int) -> None:
+        self.encode = encode
+        self.spec = spec  # what intake checks of an image (the tiles the encoder takes, the rows it gives)
+        self.max_bytes = max_bytes
+        self.cached: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.cached_bytes = 0
+        self.encoded = 0  # images run through the encoder (a hit in the cache runs none)
+
+    def rows(self, image: ImageInput) -> torch.Tensor:
+        """The image's rows [len(image.rows), hidden]: from the cache, or encoded now (and kept if they fit)."""
+        rows = self.cached.get(image.digest)
+        if rows is not None:
+            self.cached.move_to_end(image.digest)
+            return rows
+        rows = self.encode(torch.from_numpy(image.tiles)).float().contiguous()
+        self.encoded += 1
+        if rows.shape[0] != len(image.rows):
+            raise ValueError(f"the image encoder gave {rows.shape[0]} rows for an image of {len(image.rows)} tokens")
+        size = rows.numel() * rows.element_size()
+        if size <= self.max_bytes:
+            while self.cached_bytes + size > self.max_bytes:
+                _, old = self.cached.popitem(last=False)
+                self.cached_bytes -= old.numel() * old.element_size()
+            self.cached[image.digest] = rows
+            self.cached_bytes += size
+        return rows
+
+    def given(self, seqs: Seq[Sequence], counts: Seq[int], starts: np.ndarray) -> Given | None:
+        """The step's image rows: for each sequence's known tokens in the step (its chunk, before any guessed
+        tokens), the rows of the image positions among them, at their places in the step. None: no image token."""
+        tokens: list[np.ndarray] = []
+        rows: list[torch.Tensor] = []
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            end = seq.num_computed
+            begin = end - n + len(seq.draft)
+            for image in seq.request.images:
+                if image.end <= begin or image.start >= end:
+                    continue
+                inside = (image.rows >= begin) & (image.rows < end)
+                tokens.append((image.rows[inside] - begin + starts[i]).astype(np.int32))
+                rows.append(self.rows(image)[torch.from_numpy(inside)])
+        if not tokens:
+            return None
+        return np.concatenate(tokens), torch.cat(rows).contiguous()

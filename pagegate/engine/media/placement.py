@@ -1,0 +1,30 @@
+"""A prompt's text with its images in place: each image placeholder becomes the text the family's processor writes
+for that image (its tiles' tokens and markers), and the image its (digest, tiles) for the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.images import DecodedImage
+
+PlacedImage = tuple[bytes, np.ndarray]  # (digest, float32 tiles [n, 3, S, S]), as the engine takes an image
+
+
+def place_images(text: str, images: Sequence[DecodedImage], processing: Idefics3Processing,
+                 param: str) -> tuple[str, list[PlacedImage]]:
+    """`text` with its i-th image placeholder replaced by image i's prompt text; InvalidParamError (naming
+    `param`) when the placeholders and the images do not pair up."""
+    pieces = text.split(processing.image_token)
+    if len(pieces) - 1 != len(images):
+        raise InvalidParamError(f"the prompt holds {len(pieces) - 1} image placeholder(s) "
+                                f"({processing.image_token}) for {len(images)} image(s)", param)
+    written, placed = [pieces[0]], []
+    for image, piece in zip(images, pieces[1:], strict=True):
+        prepared = processing.prepare(image.pixels)
+        written += [prepared.text, piece]
+        placed.append((image.digest, prepared.tiles))
+    return "".join(written), placed
