@@ -178,6 +178,11 @@ def _server_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-scoring-tokens", type=_positive(int), default=defaults.max_scoring_tokens,
                        help="prompt scoring one request may ask for (prompt_logprobs, echo + logprobs): its prompt "
                             "tokens x (1 + the alternatives asked for), over its prompts and choices; 400 beyond")
+    group.add_argument("--limit-mm-per-prompt", type=_image_limit, default=defaults.max_images_per_prompt,
+                       help='images one request may hold, as vLLM writes it: \'{"image": 8}\'; 400 beyond')
+    group.add_argument("--allowed-media-domains", nargs="+", default=[],
+                       help="hosts whose http(s) image URLs the server fetches (a size and time cap apply); "
+                            "without it only data: URLs are taken")
     group.add_argument("--max-embedding-tokens", type=_positive(int), default=defaults.max_embedding_tokens,
                        help="tokens of all the inputs of one /v1/embeddings request (OpenAI: 300,000); 400 beyond")
     group.add_argument("--request-timeout", type=float, default=defaults.request_read_timeout_s,
@@ -305,6 +310,18 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: vLLM's JSON of counts per modality; images are the one this server takes."""
+    try:
+        limits = json.loads(text)
+    except ValueError:
+        limits = None
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not isinstance(limits.get("image", 1), int) \
+            or limits.get("image", 1) < 1:
+        raise argparse.ArgumentTypeError(f'give a JSON object like \'{{"image": 4}}\' (images only, >= 1), not {text}')
+    return int(limits.get("image", 8))
+
+
 def _size(text: str) -> str:
     """A size like '4GiB' (kept as given; checked here so a typo is a usage error, not a failed engine start)."""
     try:
@@ -390,6 +407,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                             allowed_origins=origins, max_request_bytes=parse_bytes(args.max_request_size),
                             max_scoring_tokens=args.max_scoring_tokens,
                             max_embedding_tokens=args.max_embedding_tokens,
+                            max_images_per_prompt=args.limit_mm_per_prompt,
+                            allowed_media_domains=[d for item in args.allowed_media_domains for d in item.split(",")
+                                                   if d],
                             max_header_bytes=parse_bytes(args.max_header_size),
                             request_read_timeout_s=args.request_timeout,
                             idle_connection_timeout_s=args.idle_connection_timeout,

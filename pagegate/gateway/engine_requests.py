@@ -116,7 +116,7 @@ class EngineRequests:
         tenant, key = self.cache_tenant(prepared), self.key_shares.of(prepared.tenant)
         streams = [engine.generate(p.token_ids, prepared.params, rid, priority=prepared.priority,
                                    cache_salt=prepared.cache_salt, pins=self.pins_of(prepared), lora_name=lora_name,
-                                   tenant=tenant, lane=prepared.lane, key=key)  # pins: one prompt only
+                                   tenant=tenant, lane=prepared.lane, key=key, images=p.images)  # pins: one prompt only
                    for p, rid in zip(prepared.prompts, ids, strict=True)]
         waiting = set(range(len(ids)))
         self._pending += len(ids)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.media.images import ImageLimits
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import start_cores
@@ -144,7 +145,10 @@ class ModelLifecycle:
                             reasoning_parser=self.config.reasoning_parser,
                             tool_call_parser=served_tool_format(
                                 self.config.tool_call_parser, tokenizer.chat_template if tokenizer else None),
-                            max_scoring_tokens=self.config.max_scoring_tokens, adapters=self.adapters)
+                            max_scoring_tokens=self.config.max_scoring_tokens, adapters=self.adapters,
+                            processing=engine.processing, image_limits=ImageLimits(
+                                max_images=self.config.max_images_per_prompt,
+                                allowed_domains=frozenset(d.lower() for d in self.config.allowed_media_domains)))
 
     # -- a core's end ----------------------------------------------------------------------------
     def _engine_died(self, slot: ModelSlot, engine: EngineClient) -> None:

@@ -17,10 +17,14 @@ from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
+from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.images import ImageLimits
+from pagegate.engine.media.placement import PlacedImage, place_images
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE
+from pagegate.gateway.chat_images import chat_images, template_parts
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.lanes import ONLINE, Lane
 from pagegate.gateway.prompt_cache import key_pin
@@ -86,6 +90,8 @@ class ModelContext:
     tool_call_parser: str = "hermes"  # the format the model writes tool calls in (--tool-call-parser)
     max_scoring_tokens: int | None = None  # --max-scoring-tokens: the bound of check_scoring (None: none)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served by name -> path (the host's)
+    processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing (None: text only)
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # what an image part may be (--limit-mm-per-prompt)
 
     @property
     def call_format(self) -> ToolFormat:
@@ -121,6 +127,7 @@ class ModelContext:
 class EnginePrompt:
     token_ids: list[int]
     text: str | None  # the prompt as text, for echo (decoded lazily when given as ids)
+    images: list[PlacedImage] = field(default_factory=list)  # the images its image tokens hold, in order
 
 
 @dataclass
@@ -301,7 +308,11 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
     the model goes on writing it."""
     tokenizer = model.require_tokenizer("messages")
     native = tokenizer.chat_template_takes_tools
-    dicts = template_messages(messages, tools or [], native, model.call_format)
+    images = chat_images(messages, model.processing is not None, model.image_limits)
+    image_token = model.processing.image_token if model.processing is not None else ""
+    dicts = template_messages(messages, tools or [], native, model.call_format, image_token)
+    if model.processing is not None:
+        dicts = template_parts(dicts, image_token)
     extra = dict(variables or {})
     if native and tools:
         extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
@@ -312,7 +323,10 @@ def chat_prompt(messages: list[ChatMessage], model: ModelContext, add_generation
     if continue_final:
         text = _cut_after_final(text, messages[-1].text())
     model.check_text_fits(text, "messages")  # the rendered text: a template may trim what it was given
-    return EnginePrompt(tokenizer.encode_chat(text), text)
+    if model.processing is None:
+        return EnginePrompt(tokenizer.encode_chat(text), text)
+    written, placed = place_images(text, images, model.processing, "messages")
+    return EnginePrompt(tokenizer.encode_chat(written), text, placed)
 
 
 def reasoning_end(prompt: EnginePrompt, model: ModelContext) -> int | None:

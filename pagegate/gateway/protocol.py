@@ -255,6 +255,19 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str  # a data: URL (base64), or http(s) from a host --allowed-media-domains names
+    detail: Literal["auto", "low", "high"] | None = None  # read, not used: the model's processor sets the tiling
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
@@ -329,7 +342,7 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = Field(None, validate_default=True)  # tool turns: the call this is the result of
     name: str | None = None
     reasoning_content: str | None = None  # an assistant turn's thinking, as chat answers give it back
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
 
     @field_validator("tool_calls")
     @classmethod
@@ -350,27 +363,35 @@ class ChatMessage(StrictModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _known_parts(cls, value: Any, info: ValidationInfo) -> Any:
         for part in value if isinstance(value, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported; only 'text'")
+            if kind == "image_url" and info.data.get("role") != "user":
+                raise ValueError("image_url parts are only for user messages")
+            if kind not in ("text", "image_url"):
+                raise ValueError(f"content parts of type {kind!r} are not supported; only 'text' and 'image_url'")
         return value
 
     @field_validator("content")
     @classmethod
-    def _content_unless_calls(cls, content: str | list[TextPart] | None,
-                              info: ValidationInfo) -> str | list[TextPart] | None:
+    def _content_unless_calls(cls, content: str | list[ContentPart] | None,
+                              info: ValidationInfo) -> str | list[ContentPart] | None:
         if content is None and not info.data.get("tool_calls") and "tool_calls" in info.data:
             raise PydanticCustomError("missing", "content is required, except in an assistant message with tool_calls")
         return content
 
-    def text(self) -> str:
+    def text(self, image_token: str = "") -> str:
+        """The text parts, joined; each image part as `image_token` (a vision model's placeholder)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else image_token for part in self.content)
+
+    def image_urls(self) -> list[tuple[int, ImageURL]]:
+        """(part index, image) of each image part, in order."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [(i, part.image_url) for i, part in enumerate(parts) if isinstance(part, ImagePart)]
 
 
 TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt"})  # variables the server passes

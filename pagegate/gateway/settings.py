@@ -41,6 +41,8 @@ class GatewayConfig:
     # Scoring work one request may ask for (prompt_logprobs, echo + logprobs): prompt tokens x (1 + alternatives),
     # summed over the prompts and the choices that carry them (pagegate/gateway/prepare.py); 400 beyond.
     max_scoring_tokens: int = 1_000_000
+    max_images_per_prompt: int = 8  # --limit-mm-per-prompt '{"image": N}': image parts in one request; 400 beyond
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) image URLs may name; empty: none
     max_embedding_tokens: int = 300_000  # tokens of all the inputs of one /v1/embeddings request (OpenAI's); 400 beyond
     max_header_bytes: int = 64 * 1024  # request line + headers; larger heads get 431
     request_read_timeout_s: float = 30.0  # from a request's first byte to its last; 408 beyond (0: none)

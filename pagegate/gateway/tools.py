@@ -121,18 +121,19 @@ def _rebase_refs(schema: Any, base: str) -> Any:
 
 # -- what the chat template sees ----------------------------------------------------------------------
 def template_messages(messages: list[ChatMessage], tools: list[Tool], template_takes_tools: bool,
-                      call_format: ToolFormat = TOOL_FORMATS["hermes"]) -> list[dict]:
-    """Messages as chat templates read them (OpenAI's dicts, as transformers passes them).
+                      call_format: ToolFormat = TOOL_FORMATS["hermes"], image_token: str = "") -> list[dict]:
+    """Messages as chat templates read them (OpenAI's dicts, as transformers passes them); image parts as
+    `image_token` in the text.
 
     A template that reads `tools` gets calls with their arguments as objects and `tool` turns as they are;
     one that does not gets the tool list in the system message, calls written in `call_format` in the
     assistant's text and results as `<tool_response>` blocks in user turns, which any template renders.
     """
     if template_takes_tools:
-        return [_native_message(m) for m in messages]
+        return [_native_message(m, image_token) for m in messages]
     dicts: list[dict[str, Any]] = []
     for message in messages:
-        as_text = _text_message(message, call_format)
+        as_text = _text_message(message, call_format, image_token)
         if message.role == "tool" and dicts and dicts[-1].get("tool_results"):
             dicts[-1]["content"] += "\n" + as_text["content"]  # results of one turn's calls: one user turn
         else:
@@ -146,8 +147,8 @@ def _role(message: ChatMessage) -> str:
     return "system" if message.role == "developer" else message.role
 
 
-def _native_message(message: ChatMessage) -> dict[str, Any]:
-    item: dict[str, Any] = {"role": _role(message), "content": message.text()}
+def _native_message(message: ChatMessage, image_token: str = "") -> dict[str, Any]:
+    item: dict[str, Any] = {"role": _role(message), "content": message.text(image_token)}
     if message.name is not None:
         item["name"] = message.name
     if message.tool_calls:
@@ -170,11 +171,11 @@ def _arguments_value(arguments: str) -> Any:
         return arguments
 
 
-def _text_message(message: ChatMessage, call_format: ToolFormat) -> dict[str, Any]:
+def _text_message(message: ChatMessage, call_format: ToolFormat, image_token: str = "") -> dict[str, Any]:
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>",
                 "tool_results": True}
-    text = message.text()
+    text = message.text(image_token)
     calls = call_format.write([(call.function.name, _arguments_value(call.function.arguments))
                                for call in message.tool_calls]) if message.tool_calls else ""
     return {"role": _role(message), "content": "\n".join(part for part in (text, calls) if part)}

@@ -201,6 +201,9 @@ def _decoding(param: str, limits: ImageLimits) -> Iterator[None]:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise _error(param, f"it has more than the {_pixel_cap(limits)} pixels accepted; send a smaller "
                             "image") from exc
+    except Image.UnidentifiedImageError as exc:  # its message holds the buffer's repr
+        raise _error(param, "its header cannot be read; the file is truncated or corrupt: send a complete PNG, "
+                            "JPEG, WebP or GIF") from exc
     # NOTE: on hostile input PIL's plugins raise OSError, SyntaxError, ValueError, EOFError, struct.error,
     # IndexError, KeyError, TypeError...; any of them means the client's image is broken, never a 500.
     except Exception as exc:
@@ -211,7 +214,7 @@ def _decoding(param: str, limits: ImageLimits) -> Iterator[None]:
 def _finish(image: Image.Image, param: str, limits: ImageLimits) -> DecodedImage:
     """A loaded image -> upright RGB pixels, as transformers' load_image (EXIF orientation) and convert_to_rgb
     (alpha composited onto white) make them."""
-    _check_pixels(image.size, param, limits)  # a GIF's first frame may have grown the canvas
+    _check_pixels(image.size, param, limits)  # the output keeps the cap too, whatever load() did
     rgb = _to_rgb(ImageOps.exif_transpose(image))
     pixels = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
     pixels.flags.writeable = False
@@ -242,8 +245,8 @@ def _fetch(url: str, param: str, limits: ImageLimits) -> tuple[bytes, str | None
     except (httpx.InvalidURL, ValueError):
         raise _error(param, "its URL is not a valid http(s) URL") from None
     if not host or host not in {domain.lower() for domain in limits.allowed_domains}:
-        raise _error(param, f"this server does not fetch images from {host[:100]!r}; send the image inline as a "
-                            "data:image/png;base64,... URL")
+        raise _error(param, f"this server does not fetch images from {host[:100]!r} (its --allowed-media-domains "
+                            "does not name it); send the image inline as a data:image/png;base64,... URL")
     # NOTE: httpx's timeouts are per network wait, so a server trickling bytes could outlast them; the fetch runs
     # on a worker thread that the caller waits for until the deadline. A late worker stops at its next chunk.
     deadline = time.monotonic() + limits.fetch_timeout_s

@@ -60,8 +60,30 @@ class ThinkingBlock(StrictModel):
     data: str | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-BLOCK_TYPES = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+class Base64Source(StrictModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class URLSource(StrictModel):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(StrictModel):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def url(self) -> str:
+        """The image as a chat image_url's URL (a data: URL for base64 data)."""
+        source = self.source
+        return source.url if isinstance(source, URLSource) else f"data:{source.media_type};base64,{source.data}"
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
 
 
 class InputMessage(StrictModel):
@@ -234,5 +256,9 @@ def _add_blocks(role: str, blocks: list[Block], out: list[Message]) -> None:
     out.extend(results)  # a user turn's tool results answer the calls just before it
     if role == "assistant" and calls:
         out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+    elif any(isinstance(b, ImageBlock) for b in blocks):  # text and images in their order, as chat parts
+        out.append({"role": role, "content": [{"type": "image_url", "image_url": {"url": b.url()}}
+                                              if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                                              for b in blocks if isinstance(b, TextBlock | ImageBlock)]})
     elif text or not results:
         out.append({"role": role, "content": text})

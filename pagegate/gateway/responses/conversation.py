@@ -38,7 +38,7 @@ def input_messages(request: ResponsesRequest, known_calls: set[str]) -> list[Mes
     messages: list[Message] = []
     for index, item in enumerate(request.input):
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:

@@ -21,15 +21,30 @@ class InputText(StrictModel):
     logprobs: list[Any] | None = None
 
 
+class InputImage(StrictModel):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)  # a data: URL, or http(s) from a host --allowed-media-domains names
+    detail: Literal["auto", "low", "high"] | None = None  # read, not used: the model's processor sets the tiling
+
+
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, InputText))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """Its content as a chat message's: text, or text and image_url parts in order when it holds images."""
+        if isinstance(self.content, str) or not any(isinstance(part, InputImage) for part in self.content):
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": part.image_url}} if isinstance(part, InputImage)
+                else {"type": "text", "text": part.text} for part in self.content]
 
 
 class FunctionCallItem(StrictModel):

@@ -10,6 +10,7 @@ import warnings
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def _refused(call, *args, param: str = PART, **kwargs) -> str:
 
 def _transformers_rgb(data: bytes) -> np.ndarray:
     """What transformers' vision processors see: load_image's EXIF transpose, then convert_to_rgb."""
-    return convert_to_rgb(ImageOps.exif_transpose(Image.open(io.BytesIO(data))), return_numpy=True)
+    return np.asarray(convert_to_rgb(ImageOps.exif_transpose(Image.open(io.BytesIO(data))), return_numpy=True))
 
 
 # --- decoding ----------------------------------------------------------------------------------------------------
@@ -239,9 +240,11 @@ def test_bytes_of_no_accepted_format_are_refused(data: bytes) -> None:
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP"])
 def test_truncated_and_corrupt_images_are_refused(fmt: str) -> None:
+    """(Zeros in a JPEG's entropy-coded data are not refused: libjpeg decodes them with a warning, in
+    transformers too.)"""
     assert ImageFile.LOAD_TRUNCATED_IMAGES is False
     data = _encode(Image.fromarray(_rgb(64, 64)), fmt)
-    for broken in (data[:len(data) // 2], data[:40], data[:-len(data) // 3] + bytes(len(data) // 3)):
+    for broken in (data[:len(data) // 2], data[:40], data[:16] + b"\xff" * (len(data) - 16)):
         assert "truncated or corrupt" in _refused(image_from_bytes, broken, PART, LIMITS)
 
 
@@ -255,8 +258,8 @@ def _png_header(width: int, height: int) -> bytes:
 
 
 @pytest.mark.parametrize("side", [5000, 10_000, 50_000])  # ours, PIL's warning, PIL's error
-@pytest.mark.parametrize("warning_filter", ["default", "error"])
-def test_decompression_bombs_are_refused_before_decoding(side: int, warning_filter: str,
+@pytest.mark.parametrize("warning_filter", ["ignore", "error"])
+def test_decompression_bombs_are_refused_before_decoding(side: int, warning_filter: Literal["ignore", "error"],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     loads: list[object] = []
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self))
@@ -319,12 +322,12 @@ class _Images(BaseHTTPRequestHandler):
             pass  # the client hung up, as it should
 
     def _head(self, status: int = 200, content_type: str = "image/png", length: int | None = None,
-              **headers: str) -> None:
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         if length is not None:
             self.send_header("Content-Length", str(length))
-        for name, value in headers.items():
+        for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
 
@@ -346,16 +349,19 @@ class _Images(BaseHTTPRequestHandler):
         self.wfile.write(b"not found")
 
     def _redirect(self) -> None:
-        self._head(302, "text/plain", length=0, Location="/image")
+        self._head(302, "text/plain", length=0, headers={"Location": "/image"})
 
     def _big(self) -> None:  # no Content-Length: the body ends when the connection closes
         self._head()
         for _ in range(64):
             self.wfile.write(bytes(64 * 1024))
 
-    def _lying(self) -> None:
-        self._head(length=10)
-        self.wfile.write(bytes(512 * 1024))
+    def _chunked(self) -> None:
+        self.protocol_version = "HTTP/1.1"
+        self._head(headers={"Transfer-Encoding": "chunked", "Connection": "close"})
+        for _ in range(64):
+            self.wfile.write(b"10000\r\n" + bytes(0x10000) + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
 
     def _slow(self) -> None:
         STOP.wait(5)
@@ -398,7 +404,7 @@ def test_an_allowed_host_is_fetched(server: str, path: str) -> None:
 
 
 @pytest.mark.parametrize("path,hint", [("missing", "HTTP 404"), ("redirect", "redirect (HTTP 302)"),
-                                       ("big", "more than 100000"), ("lying", "more than 100000"),
+                                       ("big", "more than 100000"), ("chunked", "more than 100000"),
                                        ("slow", "longer than 0.4 s"), ("trickle", "longer than 0.4 s"),
                                        ("mislabelled", "mislabelled"), ("svg", "image/svg+xml")])
 def test_misbehaving_servers_are_refused(server: str, path: str, hint: str) -> None:
@@ -461,7 +467,8 @@ def test_arbitrary_bytes_raise_nothing_but_image_error(valid: bytes, cut: int, e
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(max_size=80))
+@given(st.one_of(st.text(max_size=80), st.text(max_size=80).map("data:".__add__),
+                 st.text("AB+/=\n ,;", max_size=40).map("data:image/gif;base64,R0lG".__add__)))
 def test_arbitrary_urls_raise_nothing_but_image_error(url: str) -> None:
     try:
         image_from_url(url, PART, LIMITS)  # no host is allowed: nothing is ever fetched
