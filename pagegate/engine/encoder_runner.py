@@ -68,6 +68,7 @@ class EncoderRunner:
         self.eos_token_ids: list[int] = []
         self.serves = Serves(generate=False, pooling=self.pipeline.pooling)
         self.chunk_invariant = False  # no prefix hits, no chunks: an input runs whole
+        self.images = self.processing = self.vision = None  # it takes no images
         block = config.cache.block_size
         self.num_blocks = config.cache.num_kv_blocks or config.scheduler.max_num_seqs * (-(-self.max_model_len
                                                                                            // block) + 1)

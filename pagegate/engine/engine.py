@@ -40,11 +40,9 @@ class Engine:
         config, runner = self.config, self.runner  # an elastic pool's config: its cache sized for the whole budget
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
-        self.generation = runner.generation  # the sampling defaults the model's folder sets
-        self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids,
-                                    runner.max_model_len, config.scheduler, runner.device, runner.serves,
-                                    runner.images.spec if runner.images is not None else None,
-                                    config.cache.block_size)
+        self.generation, self.processing = runner.generation, runner.processing  # the folder's sampling, images
+        self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids, runner.max_model_len,
+                                    config.scheduler, runner.device, runner.serves, runner.vision, config.cache.block_size)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)
         self.postprocessor = PostProcessor(runner.eos_token_ids, runner.max_model_len)
         self.metrics = self.monitor.metrics

@@ -4,7 +4,8 @@ least recently used out first) and put in place of its placeholder tokens' embed
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch

@@ -4,7 +4,7 @@ engine's side of every rule in `limits.py` is checked here, once, for every requ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class RequestIntake:
                      priority: int = 0, cache_salt: str | None = None, pins: tuple[Pin, ...] = (),
                      embed: bool = False, lora: Registered | None = None, tenant: str | None = None, *,
                      lane: Lane = ONLINE, key: KeyShare | None = None,
-                     images: Sequence[tuple[bytes, np.ndarray]] = ()) -> Request:
+                     images: Seq[tuple[bytes, np.ndarray]] = ()) -> Request:
         """Validate and tokenize; raises InvalidParamError for what the caller must fix. An `embed` request's
         prompt is pooled, not continued (pagegate/engine/pooling.py): one choice, nothing sampled. `lora`: the
         adapter it runs with (lora.model.resolve_adapter); `tenant`: the identity of the API key that sent it, when
@@ -79,7 +79,7 @@ class RequestIntake:
                        logit_bias=bias, pins=pins, embed=embed, lora_name=lora.request.lora_name if lora else None,
                        lane=lane, key=key, images=placed, prefix_keys=keys)
 
-    def _images(self, token_ids: list[int], images: Sequence[tuple[bytes, np.ndarray]],
+    def _images(self, token_ids: list[int], images: Seq[tuple[bytes, np.ndarray]],
                 embed: bool) -> tuple[tuple[ImageInput, ...], list[int] | None]:
         if self.vision is None or embed:
             if images:

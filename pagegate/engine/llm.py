@@ -156,7 +156,7 @@ class LLM:
 
     def _place(self, prompt: str | list[int], pictures: list[Any]) -> tuple[str, str, list[PlacedImage]]:
         """(the prompt as written, as the model reads it, its images) of a text prompt with image placeholders."""
-        processing = self.engine.runner.processing
+        processing = self.engine.processing
         if processing is None:
             raise ValueError("this model does not take images (multi_modal_data)")
         if not isinstance(prompt, str):
@@ -256,7 +256,7 @@ def _pictures(prompt: Prompt) -> list[Any]:
     """The PIL images of a prompt's `multi_modal_data` (vLLM's {"image": image or [images]})."""
     if not isinstance(prompt, Mapping) or "multi_modal_data" not in prompt:
         return []
-    data = dict(prompt["multi_modal_data"])
+    data = dict(cast(Mapping[str, Any], prompt)["multi_modal_data"])
     unknown = set(data) - {"image"}
     if unknown:
         raise ValueError(f"unsupported multi_modal_data modality {sorted(unknown)}; this engine takes 'image'")

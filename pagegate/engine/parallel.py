@@ -93,8 +93,8 @@ class StepInputs:
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, 2 * outs, 2 * copies, 2 * ins]
         chunks = np.split(payload.numpy(), np.cumsum(sizes)[:-1])
         shapes = [(-1,), (-1,), (-1,), (seqs, width), (-1,), (-1,), (-1, 2), (-1, 2), (-1, 2)]
-        return cls(*(chunk.reshape(shape).astype(dtype)
-                     for chunk, shape, dtype in zip(chunks, shapes, cls.DTYPES, strict=True)))
+        a = [chunk.reshape(shape).astype(dtype) for chunk, shape, dtype in zip(chunks, shapes, cls.DTYPES, strict=True)]
+        return cls(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:

@@ -173,6 +173,11 @@ class ModelRunner:
         return device_memory_budget(self.config.cache, self.device, peak)
 
     @property
+    def vision(self) -> VisionSpec | None:
+        """What intake checks of a prompt's images (None: the model takes none)."""
+        return self.images.spec if self.images is not None else None
+
+    @property
     def chunk_invariant(self) -> bool:
         """Whether a token's arithmetic is the same whatever step it rides in, however its prompt was chunked: every
         step runs on the native decoder (LoRA rows too), whose rows never depend on each other (cpu_decode.h)."""

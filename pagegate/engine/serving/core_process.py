@@ -258,7 +258,7 @@ def ready_frame(loop: CoreLoop) -> Ready:
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.generation.sampling_overrides(),
                  WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load(),
-                 engine.runner.processing)
+                 engine.processing)
 
 
 def _never_outlive(parent_pid: int) -> None:
