@@ -51,6 +51,7 @@ class ImageRows:
         tokens), the rows of the image positions among them, at their places in the step. None: no image token."""
         tokens: list[np.ndarray] = []
         rows: list[torch.Tensor] = []
+        step: dict[bytes, torch.Tensor] = {}  # an image too large for the cache is still encoded once a step
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             end = seq.num_computed
             begin = end - n + len(seq.draft)
@@ -59,7 +60,9 @@ class ImageRows:
                     continue
                 inside = (image.rows >= begin) & (image.rows < end)
                 tokens.append((image.rows[inside] - begin + starts[i]).astype(np.int32))
-                rows.append(self.rows(image)[torch.from_numpy(inside)])
+                if image.digest not in step:
+                    step[image.digest] = self.rows(image)
+                rows.append(step[image.digest][torch.from_numpy(inside)])
         if not tokens:
             return None
         return np.concatenate(tokens), torch.cat(rows).contiguous()

@@ -108,6 +108,9 @@ def _cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV pages (wins over budgets)")
     group.add_argument("--kv-cache-memory", default=None, help="KV budget in bytes or like '2GiB'")
+    group.add_argument("--image-cache-memory", type=_size, default="256MiB",
+                       help="image-encoder output a vision model's core keeps across requests (by image content "
+                            "hash, least recently used out first)")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                        help="the KV pages' format, as vLLM's flag: auto is int8 on CPU and the model's dtype on "
                             "CUDA; int8 and fp8 keep one float16 scale per token and KV head inside the page")
@@ -386,7 +389,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           tensor_parallel_size=args.tensor_parallel_size,
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
                           speculative=args.speculative_config, cache=cache, scheduler=scheduler, task=args.task,
-                          pooling=_pooling(args.task, args.pooling), lora=_lora_config(args))
+                          pooling=_pooling(args.task, args.pooling), lora=_lora_config(args),
+                          image_cache_memory=parse_bytes(args.image_cache_memory))
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
