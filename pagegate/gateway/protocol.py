@@ -16,8 +16,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     PlainValidator,
+    Tag,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
@@ -265,7 +267,18 @@ class ImagePart(StrictModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+def by_type(**tags: str) -> Discriminator:
+    """Chooses a union's member by the `type` field: the tag of each type value, a model's name, so an error's
+    location names the part by its fields only (`_is_field` drops capitalized tags)."""
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    return Discriminator(tag)
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+                        by_type(text="TextPart", image_url="ImagePart")]
 
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"

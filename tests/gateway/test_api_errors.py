@@ -99,7 +99,11 @@ def test_bad_completion_bodies(http: httpx.Client, body: dict, param: str | None
     ([{"role": "user"}], "messages.0.content"),
     ([{"role": "function", "content": "x"}], "messages.0.role"),
     ([{"role": "tool", "content": "x"}], "messages.0.tool_call_id"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages.0.content.0.image_url"),  # a text model takes no images
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages.0.content.0.image_url.url"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "messages.0.content"),
     ([{"role": "user", "content": 3}], "messages.0.content"),
 ])
 def test_bad_chat_bodies(http: httpx.Client, messages: object, param: str) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, Tag, model_validator
 
 from pagegate.engine.sampling.structured import MAX_TOOLS
-from pagegate.gateway.protocol import FUNCTION_NAME, INT32, INTEGRAL, StrictModel
+from pagegate.gateway.protocol import FUNCTION_NAME, INT32, INTEGRAL, StrictModel, by_type
 
 
 class InputText(StrictModel):
@@ -27,10 +27,15 @@ class InputImage(StrictModel):
     detail: Literal["auto", "low", "high"] | None = None  # read, not used: the model's processor sets the tiling
 
 
+InputPart = Annotated[Annotated[InputText, Tag("InputText")] | Annotated[InputImage, Tag("InputImage")],
+                      by_type(input_text="InputText", output_text="InputText", text="InputText",
+                              input_image="InputImage")]
+
+
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
+    content: str | list[InputPart]
     id: str | None = None
     status: str | None = None
 
