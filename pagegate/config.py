@@ -140,6 +140,7 @@ class EngineConfig:
     task: str = "generate"  # --task: "generate" (a decoder; embeddings too with `pooling`) | "embed" (an encoder)
     pooling: str | None = None  # --pooling last | mean: /v1/embeddings from a generative model's hidden states
     lora: LoRAConfig | None = None  # --enable-lora: None serves the base model alone
+    mmproj: str | None = None  # --mmproj: a GGUF model's image encoder, as llama.cpp's converter writes it
     image_cache_memory: int = 256 * 2**20  # --image-cache-memory: bytes of image-encoder output kept across requests
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

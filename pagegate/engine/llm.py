@@ -57,7 +57,8 @@ class LLM:
                  tensor_parallel_size: int = 1, distributed_timeout_s: float = 60.0,
                  scheduling_policy: str = "fcfs", speculative_config: dict | SpeculativeConfig | None = None,
                  task: str = "generate", pooling: str | None = None, kv_cache_dtype: str = "auto",
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16) -> None:
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                 mmproj: str | None = None) -> None:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, swap_space,
                             enable_prefix_caching, watermark, kv_cache_dtype=kv_cache_dtype)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
@@ -67,7 +68,8 @@ class LLM:
         self.engine = Engine(EngineConfig(model, served_model_name, dtype, device, seed, quantization,
                                           tensor_parallel_size, distributed_timeout_s, speculative=speculative,
                                           cache=cache, scheduler=scheduler, task=task, pooling=pooling,
-                                          lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None))
+                                          lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
+                                          mmproj=mmproj))
         self._ids = itertools.count()
 
     @classmethod

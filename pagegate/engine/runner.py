@@ -4,6 +4,7 @@ allocates the KV pages, and turns each scheduled batch into tensors, a forward a
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,10 @@ from pagegate.engine.forward import forward
 from pagegate.engine.image_step import ImageRows
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
+from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.gguf_loader import is_gguf
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
+from pagegate.engine.loading.mmproj import load_mmproj
 from pagegate.engine.lora.model import LoRAModel
 from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.prompt_images import VisionSpec
@@ -91,17 +95,36 @@ class ModelRunner:
         self.images = self._image_rows(path)
 
     def _image_rows(self, path: Path) -> ImageRows | None:
-        """The image encoder of a vision-language model (None: a text-only one), on this rank alone."""
-        if self.model_config.vision is None:
+        """The image encoder of a vision-language model (None: a text-only one), on this rank alone: a Hugging Face
+        folder's own, or a GGUF model's --mmproj file."""
+        mmproj = self.config.mmproj
+        if self.model_config.vision is None and mmproj is None:
             return None
         if self.workers is not None or self.draft is not None or self.config.lora is not None:
             raise ValueError("a vision-language model runs without tensor parallelism, a draft model or LoRA yet")
-        self.processing = Idefics3Processing.from_folder(path)
-        vision = load_idefics3_vision(path, device=self.device)
+        if mmproj is None:
+            self.processing = Idefics3Processing.from_folder(path)
+            vision = load_idefics3_vision(path, device=self.device)
+        else:
+            if not is_gguf(path):
+                raise ModelLoadError("--mmproj goes with a GGUF model file; a Hugging Face folder brings its own "
+                                     "image encoder")
+            vision, self.processing = load_mmproj(Path(mmproj), self.device)
+            self.model_config = replace(self.model_config, vision="idefics3",
+                                        image_token_id=self._special_token(self.processing.image_token))
+        if vision.config.text_hidden_size != self.model_config.hidden_size:
+            raise ModelLoadError(f"the image encoder's rows are {vision.config.text_hidden_size} wide, the model's "
+                                 f"embeddings {self.model_config.hidden_size}: they are not one model's")
         spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len)
         log.info("image encoder: %s, %.0f MiB of its output kept across requests", self.model_config.vision,
                  self.config.image_cache_memory / 2**20)
         return ImageRows(vision.encode, spec, self.config.image_cache_memory)
+
+    def _special_token(self, text: str) -> int:
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer is not None else []
+        if len(ids) != 1:
+            raise ModelLoadError(f"the model's vocabulary has no {text} token: is the --mmproj file this model's?")
+        return ids[0]
 
     def _page_formats(self) -> LayerFormats:
         """Each layer's page format: --kv-cache-dtype's in every layer, or auto-4's calibrated mix."""

@@ -85,6 +85,9 @@ def _model_flags(group: argparse._ArgumentGroup) -> None:
                        help="gguf: keep a GGUF's F16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights in their blocks "
                             "(default on CPU); "
                             "none: dequantize every weight to --dtype")
+    group.add_argument("--mmproj", default=None,
+                       help="a GGUF model's image encoder and projector, as llama.cpp's convert_hf_to_gguf.py "
+                            "--mmproj writes it (SmolVLM's); a Hugging Face folder brings its own")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over N processes (torch.distributed: gloo on CPU, nccl on CUDA); "
                             "under torchrun, every rank runs `pagegate serve` and rank 0 serves")
@@ -390,7 +393,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                           distributed_timeout_s=args.distributed_timeout, kv_events=args.kv_events_config,
                           speculative=args.speculative_config, cache=cache, scheduler=scheduler, task=args.task,
                           pooling=_pooling(args.task, args.pooling), lora=_lora_config(args),
-                          image_cache_memory=parse_bytes(args.image_cache_memory))
+                          image_cache_memory=parse_bytes(args.image_cache_memory), mmproj=args.mmproj)
     keys = list(args.api_key or [])
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])

@@ -61,7 +61,8 @@ def _save_processor(folder: Path, splitting: bool) -> None:
 def smolvlm_config(ids: dict[str, int], vocab: int) -> Any:
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
-                bos_token_id=0, eos_token_id=ids["<end_of_utterance>"], pad_token_id=1, tie_word_embeddings=False)
+                bos_token_id=0, eos_token_id=ids["<end_of_utterance>"], pad_token_id=1, tie_word_embeddings=False,
+                architectures=["VLlama3ForCausalLM"])  # as SmolVLM's own: llama.cpp's converter picks its class by it
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=16,
                   image_size=TILE)
     return hf().Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,

@@ -1,0 +1,176 @@
+"""pagegate against llama.cpp (`llama-server --mmproj`) and transformers on one image: a tiny random SmolVLM.
+
+    python -m bench.vision_peers [--rounds 3] [--tokens 8] [--threads 2]
+
+The model is tests/engine/vision_models.py's tiny SmolVLM, saved once under .cache/peers/smolvlm-tiny and
+converted by llama.cpp's own `convert_hf_to_gguf.py` (a text GGUF and, with --mmproj, the vision GGUF); llama.cpp
+is built once by `python -m bench.peers.llamacpp build`. Each round makes a new random image (so no side reuses an
+encoded image) and sends it with SmolVLM's chat prompt to both engines, in alternating order: one request for one
+token (its wall time is the TTFT: image decode, preprocessing, vision tower, prefill) and one for `--tokens` greedy
+tokens, printed beside transformers' own. pagegate runs offline (`LLM`) on the Hugging Face folder, float32 pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+
+from bench.peers import llamacpp
+from bench.peers.served import start_llama_server
+from pagegate import LLM, SamplingParams
+from tests.engine.vision_models import save_smolvlm
+
+WORK = llamacpp.CACHE / "smolvlm-tiny"
+QUESTION = "What is in this image?"
+CONTEXT = 2048
+SIDES = ("pagegate", "llama-server")
+IMAGE_SIZE = (300, 200)  # height, width: resized to 256 x 170, cut into 2 x 2 tiles and the global image
+
+
+def make_model(work: Path = WORK) -> tuple[Path, Path, Path]:
+    """The HF folder, its text GGUF and its mmproj GGUF (made once)."""
+    folder = work / "hf"
+    if not (folder / "model.safetensors").is_file():
+        save_smolvlm(folder)
+        fit_for_llama_cpp(folder)
+    text = llamacpp.convert(folder, work / "text-f32.gguf", "f32")
+    mmproj = llamacpp.convert(folder, work / "mmproj-f32.gguf", "f32", extra_args=("--mmproj",))
+    return folder, text, mmproj
+
+
+def fit_for_llama_cpp(folder: Path) -> None:
+    """Two things SmolVLM's published folders have and the tiny one lacks.
+
+    The converter picks the text model's class from `text_config.architectures` (SmolVLM's: VLlama3ForCausalLM);
+    without it, it refuses Idefics3ForConditionalGeneration. And llama.cpp's idefics3 prompt (tools/mtmd/mtmd.cpp)
+    looks "\\n\\n" up as one vocabulary token before the global image, while the tiny vocabulary spells it as two:
+    its last merge (whose token no later merge uses) becomes "\\n" + "\\n", in both tokenizers alike."""
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+    config_path.write_text(json.dumps(config, indent=2))
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    model = tokenizer["model"]
+    last = "".join(model["merges"][-1])
+    model["vocab"]["ĊĊ"] = model["vocab"].pop(last)  # GPT-2's byte spelling of "\n\n"
+    model["merges"][-1] = ["Ċ", "Ċ"]
+    tokenizer_path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+
+
+def chat_prompt(folder: Path) -> str:
+    """SmolVLM's chat template on one user turn (the image, then the question), `<image>` where the image goes."""
+    from transformers import AutoProcessor
+
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    return str(AutoProcessor.from_pretrained(folder).apply_chat_template(turn, add_generation_prompt=True))
+
+
+def transformers_tokens(folder: Path, prompt: str, png: bytes, tokens: int) -> list[int]:
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()  # tiny: fast
+    inputs = processor(text=prompt, images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return list(out[0, inputs["input_ids"].shape[1]:].tolist())
+
+
+Run = tuple[list[int], float, int, str]  # greedy tokens, TTFT (s), prompt tokens, a note
+
+
+def pagegate_run(llm: LLM, prompt: str, png: bytes, tokens: int) -> Run:
+    """pagegate offline: no HTTP, the PNG decoded inside the timed call."""
+    def ask(n: int) -> Any:
+        request = {"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return llm.generate(request, params, use_tqdm=False)[0]
+
+    start = time.perf_counter()
+    ask(1)
+    ttft = time.perf_counter() - start
+    out = ask(tokens)
+    return list(out.outputs[0].token_ids), ttft, len(out.prompt_token_ids), "offline"
+
+
+def llama_run(base: str, prompt: str, png: bytes, tokens: int) -> Run:
+    """llama-server's /completion over HTTP: the raw prompt with the image where the server's media marker is (random
+    per server, read from /props), so no chat template of its own applies; the note is its own prompt time."""
+    marker = httpx.get(f"{base}/props").json()["media_marker"]
+
+    def ask(n: int) -> dict[str, Any]:
+        body = {"prompt": {"prompt_string": prompt.replace("<image>", marker),
+                           "multimodal_data": [base64.b64encode(png).decode()]},
+                "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True}
+        response = httpx.post(f"{base}/completion", json=body, timeout=600)
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    start = time.perf_counter()
+    first = ask(1)
+    ttft = time.perf_counter() - start
+    out = ask(tokens)
+    note = f"server prompt_ms {first['timings']['prompt_ms']:.1f}"
+    return list(out["tokens"]), ttft, int(out["tokens_evaluated"]), note
+
+
+def random_png(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*IMAGE_SIZE, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    llamacpp.build()
+    folder, text, mmproj = make_model()
+    prompt = chat_prompt(folder)
+    torch.set_num_threads(args.threads)
+    llm = LLM(str(folder), num_kv_blocks=CONTEXT // 16, max_model_len=CONTEXT, enable_prefix_caching=False,
+              kv_cache_dtype="float32")
+    process, served = start_llama_server(text, args.threads, 1, llamacpp.repack_crashes(), context=CONTEXT,
+                                         extra=("--mmproj", str(mmproj)))
+    base = served.base_url.removesuffix("/v1")
+    try:
+        warm = random_png(1000)  # first calls build kernels and buffers on both sides: not timed
+        pagegate_run(llm, prompt, warm, 1)
+        llama_run(base, prompt, warm, 1)
+        ttfts: dict[str, list[float]] = {name: [] for name in SIDES}
+        for round_ in range(args.rounds):
+            png = random_png(round_)
+            order = SIDES if round_ % 2 == 0 else SIDES[::-1]
+            results = {name: pagegate_run(llm, prompt, png, args.tokens) if name == "pagegate"
+                       else llama_run(base, prompt, png, args.tokens) for name in order}
+            reference = transformers_tokens(folder, prompt, png, args.tokens)
+            print(f"round {round_}: transformers {reference}")
+            for name, (tokens, ttft, prompt_len, note) in results.items():
+                verdict = "same" if tokens == reference else "DIFFERENT"
+                ttfts[name].append(ttft)
+                print(f"  {name:12s} {tokens} ({verdict}) TTFT {1000 * ttft:.1f} ms ({note}), {prompt_len} prompt "
+                      "tokens")
+        print("median TTFT: " + ", ".join(f"{name} {1000 * statistics.median(v):.1f} ms" for name, v in ttfts.items()))
+    finally:
+        process.terminate()
+        process.wait()
+
+
+if __name__ == "__main__":
+    main()
