@@ -13,11 +13,11 @@ import torch
 from pagegate.config import EngineConfig
 from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.draft import DraftModel
+from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.forward import forward
 from pagegate.engine.image_step import ImageRows
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
-from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.gguf_loader import is_gguf
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.loading.mmproj import load_mmproj
