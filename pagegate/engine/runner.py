@@ -15,7 +15,7 @@ from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.draft import DraftModel
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.forward import forward
-from pagegate.engine.image_step import ImageRows
+from pagegate.engine.image_step import ImageRows, encoder_dtype
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.gguf_loader import is_gguf
@@ -115,9 +115,10 @@ class ModelRunner:
         if vision.config.text_hidden_size != self.model_config.hidden_size:
             raise ModelLoadError(f"the image encoder's rows are {vision.config.text_hidden_size} wide, the model's "
                                  f"embeddings {self.model_config.hidden_size}: they are not one model's")
+        vision.compute_dtype = encoder_dtype(vision.stored_dtype, self.device)
         spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len)
-        log.info("image encoder: %s, %.0f MiB of its output kept across requests", self.model_config.vision,
-                 self.config.image_cache_memory / 2**20)
+        log.info("image encoder: %s in %s, %.0f MiB of its output kept across requests", self.model_config.vision,
+                 str(vision.compute_dtype).removeprefix("torch."), self.config.image_cache_memory / 2**20)
         return ImageRows(vision.encode, spec, self.config.image_cache_memory)
 
     def _special_token(self, text: str) -> int:

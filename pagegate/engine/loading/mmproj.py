@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from PIL import Image
 
@@ -28,6 +29,8 @@ _GLOBAL_NAMES = {"v.patch_embd": "vision_model.embeddings.patch_embedding",
 _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1",
                 "ffn_down": "mlp.fc2"}
+# weights published in half precision: the encoder may compute in it (runner.py's encoder_dtype)
+_HALF = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
 
 
 def is_mmproj(path: Path) -> bool:
@@ -56,6 +59,8 @@ def load_mmproj(path: Path, device: str | torch.device = "cpu") -> tuple[Idefics
     if missing:
         raise ModelLoadError(f"{path.name} is missing tensor(s): {', '.join(missing[:5])}")
     model.load_state_dict_hf(state)  # shapes are checked there
+    stored = {t.tensor_type for t in contents.tensors if t.name.startswith("v.blk.")}
+    model.stored_dtype = next((_HALF[kind] for kind in stored if kind in _HALF), torch.float32)
     return model.to(device=device).eval(), _processing(metadata, config)
 
 

@@ -193,6 +193,8 @@ class Idefics3Vision(nn.Module):
         self.config = config
         self.vision_model = VisionTransformer(config)
         self.connector = Connector(config)
+        self.stored_dtype = torch.float32  # the precision its weights were published in (set by the loaders)
+        self.compute_dtype = torch.float32  # its matmuls' (autocast to bfloat16 / float16 where it is not float32)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Idefics3Vision:
@@ -220,8 +222,9 @@ class Idefics3Vision(nn.Module):
             raise ValueError(f"expected tiles [n, {self.config.num_channels}, {size}, {size}], "
                              f"got {list(pixel_values.shape)}")
         weight = self.vision_model.embeddings.patch_embedding.weight
-        features = self.connector(self.vision_model(pixel_values.to(weight.device, weight.dtype)))
-        return features.reshape(-1, features.shape[-1])
+        with torch.autocast(weight.device.type, self.compute_dtype, enabled=self.compute_dtype != weight.dtype):
+            features = self.connector(self.vision_model(pixel_values.to(weight.device, weight.dtype)))
+        return features.reshape(-1, features.shape[-1]).to(weight.dtype)
 
 
 def load_idefics3_vision(folder: Path, dtype: torch.dtype = torch.float32,
@@ -239,4 +242,5 @@ def load_idefics3_vision(folder: Path, dtype: torch.dtype = torch.float32,
                     tensors[name] = reader.get_tensor(name)
     model = Idefics3Vision.from_config(config)
     model.load_state_dict_hf(tensors)
+    model.stored_dtype = tensors[next(iter(tensors))].dtype
     return model.to(device=device, dtype=dtype).eval()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.image_step import encoder_dtype
 from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.models.idefics3_vision import (
     Idefics3Vision,
@@ -63,3 +64,20 @@ def test_load_rejects_missing_tensors(smolvlm: SavedModel) -> None:
 def test_config_rejects_unshufflable_grid() -> None:
     with pytest.raises(ModelLoadError, match="shuffle"):
         Idefics3VisionConfig.from_dict({"vision_config": {"image_size": 96, "patch_size": 32}, "scale_factor": 2})
+
+
+def test_the_encoder_computes_in_its_weights_published_precision(smolvlm: SavedModel) -> None:
+    """float32 weights keep float32 arithmetic (the reference's); half-precision ones run bfloat16 matmuls on a CPU
+    that has them natively, and their rows stay float32 and near the float32 ones."""
+    vision = load_idefics3_vision(smolvlm.path)
+    assert vision.stored_dtype == torch.float32
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert encoder_dtype(torch.float32, cpu) == torch.float32 == encoder_dtype(torch.float32, cuda)
+    assert encoder_dtype(torch.float16, cuda) == torch.float16
+    assert encoder_dtype(torch.bfloat16, cpu) in (torch.bfloat16, torch.float32)
+    tiles = _tiles(smolvlm, 150, 150)
+    exact = vision.encode(tiles)
+    vision.compute_dtype = torch.bfloat16
+    rounded = vision.encode(tiles)
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
+    torch.testing.assert_close(rounded, exact, atol=0.1 * exact.abs().max().item(), rtol=0)
