@@ -14,8 +14,8 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.errors import RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.lora.request import LoRARequest
-from pagegate.engine.media.images import ImageLimits, image_from_pil
-from pagegate.engine.media.placement import PlacedImage, place_images
+from pagegate.engine.media.images import DecodedImage, ImageLimits, image_from_pil, image_from_url
+from pagegate.engine.media.placement import PlacedImage, place_images, template_parts
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagegate.engine.sampling.params import SamplingParams
@@ -42,6 +42,7 @@ Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, Any]]
 Params = SamplingParams | Sequence[SamplingParams] | None
 
+IMAGE_PARTS = ("image_url", "image_pil")  # a chat's image parts: OpenAI's, and vLLM's offline one (a PIL image)
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
 
 
@@ -90,11 +91,17 @@ class LLM:
         pass one prompt or a list of them (a flat list of ints is one prompt). `lora_request`: the LoRA adapter
         of every prompt, or one per prompt (None: the base model), as in vLLM.
         """
-        prompts = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, priority, lora_request)
+
+    def _generate(self, prompts: list[Prompt], sampling_params: Params, use_tqdm: bool,
+                  priority: Sequence[int] | None = None,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                  images: Sequence[list[PlacedImage]] | None = None) -> list[RequestOutput]:
         params = _params_per_prompt(sampling_params, len(prompts))
         loras = _loras_per_prompt(lora_request, len(prompts))
         # every prompt is validated before any is queued: a bad one leaves nothing behind
-        requests = [self._make_request(prompt, p, priority[i] if priority else 0, lora=loras[i])
+        requests = [self._make_request(prompt, p, priority[i] if priority else 0, lora=loras[i],
+                                       images=images[i] if images else ())
                     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
         for request in requests:
             self.engine.add(request)
@@ -133,21 +140,38 @@ class LLM:
         kwargs.update(chat_template_kwargs or {})  # as in vLLM, these win over the named arguments
         if continue_final_message and kwargs["add_generation_prompt"]:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        processing = self.engine.processing
+        token = processing.image_token if processing is not None else ""
         prompts: list[Prompt] = []
+        images: list[list[PlacedImage]] = []
         for conversation in conversations:
-            normalized = [_template_message(m) for m in conversation]
-            text = tokenizer.apply_chat_template(normalized, chat_template=chat_template, **kwargs)
+            pictures = self._chat_images(conversation)
+            normalized = [_template_message(m, token) for m in conversation]
+            shown = template_parts(normalized, token) if processing is not None else normalized
+            text = tokenizer.apply_chat_template(shown, chat_template=chat_template, **kwargs)
             if continue_final_message:
                 text = _cut_after_final_message(text, normalized)
-            prompts.append(TokensPrompt(prompt_token_ids=tokenizer.encode_chat(text), prompt=text))
-        return self.generate(prompts, sampling_params, use_tqdm)
+            written, placed = place_images(text, pictures, processing, "messages") if processing else (text, [])
+            prompts.append(TokensPrompt(prompt_token_ids=tokenizer.encode_chat(written), prompt=text))
+            images.append(placed)
+        return self._generate(prompts, sampling_params, use_tqdm, images=images)
+
+    def _chat_images(self, conversation: Conversation) -> list[DecodedImage]:
+        """The conversation's image parts, decoded: `image_url` (a data: URL) or vLLM's `image_pil` (a PIL image)."""
+        found = [(f"messages.{i}.content.{j}", part) for i, message in enumerate(conversation)
+                 for j, part in enumerate(_content_parts(message)) if part.get("type") in IMAGE_PARTS]
+        if found and self.engine.processing is None:
+            param, part = found[0]
+            raise ValueError(f"this model does not take images (the {part['type']} part at {param})")
+        limits = ImageLimits(max_images=max(len(found), 1))
+        return [image_from_pil(part["image_pil"], param, limits) if part["type"] == "image_pil"
+                else image_from_url(part["image_url"]["url"], param, limits) for param, part in found]
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int, embed: bool = False,
-                      lora: LoRARequest | None = None) -> Request:
+                      lora: LoRARequest | None = None, images: Sequence[PlacedImage] = ()) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
-        images: list[PlacedImage] = []
         pictures = _pictures(prompt)
-        if pictures:
+        if pictures or isinstance(prompt, Mapping) and "multi_modal_data" in prompt and self.engine.processing is None:
             text, engine_prompt, images = self._place(engine_prompt, pictures)
         adapter = self.engine.memory.adapter(lora)
         request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
@@ -272,14 +296,21 @@ def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conv
     return [cast(Conversation, conversation) for conversation in messages]
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as the REST chat endpoint hands it to the template: text parts joined, developer as system."""
+def _content_parts(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    content = message.get("content")
+    return content if isinstance(content, list) else []
+
+
+def _template_message(message: Mapping[str, Any], image_token: str = "") -> dict[str, Any]:
+    """A message as the REST chat endpoint hands it to the template: text parts joined (image parts as
+    `image_token`), developer as system."""
     content = message.get("content")
     if isinstance(content, list):
-        kinds = {part.get("type") for part in content} - {"text"}
+        kinds = {part.get("type") for part in content} - {"text", *IMAGE_PARTS}
         if kinds:
-            raise ValueError(f"content parts of type {sorted(kinds)} are not supported; only 'text'")
-        content = "".join(part["text"] for part in content)
+            raise ValueError(f"content parts of type {sorted(kinds)} are not supported; only 'text', 'image_url' "
+                             "and 'image_pil'")
+        content = "".join(part["text"] if part.get("type") == "text" else image_token for part in content)
     role = message["role"]
     return {**message, "role": "system" if role == "developer" else role, "content": content}
 

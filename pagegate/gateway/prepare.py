@@ -19,12 +19,12 @@ from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
 from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.images import ImageLimits
-from pagegate.engine.media.placement import PlacedImage, place_images
+from pagegate.engine.media.placement import PlacedImage, place_images, template_parts
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE
-from pagegate.gateway.chat_images import chat_images, template_parts
+from pagegate.gateway.chat_images import chat_images
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.lanes import ONLINE, Lane
 from pagegate.gateway.prompt_cache import key_pin

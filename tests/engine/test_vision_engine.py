@@ -292,3 +292,22 @@ def test_a_text_only_model_refuses_an_image() -> None:
     _refused(llm, ["hello", {"prompt": "<image> what is it?", "multi_modal_data": {"image": picture(0)}}],
              match="does not take images")
     assert run(llm, ["hello"], GREEDY)[0].outputs[0].token_ids
+
+
+def test_chat_takes_image_parts_as_generate_takes_multi_modal_data(exact: LLM, texts: dict[str, str]) -> None:
+    """`LLM.chat` reads OpenAI's image_url parts (a data: URL) and vLLM's image_pil parts, and renders, places and
+    answers them as `generate` does the template's text with the image."""
+    import base64
+    import io
+
+    image = picture(0)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    expected = exact.generate(probe(texts, image), GREEDY, use_tqdm=False)[0]
+    for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_pil", "image_pil": image}):
+        messages = [{"role": "user", "content": [{"type": "text", "text": LEAD}, part,
+                                                 {"type": "text", "text": "What is this?"}]}]
+        answer = exact.chat(messages, GREEDY, use_tqdm=False)[0]
+        assert answer.prompt_token_ids == expected.prompt_token_ids
+        assert answer.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -4,6 +4,7 @@ for that image (its tiles' tokens and markers), and the image its (digest, tiles
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,3 +29,20 @@ def place_images(text: str, images: Sequence[DecodedImage], processing: Idefics3
         written += [prepared.text, piece]
         placed.append((image.digest, prepared.tiles))
     return "".join(written), placed
+
+
+def template_parts(messages: list[dict[str, Any]], image_token: str) -> list[dict[str, Any]]:
+    """Each message's text content as parts, as vision templates iterate them (transformers' processors pass them
+    so): the text between `image_token`s as text parts, each `image_token` an image part."""
+    return [{**item, "content": _parts(item["content"], image_token)} if isinstance(item.get("content"), str)
+            else item for item in messages]
+
+
+def _parts(text: str, image_token: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(text.split(image_token)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts or [{"type": "text", "text": ""}]
