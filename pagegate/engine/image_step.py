@@ -39,10 +39,13 @@ def _native_bf16() -> bool:
 
 
 class ImageRows:
-    """The encoder's rows of the images in a step; `encode`: float32 tiles [n, 3, S, S] -> rows [R, hidden]."""
+    """The encoder's rows of the images in a step; `normalize`: uint8 tiles [n, S, S, 3] -> the encoder's float32
+    input [n, 3, S, S]; `encode`: that input -> rows [R, hidden]."""
 
-    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], spec: VisionSpec, max_bytes: int) -> None:
+    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], spec: VisionSpec, max_bytes: int,
+                 normalize: Callable[[np.ndarray], np.ndarray]) -> None:
         self.encode = encode
+        self.normalize = normalize
         self.spec = spec  # what intake checks of an image (the tiles the encoder takes, the rows it gives)
         self.max_bytes = max_bytes
         self.cached: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -55,7 +58,7 @@ class ImageRows:
         if rows is not None:
             self.cached.move_to_end(image.digest)
             return rows
-        rows = self.encode(torch.from_numpy(image.tiles)).float().contiguous()
+        rows = self.encode(torch.from_numpy(self.normalize(image.tiles))).float().contiguous()
         self.encoded += 1
         if rows.shape[0] != len(image.rows):
             raise ValueError(f"the image encoder gave {rows.shape[0]} rows for an image of {len(image.rows)} tokens")

@@ -119,7 +119,7 @@ class ModelRunner:
         spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len)
         log.info("image encoder: %s in %s, %.0f MiB of its output kept across requests", self.model_config.vision,
                  str(vision.compute_dtype).removeprefix("torch."), self.config.image_cache_memory / 2**20)
-        return ImageRows(vision.encode, spec, self.config.image_cache_memory)
+        return ImageRows(vision.encode, spec, self.config.image_cache_memory, self.processing.normalize)
 
     def _special_token(self, text: str) -> int:
         ids = self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer is not None else []

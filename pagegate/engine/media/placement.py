@@ -12,7 +12,7 @@ from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.images import DecodedImage
 
-PlacedImage = tuple[bytes, np.ndarray]  # (digest, float32 tiles [n, 3, S, S]), as the engine takes an image
+PlacedImage = tuple[bytes, np.ndarray]  # (digest, uint8 tiles [n, S, S, 3]), as the engine takes an image
 
 
 def place_images(text: str, images: Sequence[DecodedImage], processing: Idefics3Processing,

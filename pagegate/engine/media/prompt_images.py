@@ -26,7 +26,7 @@ class ImageInput:
 
     `rows`: the positions (ascending) that hold the model's image token, one per row of the encoder's output;
     `digest`: the decoded pixels' SHA-256 (media/images.py), the image's identity in the prefix cache and in the
-    encoder-output cache; `tiles`: float32 [n, 3, size, size], as the family's processor made them."""
+    encoder-output cache; `tiles`: uint8 [n, size, size, 3], as the family's processor cut them."""
 
     rows: np.ndarray
     digest: bytes
@@ -51,13 +51,11 @@ class VisionSpec:
     rows_per_tile: int
 
     def check_tiles(self, tiles: np.ndarray, param: str) -> None:
-        """InvalidParamError unless `tiles` is float32 [n >= 1, 3, tile_size, tile_size] of finite values."""
+        """InvalidParamError unless `tiles` is uint8 [n >= 1, tile_size, tile_size, 3]."""
         size = self.tile_size
-        if tiles.dtype != np.float32 or tiles.ndim != 4 or tiles.shape[1:] != (3, size, size) or not len(tiles):
-            raise InvalidParamError(f"an image's tiles must be float32 [n, 3, {size}, {size}], not {tiles.dtype} "
+        if tiles.dtype != np.uint8 or tiles.ndim != 4 or tiles.shape[1:] != (size, size, 3) or not len(tiles):
+            raise InvalidParamError(f"an image's tiles must be uint8 [n, {size}, {size}, 3], not {tiles.dtype} "
                                     f"{list(tiles.shape)}", param)
-        if not np.isfinite(tiles).all():
-            raise InvalidParamError("an image's tiles hold values that are not finite", param)
 
     def inputs(self, token_ids: Sequence[int], images: Sequence[tuple[bytes, np.ndarray]],
                block_size: int) -> tuple[tuple[ImageInput, ...], list[int] | None]:

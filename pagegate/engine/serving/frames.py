@@ -109,7 +109,7 @@ class WireSampling(msgspec.Struct, array_like=True):
 
 
 class WireImage(msgspec.Struct, array_like=True):
-    """One image of a prompt, as the gateway decoded and preprocessed it: its digest and float32 tiles."""
+    """One image of a prompt, as the gateway decoded and preprocessed it: its digest and uint8 tiles."""
 
     digest: bytes
     shape: list[int]
@@ -118,15 +118,15 @@ class WireImage(msgspec.Struct, array_like=True):
     @classmethod
     def of(cls, image: tuple[bytes, np.ndarray]) -> WireImage:
         digest, tiles = image
-        return cls(digest, list(tiles.shape), np.ascontiguousarray(tiles, dtype=np.float32).tobytes())
+        return cls(digest, list(tiles.shape), np.ascontiguousarray(tiles, dtype=np.uint8).tobytes())
 
     def image(self) -> tuple[bytes, np.ndarray]:
         """(digest, tiles); InvalidParamError when the bytes are not the shape's."""
         count = int(np.prod(self.shape)) if self.shape else 0
-        if count * 4 != len(self.tiles) or any(n < 0 for n in self.shape):
-            raise InvalidParamError(f"an image's tiles ({len(self.tiles)} bytes) are not float32 {self.shape}",
+        if count != len(self.tiles) or any(n < 0 for n in self.shape):
+            raise InvalidParamError(f"an image's tiles ({len(self.tiles)} bytes) are not uint8 {self.shape}",
                                     "images")
-        return self.digest, np.frombuffer(self.tiles, dtype=np.float32).reshape(self.shape)
+        return self.digest, np.frombuffer(self.tiles, dtype=np.uint8).reshape(self.shape)
 
 
 class Add(Frame, tag="add"):

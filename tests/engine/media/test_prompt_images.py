@@ -186,8 +186,8 @@ def test_image_rows_refuses_counts_that_miss_the_image_tokens(prompt: Prompt, co
         image_rows(prompt.tokens, IMAGE, counts)
 
 
-def _tiles(n: int, size: int = SPEC.tile_size, dtype: type = np.float32) -> np.ndarray:
-    return np.random.default_rng(n).standard_normal((n, 3, size, size)).astype(dtype)
+def _tiles(n: int, size: int = SPEC.tile_size, dtype: type = np.uint8) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, size, size, 3)).astype(dtype)
 
 
 @PROPERTY
@@ -226,16 +226,16 @@ def test_inputs_refuse_images_that_miss_the_image_tokens() -> None:
 
 
 @pytest.mark.parametrize("tiles", [
-    _tiles(1, dtype=np.float64),
-    _tiles(1).astype(np.float16),
+    _tiles(1, dtype=np.float32),
+    _tiles(1, dtype=np.int16),
     _tiles(1, size=SPEC.tile_size + 1),
-    _tiles(1)[:, :2],
+    _tiles(1)[..., :2],
     _tiles(1)[0],
     _tiles(0),
     np.zeros((1, 3, SPEC.tile_size, SPEC.tile_size), dtype=np.uint8),
-], ids=["float64", "float16", "size", "channels", "three_dims", "no_tiles", "uint8"])
+], ids=["float32", "int16", "size", "channels", "three_dims", "no_tiles", "channels_first"])
 def test_check_tiles_refuses_a_wrong_layout(tiles: np.ndarray) -> None:
-    with pytest.raises(InvalidParamError, match="float32") as caught:
+    with pytest.raises(InvalidParamError, match="uint8") as caught:
         SPEC.check_tiles(tiles, "images.3")
     assert caught.value.param == "images.3"
     with pytest.raises(InvalidParamError) as caught:
@@ -243,11 +243,6 @@ def test_check_tiles_refuses_a_wrong_layout(tiles: np.ndarray) -> None:
     assert caught.value.param == "images.0"
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_check_tiles_refuses_values_that_are_not_finite(bad: float) -> None:
-    tiles = _tiles(2)
-    tiles[1, 2, 3, 0] = bad
-    with pytest.raises(InvalidParamError, match="not finite") as caught:
-        SPEC.check_tiles(tiles, "multi_modal_data.image.0")
-    assert caught.value.param == "multi_modal_data.image.0"
-    SPEC.check_tiles(_tiles(2), "fine")  # and the same tiles, finite, pass
+def test_check_tiles_takes_any_pixels_of_the_layout() -> None:
+    SPEC.check_tiles(_tiles(2), "fine")
+    SPEC.check_tiles(np.full((1, SPEC.tile_size, SPEC.tile_size, 3), 255, dtype=np.uint8), "white")

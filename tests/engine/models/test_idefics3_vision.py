@@ -26,7 +26,8 @@ def smolvlm(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
 
 def _tiles(model: SavedModel, height: int, width: int) -> torch.Tensor:
     pixels = np.random.default_rng(7).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return torch.from_numpy(Idefics3Processing.from_folder(model.path).prepare(pixels).tiles)
+    processing = Idefics3Processing.from_folder(model.path)
+    return torch.from_numpy(processing.normalize(processing.prepare(pixels).tiles))
 
 
 def test_matches_transformers_on_a_split_image(smolvlm: SavedModel) -> None:
