@@ -1,13 +1,13 @@
-"""pagegate against llama.cpp (`llama-server --mmproj`) and transformers on one image: a tiny random SmolVLM.
+"""pagegate's greedy tokens against llama.cpp's (`llama-server --mmproj`) and transformers' on one image, a tiny random
+SmolVLM. Tokens only: time to first token is bench/vision_served.py's (both servers through the SDK).
 
     python -m bench.vision_peers [--rounds 3] [--tokens 8] [--threads 2]
 
 The model is tests/engine/vision_models.py's tiny SmolVLM, saved once under .cache/peers/smolvlm-tiny and
 converted by llama.cpp's own `convert_hf_to_gguf.py` (a text GGUF and, with --mmproj, the vision GGUF); llama.cpp
-is built once by `python -m bench.peers.llamacpp build`. Each round makes a new random image (so no side reuses an
-encoded image) and sends it with SmolVLM's chat prompt to both engines, in alternating order: one request for one
-token (its wall time is the TTFT: image decode, preprocessing, vision tower, prefill) and one for `--tokens` greedy
-tokens, printed beside transformers' own. pagegate runs offline (`LLM`) on the Hugging Face folder, float32 pages.
+is built once by `python -m bench.peers.llamacpp build`. Each round makes a new random image and sends it with
+SmolVLM's chat prompt to both engines for `--tokens` greedy tokens, printed beside transformers' own. pagegate runs
+offline (`LLM`) on the Hugging Face folder, float32 pages.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import argparse
 import base64
 import io
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -34,7 +31,6 @@ from tests.engine.vision_models import save_smolvlm
 WORK = llamacpp.CACHE / "smolvlm-tiny"
 QUESTION = "What is in this image?"
 CONTEXT = 2048
-SIDES = ("pagegate", "llama-server")
 IMAGE_SIZE = (300, 200)  # height, width: resized to 256 x 170, cut into 2 x 2 tiles and the global image
 
 
@@ -87,44 +83,28 @@ def transformers_tokens(folder: Path, prompt: str, png: bytes, tokens: int) -> l
     return list(out[0, inputs["input_ids"].shape[1]:].tolist())
 
 
-Run = tuple[list[int], float, int, str]  # greedy tokens, TTFT (s), prompt tokens, a note
+Run = tuple[list[int], int]  # greedy tokens, prompt tokens
 
 
 def pagegate_run(llm: LLM, prompt: str, png: bytes, tokens: int) -> Run:
-    """pagegate offline: no HTTP, the PNG decoded inside the timed call."""
-    def ask(n: int) -> Any:
-        request = {"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return llm.generate(request, params, use_tqdm=False)[0]
-
-    start = time.perf_counter()
-    ask(1)
-    ttft = time.perf_counter() - start
-    out = ask(tokens)
-    return list(out.outputs[0].token_ids), ttft, len(out.prompt_token_ids), "offline"
+    """pagegate offline, on the Hugging Face folder."""
+    request = {"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}
+    out = llm.generate(request, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), len(out.prompt_token_ids)
 
 
 def llama_run(base: str, prompt: str, png: bytes, tokens: int) -> Run:
-    """llama-server's /completion over HTTP: the raw prompt with the image where the server's media marker is (random
-    per server, read from /props), so no chat template of its own applies; the note is its own prompt time."""
+    """llama-server's /completion: the raw prompt with the image where the server's media marker is (random per
+    server, read from /props), so no chat template of its own applies."""
     marker = httpx.get(f"{base}/props").json()["media_marker"]
-
-    def ask(n: int) -> dict[str, Any]:
-        body = {"prompt": {"prompt_string": prompt.replace("<image>", marker),
-                           "multimodal_data": [base64.b64encode(png).decode()]},
-                "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True, "cache_prompt": False,
-                "return_tokens": True}
-        response = httpx.post(f"{base}/completion", json=body, timeout=600)
-        response.raise_for_status()
-        answer: dict[str, Any] = response.json()
-        return answer
-
-    start = time.perf_counter()
-    first = ask(1)
-    ttft = time.perf_counter() - start
-    out = ask(tokens)
-    note = f"server prompt_ms {first['timings']['prompt_ms']:.1f}"
-    return list(out["tokens"]), ttft, int(out["tokens_evaluated"]), note
+    body = {"prompt": {"prompt_string": prompt.replace("<image>", marker),
+                       "multimodal_data": [base64.b64encode(png).decode()]},
+            "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+            "return_tokens": True}
+    response = httpx.post(f"{base}/completion", json=body, timeout=600)
+    response.raise_for_status()
+    out = response.json()
+    return list(out["tokens"]), int(out["tokens_evaluated"])
 
 
 def random_png(seed: int) -> bytes:
@@ -150,23 +130,14 @@ def main() -> None:
                                          extra=("--mmproj", str(mmproj)))
     base = served.base_url.removesuffix("/v1")
     try:
-        warm = random_png(1000)  # first calls build kernels and buffers on both sides: not timed
-        pagegate_run(llm, prompt, warm, 1)
-        llama_run(base, prompt, warm, 1)
-        ttfts: dict[str, list[float]] = {name: [] for name in SIDES}
         for round_ in range(args.rounds):
             png = random_png(round_)
-            order = SIDES if round_ % 2 == 0 else SIDES[::-1]
-            results = {name: pagegate_run(llm, prompt, png, args.tokens) if name == "pagegate"
-                       else llama_run(base, prompt, png, args.tokens) for name in order}
             reference = transformers_tokens(folder, prompt, png, args.tokens)
             print(f"round {round_}: transformers {reference}")
-            for name, (tokens, ttft, prompt_len, note) in results.items():
+            for name, (tokens, prompt_len) in (("pagegate", pagegate_run(llm, prompt, png, args.tokens)),
+                                               ("llama-server", llama_run(base, prompt, png, args.tokens))):
                 verdict = "same" if tokens == reference else "DIFFERENT"
-                ttfts[name].append(ttft)
-                print(f"  {name:12s} {tokens} ({verdict}) TTFT {1000 * ttft:.1f} ms ({note}), {prompt_len} prompt "
-                      "tokens")
-        print("median TTFT: " + ", ".join(f"{name} {1000 * statistics.median(v):.1f} ms" for name, v in ttfts.items()))
+                print(f"  {name:12s} {tokens} ({verdict}), {prompt_len} prompt tokens")
     finally:
         process.terminate()
         process.wait()

@@ -171,7 +171,7 @@ class LLM:
                       lora: LoRARequest | None = None, images: Sequence[PlacedImage] = ()) -> Request:
         text, engine_prompt, salt = _unpack(prompt)
         pictures = _pictures(prompt)
-        if pictures or isinstance(prompt, Mapping) and "multi_modal_data" in prompt and self.engine.processing is None:
+        if pictures is not None:
             text, engine_prompt, images = self._place(engine_prompt, pictures)
         adapter = self.engine.memory.adapter(lora)
         request = self.engine.intake.make_request(str(next(self._ids)), engine_prompt, params, priority, salt,
@@ -187,7 +187,7 @@ class LLM:
             raise ValueError("this model does not take images (multi_modal_data)")
         if not isinstance(prompt, str):
             raise ValueError("multi_modal_data goes with a text prompt, whose placeholders the images fill")
-        limits = ImageLimits(max_images=len(pictures))
+        limits = ImageLimits(max_images=max(len(pictures), 1))
         decoded = [image_from_pil(picture, f"multi_modal_data.image.{i}", limits)
                    for i, picture in enumerate(pictures)]
         text, images = place_images(prompt, decoded, processing, "prompt")
@@ -278,10 +278,10 @@ def _unpack(prompt: Prompt) -> tuple[str | None, str | list[int], str | None]:
     raise TypeError(f"a prompt is a str, a list of token ids or a dict, not {type(prompt).__name__}")
 
 
-def _pictures(prompt: Prompt) -> list[Any]:
-    """The PIL images of a prompt's `multi_modal_data` (vLLM's {"image": image or [images]})."""
+def _pictures(prompt: Prompt) -> list[Any] | None:
+    """The PIL images of a prompt's `multi_modal_data` (vLLM's {"image": image or [images]}); None without one."""
     if not isinstance(prompt, Mapping) or "multi_modal_data" not in prompt:
-        return []
+        return None
     data = dict(cast(Mapping[str, Any], prompt)["multi_modal_data"])
     unknown = set(data) - {"image"}
     if unknown:
