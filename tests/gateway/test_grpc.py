@@ -63,7 +63,11 @@ class Served:
         command = [sys.executable, "-m", "pagegate", "serve", "--host", self.host, "--port", str(self.port), *ARGS,
                    "--grpc-port", str(self.grpc_port)]  # last: wins over a --grpc-port 0 in server_args()
         self.process = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(self.target)
+        # NOTE: a channel whose first connects are refused backs off for up to 120 s (1 s, x1.6, jittered); a short,
+        # flat backoff lets the probe reach the port as soon as it opens, inside the engine's loading window.
+        self.channel = grpc.insecure_channel(self.target, options=[("grpc.initial_reconnect_backoff_ms", 50),
+                                                                   ("grpc.min_reconnect_backoff_ms", 50),
+                                                                   ("grpc.max_reconnect_backoff_ms", 100)])
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.startup: list[tuple[str, str]] = []  # (health status, ListModels status) while loading
 
