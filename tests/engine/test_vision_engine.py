@@ -12,8 +12,10 @@ import torch
 from PIL import Image
 
 from pagegate import LLM, SamplingParams
-from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagegate.config import CacheConfig, EngineConfig, KVEventsConfig, SchedulerConfig
 from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.media.images import ImageLimits, image_from_pil
+from pagegate.engine.observe.monitor import start_kv_events
 from pagegate.engine.outputs import RequestOutput
 
 from .conftest import SavedModel, hf
@@ -101,8 +103,12 @@ def answer(output: RequestOutput) -> Answer:
 
 def image_span(output: RequestOutput, llm: LLM) -> tuple[int, int]:
     """[first, last + 1) of the prompt's image tokens, as the engine tokenized it."""
+    return image_span_of(output.prompt_token_ids, llm)
+
+
+def image_span_of(prompt: list[int], llm: LLM) -> tuple[int, int]:
     image_token = llm.engine.runner.model_config.image_token_id
-    positions = [p for p, t in enumerate(output.prompt_token_ids) if t == image_token]
+    positions = [p for p, t in enumerate(prompt) if t == image_token]
     return positions[0], positions[-1] + 1
 
 
@@ -207,6 +213,55 @@ def test_recomputed_after_preemption(smolvlm: SavedModel, texts: dict[str, str],
     assert (out.token_ids[:MAX_TOKENS], [(lp.logprob, lp.top) for lp in out.logprobs[:MAX_TOKENS]]) == alone
     images = llm.engine.runner.images
     assert images is not None and images.encoded == 3
+
+
+def test_kv_events_name_the_images_of_the_pages_that_hold_them(smolvlm: SavedModel, texts: dict[str, str]) -> None:
+    """A stored page whose tokens belong to an image carries that image's digest in extra_keys (vLLM's multimodal
+    hash) and the prompt's own tokens (the placeholders, not the prefix cache's keys); pages of text alone carry
+    none; the same page structure under another image names the other image."""
+    import msgpack
+    import zmq
+
+    from pagegate.testing.launcher import free_port
+
+    port, topic = free_port(), "kv@vision"
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.bind(f"tcp://127.0.0.1:{port}")
+    subscriber.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    llm = make(smolvlm)
+    llm.engine.monitor.kv_events = start_kv_events(
+        KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}",
+                       replay_endpoint=None, topic=topic), llm.engine.scheduler.pool)
+
+    def stored() -> list[tuple[list[int], list[str] | None]]:
+        pages = []
+        while subscriber.poll(300):
+            for event in msgpack.unpackb(subscriber.recv_multipart()[2])[1]:
+                if event[0] == "BlockStored":
+                    images = event[8] if len(event) > 8 else [None] * len(event[1])
+                    pages += [(event[3][i * BLOCK:(i + 1) * BLOCK], images[i]) for i in range(len(event[1]))]
+        return pages
+
+    try:
+        assert stored() == []  # waits for the connection: PUB drops what is sent before it
+        pages = {}
+        for seed in (0, 1):
+            output = run(llm, [probe(texts, picture(seed))], GREEDY)[0]
+            pages[seed] = (output.prompt_token_ids, output.num_cached_tokens, stored())
+    finally:
+        llm.shutdown()
+        context.destroy(linger=0)
+    for seed, (prompt, hit, seen) in pages.items():
+        digest = image_from_pil(picture(seed), "image", ImageLimits()).digest.hex()
+        start, end = image_span_of(prompt, llm)
+        assert hit == (2 * BLOCK if seed else 0)  # the second prompt's lead text is a hit, its image no page of it
+        assert hit + len(seen) * BLOCK >= end and [t for tokens, _ in seen for t in tokens] == prompt[hit:][
+            :len(seen) * BLOCK]
+        for page, (_, images) in enumerate(seen, start=hit // BLOCK):
+            holds_image = page * BLOCK < end and (page + 1) * BLOCK > start
+            assert images == ([digest] if holds_image else None), (seed, page)
+    assert pages[0][0] == pages[1][0]  # the same prompt tokens: only the digests tell the images apart
 
 
 # --- the encoder -------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ The page pool logs each page that enters or leaves the prefix cache; the engine 
 a publisher thread through a bounded queue (a full queue drops the batch and counts it: the engine thread
 never waits). The thread sends ZMQ multipart messages `[topic, seq, payload]`: `seq` an 8-byte big-endian
 counter from 0, `payload` msgpack arrays `[ts, events, data_parallel_rank]` with events
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`,
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+extra_keys]` (`extra_keys` only where a page holds an image: one entry a page, the hex SHA-256 digests of the images
+its tokens belong to, or None; its token_ids are the prompt's own tokens, the placeholders, as vLLM publishes them),
 `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`; `medium` is "GPU" for the pool's pages (on CPU
 servers too, as vLLM names them), "CPU" for the host-memory tier and "DISK" for the disk tier; `lora_id` and
 `lora_name` name the LoRA adapter a page was computed under (AdapterTags), None for the base model. A ROUTER socket
@@ -18,7 +20,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -28,12 +30,14 @@ from pagegate.config import KVEventsConfig
 if TYPE_CHECKING:
     from pagegate.core import BlockPool
     from pagegate.engine.kv_tiers import TierEvent
+    from pagegate.engine.sequence import Request
 
 log = logging.getLogger(__name__)
 
 MEDIUM = "GPU"  # vLLM's name for device pages, on CPU-only servers too
-# a BlockStored's medium, lora_id and lora_name where the event leaves them out (the pool's: its pages, no adapter)
-STORED_DEFAULTS: tuple[Any, ...] = (MEDIUM, None, None)
+# a BlockStored's medium, lora_id, lora_name and image digests where the event leaves them out (the pool's: its pages,
+# no adapter, no image)
+STORED_DEFAULTS: tuple[Any, ...] = (MEDIUM, None, None, None)
 LoRATag = tuple[int, str]  # (lora_int_id, lora_name) of the adapter a page was computed under
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -47,14 +51,18 @@ def encode_batch(events: Sequence[tuple[Any, ...]], block_size: int, ts: float |
         last = encoded[-1] if encoded else None
         if kind == "BlockStored":
             _, block_hash, parent, tokens, *given = event
-            medium, lora_id, lora_name = (*given, *STORED_DEFAULTS[len(given):])
+            medium, lora_id, lora_name, images = (*given, *STORED_DEFAULTS[len(given):])
             if last is not None and last[0] == "BlockStored" and parent == last[1][-1] and last[6] == medium \
                     and last[5] == lora_id:
                 last[1].append(block_hash)
                 last[3].extend(tokens)
             else:
-                encoded.append(["BlockStored", [block_hash], parent, list(tokens), block_size, lora_id, medium,
-                                lora_name])
+                last = ["BlockStored", [block_hash], parent, list(tokens), block_size, lora_id, medium, lora_name]
+                encoded.append(last)
+            if images is not None and len(last) == 8:  # the chain's earlier pages hold no image
+                last.append([None] * (len(last[1]) - 1))
+            if len(last) == 9:
+                last[8].append(images)
         elif kind == "BlockRemoved":
             medium = event[2] if len(event) > 2 else MEDIUM
             if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
@@ -119,6 +127,60 @@ class AdapterTags:
         self.pages.move_to_end(block_hash)
         if len(self.pages) > self.max_pages:
             self.pages.popitem(last=False)
+
+
+class ImageTags:
+    """The prompt's own tokens and the images behind a stored page whose tokens are an image's prefix keys
+    (media/prompt_images.py), for BlockStored's token_ids and extra_keys.
+
+    NOTE: the pool hashes and logs a page's keys, not its tokens. Each key is a word of a stream over one image's
+    digest, so the words of the step's prompts with images map back to (token, digest); the words remembered are
+    bounded, least recently learned out first (a page whose words fell out is published as the pool logged it)."""
+
+    def __init__(self, max_words: int = 1 << 17) -> None:
+        self.max_words = max_words
+        self.words: OrderedDict[int, tuple[int, str]] = OrderedDict()  # key word -> (token, the image's hex digest)
+
+    def learn(self, requests: Iterable[Request]) -> None:
+        """Remember the key words of the images of `requests` (those already known are skipped)."""
+        for request in requests:
+            keys = request.prefix_keys
+            if keys is None:
+                continue
+            for span, image in zip(_keyed_spans(keys, request.images), request.images, strict=True):
+                if keys[span.start] in self.words:
+                    continue
+                digest = image.digest.hex()
+                for at in span:
+                    self.words[keys[at]] = (request.prompt_token_ids[at], digest)
+        while len(self.words) > self.max_words:
+            self.words.popitem(last=False)
+
+    def tag(self, events: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The events, each BlockStored of keyed tokens with its own tokens and its images' digests."""
+        tagged = []
+        for event in events:
+            if event[0] == "BlockStored" and any(token < 0 for token in event[3]):
+                known = [self.words.get(token) for token in event[3]]
+                tokens = [token if word is None else word[0] for token, word in zip(event[3], known, strict=True)]
+                digests = list(dict.fromkeys(word[1] for word in known if word is not None))
+                given = (*event[4:], *STORED_DEFAULTS[len(event) - 4:])
+                event = (*event[:3], tokens, *given[:3], digests or None)
+            tagged.append(event)
+        return tagged
+
+
+def _keyed_spans(keys: Sequence[int], images: Sequence[Any]) -> list[range]:
+    """The positions of `keys` that each image's words replaced: from the page where it starts (or the last image's
+    end) to its end; key words are the negative ones (prompt_images.KEY_BIT)."""
+    spans, done = [], 0
+    for image in images:
+        begin = image.start
+        while begin > done and keys[begin - 1] < 0:
+            begin -= 1
+        spans.append(range(begin, image.end))
+        done = image.end
+    return spans
 
 
 class EventPublisher:

@@ -11,7 +11,7 @@ import msgspec
 
 from pagegate.config import EngineConfig, KVEventsConfig
 from pagegate.core import BlockPool
-from pagegate.engine.observe.kv_events import AdapterTags, EventPublisher, LoRATag, tier_events
+from pagegate.engine.observe.kv_events import AdapterTags, EventPublisher, ImageTags, LoRATag, tier_events
 from pagegate.engine.observe.metrics import EngineMetrics
 from pagegate.engine.observe.stats import EngineHealth, EngineStats, SchedulerStats
 
@@ -33,6 +33,7 @@ class EngineMonitor:
         self.kv_events = start_kv_events(config.kv_events, pool)
         # the LoRA adapter of each stored page, for the KV events (none to find without adapters)
         self.adapter_tags = AdapterTags(pool) if lora is not None else None
+        self.image_tags = ImageTags()  # the tokens and images behind pages keyed by an image
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.grade, self.reason = "OK", "starting"
 
@@ -77,11 +78,14 @@ class EngineMonitor:
             self.metrics.update_tiers(self.tiers.stats())
         if self.kv_events is None:
             return
+        self.image_tags.learn(seq.request for seq in computed if seq.request.images)
         events = self.pool.take_events()
         if self.tiers is not None:
             events += tier_events(self.tiers.take_events())
         if events and self.adapter_tags is not None:
             events = self.adapter_tags.tag(events, lambda: self._adapter_roots(computed))
+        if events:
+            events = self.image_tags.tag(events)
         if events and not self.kv_events.publish(events):
             self.metrics.kv_events_dropped.inc()
 

@@ -67,6 +67,19 @@ def test_batches_are_vllm_arrays_and_merge_chains() -> None:
     ]
 
 
+def test_pages_of_an_image_carry_its_digest_one_entry_a_page() -> None:
+    """extra_keys (vLLM's field after lora_name) only on a chain that holds an image: one entry a page, None for its
+    pages of text alone; the entries of one chain stay in its order across the merge."""
+    text, image = ("BlockStored", 1, None, [1] * BLOCK), ("BlockStored", 2, 1, [2] * BLOCK, "GPU", None, None, ["ab"])
+    after = ("BlockStored", 3, 2, [3] * BLOCK, "GPU", None, None, None)
+    _, decoded, _ = msgpack.unpackb(encode_batch([text, image, after, ("BlockStored", 9, 5, [4] * BLOCK)], BLOCK))
+    assert decoded == [
+        ["BlockStored", [1, 2, 3], None, [1] * BLOCK + [2] * BLOCK + [3] * BLOCK, BLOCK, None, "GPU", None,
+         [None, ["ab"], None]],
+        ["BlockStored", [9], 5, [4] * BLOCK, BLOCK, None, "GPU", None],
+    ]
+
+
 def test_stored_pages_carry_their_adapter_and_chains_of_two_adapters_stay_apart() -> None:
     events = [("BlockStored", 1, None, [1] * BLOCK, "GPU", 3, "sql"), ("BlockStored", 2, 1, [2] * BLOCK, "GPU", 3, "sql"),
               ("BlockStored", 7, 2, [4] * BLOCK, "GPU", 4, "chat"), ("BlockStored", 8, None, [5] * BLOCK, "CPU")]
