@@ -29,6 +29,6 @@ def forward(model: CausalLM, kv_cache: PagedKVCache, step: StepInputs,
         return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
     attn = AttentionMetadata(tensor(step.slot_mapping), tensor(step.block_tables), tensor(step.seq_lens),
-                             tensor(step.query_start_loc))
+                             tensor(step.query_start_loc), None if step.key_ends is None else tensor(step.key_ends))
     given = None if step.given is None else (tensor(step.given[0]).long(), step.given[1].to(device))
     return model(tensor(step.input_ids), tensor(step.positions), kv_cache.layers, attn, given)

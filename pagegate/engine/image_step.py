@@ -71,6 +71,25 @@ class ImageRows:
             self.cached_bytes += size
         return rows
 
+    def key_ends(self, seqs: Seq[Sequence], counts: Seq[int], starts: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray | None:
+        """The last position each of the step's tokens attends to: its own, and for the tokens of an image the model
+        reads bidirectionally the image's last (the scheduler computes an image to its end in one step). None: the
+        model reads images causally, or the step holds no image token."""
+        if not self.spec.bidirectional:
+            return None
+        ends = None
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            end = seq.num_computed
+            begin = end - n + len(seq.draft)
+            for image in seq.request.images:
+                if image.end <= begin or image.start >= end:
+                    continue
+                ends = positions.copy() if ends is None else ends
+                first = max(image.start, begin)
+                ends[starts[i] + first - begin:starts[i] + image.end - begin] = image.end - 1
+        return ends
+
     def given(self, seqs: Seq[Sequence], counts: Seq[int], starts: np.ndarray) -> Given | None:
         """The step's image rows: for each sequence's known tokens in the step (its chunk, before any guessed
         tokens), the rows of the image positions among them, at their places in the step. None: no image token."""

@@ -72,6 +72,9 @@ class StepInputs:
     # (tokens int32 [R], rows float32 [R, hidden]): input rows in place of those tokens' embeddings (an image
     # encoder's); rank 0 only: a vision-language model runs on one rank
     given: tuple[np.ndarray, torch.Tensor] | None = None
+    # int64 [T]: the last position each token attends to, past its own for an image's tokens where the model reads
+    # images bidirectionally (Gemma 3); None: causal. Rank 0 only, as `given`
+    key_ends: np.ndarray | None = None
 
     PARTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
              "swap_out", "copies", "swap_in")

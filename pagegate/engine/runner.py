@@ -221,9 +221,12 @@ class ModelRunner:
         input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)  # known tokens, then the guesses
                                  for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
                                 dtype=np.int64, count=len(slots))
-        given = self.images.given(seqs, counts, starts) if self.images is not None else None
+        given = key_ends = None
+        if self.images is not None:
+            given = self.images.given(seqs, counts, starts)
+            key_ends = self.images.key_ends(seqs, counts, starts, positions)
         step = StepInputs(input_ids, positions, slots, block_tables, seq_lens, starts,
-                          batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"), given)
+                          batch.pairs("swap_out"), batch.copies, batch.pairs("swap_in"), given, key_ends)
         if self.workers is not None:
             self.workers.channel.send(step)
         # NOTE: every step runs on the native decoder where there is one, prefill included: its arithmetic is the

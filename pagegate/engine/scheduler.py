@@ -133,6 +133,7 @@ class Scheduler:
         # False when every step runs the same arithmetic for a token whatever else it holds (the native step): then a
         # cold prompt need not stop at its hit's end (_hit_end)
         self.cuts_at_hits = True
+        self.whole_images = False  # the model reads an image's tokens bidirectionally: a chunk never ends inside one
         self._near: set[Sequence] = set()  # this step's nearly cached waiting sequences
         self._others_left = 0  # tokens other prompts may still take in a step with nearly cached ones
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
@@ -435,7 +436,8 @@ class Scheduler:
         the end of the prefix hit an identical prompt would get."""
         n = min(len(seq.token_ids) - start, allowance)
         cut = self._hit_end(seq)
-        return cut - start if start < cut < start + n else n
+        n = cut - start if start < cut < start + n else n
+        return _whole_images(seq, start, n) if self.whole_images else n
 
     def _hit_end(self, seq: Sequence) -> int:
         """Where a prefix hit of `seq`'s prompt ends: the last whole page before its last token (0: none).
@@ -881,6 +883,17 @@ class Scheduler:
                 "disk_tier_pages": disk.pages if disk else 0,
                 "disk_tier_capacity": tiers.disk.capacity_pages if tiers.disk else 0,
                 "tier_hit_pages": (host.hits if host else 0) + (disk.hits if disk else 0)}
+
+
+def _whole_images(seq: Sequence, start: int, n: int) -> int:
+    """`n`, so that the chunk from `start` does not end inside an image: back to the image's first token, or, where
+    that leaves nothing to compute, on to its end (past the step's budget: an image is computed whole or not at all,
+    its tokens seeing each other)."""
+    end = start + n
+    for image in seq.request.images:
+        if image.start < end < image.end:
+            return image.start - start if image.start > start else image.end - start
+    return n
 
 
 def _decodes(seq: Sequence) -> bool:

@@ -44,17 +44,23 @@ class AttentionOps:
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, key_ends: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over paged K/V for a varlen batch of prefill, chunked-prefill and decode tokens.
 
         query [T, H, D] holds sequence b's tokens at query_start_loc[b]:query_start_loc[b+1]: the last
         q_len of its seq_lens[b] context tokens, all already written to the cache. Returns [T, H, D]
         (written into `out` when given, e.g. a preallocated buffer). `softcap` (Gemma 2; None or 0:
         off) turns each scaled score s into softcap * tanh(s / softcap) before the mask and softmax.
+        `key_ends` [T] (None: causal): the last position each token sees, past its own for the tokens of an image
+        a model reads bidirectionally (Gemma 3; the sliding window still counts back from the token's own position).
+        Such steps run on the reference kernel on every device (only image prefill steps carry them).
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         softcap = reference.check_softcap(softcap)
+        if key_ends is not None:
+            return self._bidirectional(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       sliding_window, softcap, out, key_ends)
         if format_of(k_cache).rotated:  # R q meets R k; the output, a sum of R v, is rotated back
             result = self._attend(rotate(query).to(query.dtype), k_cache, v_cache, block_tables, seq_lens,
                                   query_start_loc, scale, sliding_window, softcap, None)
@@ -62,6 +68,17 @@ class AttentionOps:
             return result if out is None else out.copy_(result)
         return self._attend(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
                             softcap, out)
+
+    @staticmethod
+    def _bidirectional(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int | None,
+                       softcap: float | None, out: torch.Tensor | None, key_ends: torch.Tensor) -> torch.Tensor:
+        rotated = format_of(k_cache).rotated
+        result = reference.paged_attention(rotate(query).to(query.dtype) if rotated else query, k_cache, v_cache,
+                                           block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                           softcap=softcap, key_ends=key_ends)
+        result = unrotate(result).to(query.dtype) if rotated else result
+        return result if out is None else out.copy_(result)
 
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int | None,

@@ -79,6 +79,8 @@ typedef struct {
     int num_given;  /* tokens whose input rows are given (an image encoder's), not looked up from ids */
     const int32_t *given_tokens;  /* [num_given]: which tokens */
     const float *given;  /* [num_given, hidden]: their input rows, used as they are (not scaled) */
+    const int64_t *key_ends;  /* [tokens]: the last key each token sees (>= its position: an image's tokens see the
+                                 whole image, Gemma 3); NULL: each sees up to itself */
 } pgd_step;
 
 /* Per-step buffers, sized by the caller for PGD_MAX_TOKENS tokens. `normed` holds the input of the
@@ -309,12 +311,13 @@ static void pgd_rope_and_write(const pgd_model *m, const pgd_layer *layer, const
     }
 }
 
-/* The keys [first, last] token t of sequence seq sees (causal, windowed). */
+/* The keys [first, last] token t of sequence seq sees (causal, windowed; up to its key end where the step gives
+   one: the window still counts back from its own position, as transformers' Gemma 3 masks). */
 static void pgd_visible(const pgd_layer *layer, const pgd_step *s, int t, int seq, int *first, int *last) {
     const int q_len = s->query_start[seq + 1] - s->query_start[seq];
     const int pos = s->seq_lens[seq] - q_len + (t - s->query_start[seq]);
     *first = layer->window > 0 && pos - layer->window + 1 > 0 ? pos - layer->window + 1 : 0;
-    *last = pos;
+    *last = s->key_ends != NULL && s->key_ends[t] > pos ? (int)s->key_ends[t] : pos;
 }
 
 /* One tile of n keys (at `slot`) for `rows` query rows of one KV head: their scores, the online softmax's step
@@ -521,7 +524,8 @@ static void pgd_attention(const pgd_model *m, const pgd_layer *layer, const pgd_
     const int64_t state_size = (int64_t)group * (m->head_dim + 2);
     int most;
     if (!pgd_split_parts(m, layer, s, b, omp_get_num_threads(), &most)) {
-        const int per_block = layer->window > 0 ? 1 : PGD_BLOCK_ROWS / group;
+        /* blocks assume each token sees up to itself */
+        const int per_block = layer->window > 0 || s->key_ends != NULL ? 1 : PGD_BLOCK_ROWS / group;
         #pragma omp for schedule(dynamic)
         for (int item = 0; item < s->tokens * kv_heads; item++) {
             const int t = item / kv_heads, seq = b->token_seq[t];
@@ -711,6 +715,11 @@ static int pgd_check(const pgd_model *m, const pgd_step *s, const int64_t *ids, 
         if (ids[t] < 0 || ids[t] >= m->embed.n || s->positions[t] < 0 || s->positions[t] >= max_positions
             || s->slots[t] >= num_pages * m->block_size)
             return 2;
+    for (int seq = 0; s->key_ends != NULL && seq < s->seqs; seq++)
+        for (int t = s->query_start[seq]; t < s->query_start[seq + 1]; t++) {
+            const int64_t pos = s->seq_lens[seq] - (s->query_start[seq + 1] - t);
+            if (s->key_ends[t] < pos || s->key_ends[t] >= s->seq_lens[seq]) return 5;
+        }
     for (int seq = 0; seq < s->seqs; seq++) {
         const int q_len = s->query_start[seq + 1] - s->query_start[seq];
         const int64_t pages = ((int64_t)s->seq_lens[seq] + m->block_size - 1) / m->block_size;

@@ -98,6 +98,7 @@ cdef extern from "cpu_decode.h":
         int num_given
         const int32_t *given_tokens
         const float *given
+        const int64_t *key_ends
     ctypedef struct pgd_buffers:
         float *normed
         float *qkv
@@ -125,7 +126,8 @@ MAX_TOKENS = PGD_MAX_TOKENS  # tokens one forward takes (NativeDecoder cuts long
 _STEP_ERRORS = {1: "the step needs 1 to {} tokens in sequences that cover them".format(PGD_MAX_TOKENS),
                 2: "a token id, position or cache slot is out of range",
                 3: "a sequence's length or page count does not fit its block table",
-                4: "a block table names a page outside the cache"}
+                4: "a block table names a page outside the cache",
+                5: "a token's key end is before its position or past its sequence's keys in the step"}
 
 
 ACTIVATIONS = {"silu": PGD_SILU, "gelu_tanh": PGD_GELU_TANH}  # the gated MLP's activations
@@ -433,12 +435,18 @@ cdef class DecodeModel:
 
     def forward(self, const int64_t[::1] ids, const int64_t[::1] positions, const int64_t[::1] slots,
                 const int32_t[:, ::1] block_tables, const int32_t[::1] seq_lens, const int32_t[::1] query_start,
-                LoRATable lora=None, lora_groups=None, given=None):
+                LoRATable lora=None, lora_groups=None, given=None, const int64_t[::1] key_ends=None):
         """Final hidden states [T, hidden] (float32) of the step's tokens; their K and V go to their slots. With
         `lora` and `lora_groups` (LoRATable's groups), the grouped tokens run with their slots' adapters. `given`:
-        (tokens int32 [R], rows float32 [R, hidden]), input rows that replace those tokens' embeddings."""
+        (tokens int32 [R], rows float32 [R, hidden]), input rows that replace those tokens' embeddings. `key_ends`
+        [T]: the last position each token attends to (its own, or further within the step: an image's tokens)."""
         cdef pgd_step s
         s.lora = NULL
+        s.key_ends = NULL
+        if key_ends is not None:
+            if key_ends.shape[0] != ids.shape[0]:
+                raise ValueError("key_ends must give one position per token of the step")
+            s.key_ends = &key_ends[0]
         s.lora_groups.count = 0
         s.lora_groups.shrunk = NULL
         cdef const int32_t[::1] given_tokens

@@ -58,9 +58,10 @@ def load_pages(cache: torch.Tensor, pages: torch.Tensor, head_dim: int) -> torch
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, key_ends: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's last q_len tokens over its paged context; `softcap` caps
-    the scaled scores to (-softcap, softcap) with a tanh before masking and softmax."""
+    the scaled scores to (-softcap, softcap) with a tanh before masking and softmax; `key_ends` [T]: the last
+    position each token sees (api.AttentionOps.paged_attention)."""
     softcap = check_softcap(softcap)
     out = torch.empty_like(query) if out is None else out
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
@@ -70,8 +71,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _decode(query, k_cache, v_cache, block_tables, decode, lens, starts, scale, sliding_window, softcap, out)
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
+            ends = None if key_ends is None else key_ends[starts[b]:starts[b] + q_len].to(query.device)
             _prefill(query, k_cache, v_cache, block_tables[b], lens[b], starts[b], q_len, scale, sliding_window,
-                     softcap, out)
+                     softcap, out, ends)
     return out
 
 
@@ -80,8 +82,10 @@ def _first_visible(seq_len: int, q_len: int, sliding_window: int | None) -> int:
     return 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
 
 
-def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale, sliding_window, softcap, out):
-    """Queries start:start+q_len, the last q_len of seq_len context tokens, over their own pages."""
+def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale, sliding_window, softcap, out,
+             key_ends=None):
+    """Queries start:start+q_len, the last q_len of seq_len context tokens, over their own pages (each up to itself,
+    or up to its key end)."""
     block_size = k_cache.shape[1]
     first_page = _first_visible(seq_len, q_len, sliding_window) // block_size
     pages = block_table[first_page:-(-seq_len // block_size)].to(k_cache.device, torch.long)
@@ -90,10 +94,10 @@ def _prefill(query, k_cache, v_cache, block_table, seq_len, start, q_len, scale,
     keys, values = (load_pages(cache, pages, head_dim).flatten(0, 1)[:length] for cache in (k_cache, v_cache))
     queries = query[start:start + q_len].float()
     mask = None
-    if first_page > 0 or q_len < seq_len or sliding_window is not None:
+    if first_page > 0 or q_len < seq_len or sliding_window is not None or key_ends is not None:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         key_pos = torch.arange(first_page * block_size, seq_len, device=query.device)
-        mask = key_pos <= query_pos
+        mask = key_pos <= (query_pos if key_ends is None else torch.maximum(query_pos, key_ends[:, None]))
         if sliding_window is not None:
             mask &= query_pos - key_pos < sliding_window
     if softcap is not None:

@@ -44,11 +44,13 @@ class ImageInput:
 @dataclass(frozen=True)
 class VisionSpec:
     """What the engine checks of a prompt's images: the placeholder token, the tile size its encoder takes and the
-    rows it gives per tile."""
+    rows it gives per tile; `bidirectional`: an image's tokens see each other (Gemma 3), so a step that computes
+    any of them computes them all the way to the image's end (scheduler.py, image_step.key_ends)."""
 
     image_token_id: int
     tile_size: int
     rows_per_tile: int
+    bidirectional: bool = False
 
     def check_tiles(self, tiles: np.ndarray, param: str) -> None:
         """InvalidParamError unless `tiles` is uint8 [n >= 1, tile_size, tile_size, 3]."""

@@ -78,6 +78,7 @@ class KVPool:
                               elastic.floor if elastic else None, elastic.grow_now if elastic else None)
         scheduler.generates = runner.serves.generate  # an encoder's embeddings run in whole steps
         scheduler.cuts_at_hits = not runner.chunk_invariant
+        scheduler.whole_images = runner.vision is not None and runner.vision.bidirectional
         runner.bind(scheduler.tables)
         return scheduler
 

@@ -29,6 +29,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each sequence's tokens in the flat batch
+    key_ends: torch.Tensor | None = None  # [T] int64: the last position each token sees (None: itself)
 
 
 class Linear(nn.Linear):
@@ -195,4 +196,4 @@ class PagedAttention(nn.Module):
         self.ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         return self.ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                         attn.query_start_loc, self.scale, self.sliding_window,
-                                        softcap=self.softcap)
+                                        softcap=self.softcap, key_ends=attn.key_ends)

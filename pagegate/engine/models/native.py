@@ -128,26 +128,28 @@ class NativeDecoder:
         if len(step.input_ids) <= self.max_tokens:
             return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
                                              step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups,
-                                             given=step.given)
-        return torch.cat([self.kernel_model.forward(*part, lora=table, lora_groups=part_groups,
-                                                    given=_given_part(step.given, part_start, len(part[0])))
-                          for (part, part_groups), part_start in zip(_cut(step, groups, self.max_tokens),
-                                                                     range(0, len(step.input_ids), self.max_tokens),
-                                                                     strict=True)])
+                                             given=step.given, key_ends=step.key_ends)
+        return torch.cat([self.kernel_model.forward(
+            *part, lora=table, lora_groups=part_groups, given=_given_part(step.given, t0, len(part[0])),
+            key_ends=None if step.key_ends is None else step.key_ends[t0:t0 + len(part[0])])
+            for (part, part_groups), t0 in _cut(step, groups, self.max_tokens)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of any number of rows on the kernel, each row's as it would be alone."""
         return self.kernel_model.logits(hidden)
 
 
-def _cut(step: StepInputs, groups: Groups | None, size: int) -> Iterator[tuple[tuple[np.ndarray, ...], Groups | None]]:
-    """The step's tokens `size` at a time, as steps of their own: a sequence cut across two parts is, in the first,
-    as long as its last token there. NOTE: a token's arithmetic does not depend on the tokens beside it
-    (cpu_decode.h), so the parts compute what one call would."""
+def _cut(step: StepInputs, groups: Groups | None,
+         size: int) -> Iterator[tuple[tuple[tuple[np.ndarray, ...], Groups | None], int]]:
+    """The step's tokens at most `size` at a time, as steps of their own (with the first token's index): a sequence
+    cut across two parts is, in the first, as long as its last token there. NOTE: a token's arithmetic does not
+    depend on the tokens beside it (cpu_decode.h), so the parts compute what one call would; but a token that sees
+    keys past itself (key_ends: an image's) needs them written, so no cut falls inside such a run."""
     starts, lens = step.query_start_loc, step.seq_lens
     slots = _row_slots(groups, len(step.input_ids)) if groups is not None else None
-    for t0 in range(0, len(step.input_ids), size):
-        t1 = min(t0 + size, len(step.input_ids))
+    t0, total = 0, len(step.input_ids)
+    while t0 < total:
+        t1 = _cut_end(step, t0, size)
         first, last = np.searchsorted(starts, t0, "right") - 1, np.searchsorted(starts, t1, "left")
         begin = np.maximum(starts[first:last], t0)
         end = np.minimum(starts[first + 1:last + 1], t1)
@@ -155,7 +157,22 @@ def _cut(step: StepInputs, groups: Groups | None, size: int) -> Iterator[tuple[t
         part_starts = np.concatenate(([0], np.cumsum(end - begin))).astype(np.int32)
         arrays = (step.input_ids[t0:t1], step.positions[t0:t1], step.slot_mapping[t0:t1],
                   np.ascontiguousarray(step.block_tables[first:last]), part_lens, part_starts)
-        yield arrays, None if slots is None else slot_groups(slots[t0:t1])
+        yield (arrays, None if slots is None else slot_groups(slots[t0:t1])), t0
+        t0 = t1
+
+
+def _cut_end(step: StepInputs, t0: int, size: int) -> int:
+    """Where the part from t0 ends: `size` tokens on, or before, so that no token before the cut sees a key after it
+    (a run of tokens that see past themselves ends where they all stop)."""
+    t1 = min(t0 + size, len(step.input_ids))
+    if step.key_ends is None or t1 == len(step.input_ids):
+        return t1
+    cut = t1
+    while cut > t0 and step.key_ends[cut - 1] > step.positions[cut - 1]:
+        cut -= 1
+    if cut == t0:
+        raise ValueError(f"a run of tokens that see each other is longer than one native call ({size} tokens)")
+    return cut
 
 
 def _given_part(given: tuple[np.ndarray, torch.Tensor] | None, start: int,
