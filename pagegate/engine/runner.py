@@ -4,6 +4,7 @@ allocates the KV pages, and turns each scheduled batch into tensors, a forward a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,11 +23,12 @@ from pagegate.engine.loading.gguf_loader import is_gguf
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.loading.mmproj import load_mmproj
 from pagegate.engine.lora.model import LoRAModel
-from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.processing import ImageProcessing, processing_from_folder
 from pagegate.engine.media.prompt_images import VisionSpec
 from pagegate.engine.memory.kv_calibration import TEXT as CALIBRATION_TEXT
 from pagegate.engine.memory.kv_calibration import auto4_formats
-from pagegate.engine.models.idefics3_vision import load_idefics3_vision
+from pagegate.engine.models.gemma3_vision import Gemma3Vision, load_gemma3_vision
+from pagegate.engine.models.idefics3_vision import Idefics3Vision, load_idefics3_vision
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
 from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
@@ -40,6 +42,10 @@ from pagegate.kernels.kv_format import AUTO_4, LayerFormats, resolve_format
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
+# a folder's image encoder, by family
+VISION_LOADERS: dict[str, Callable[..., Idefics3Vision | Gemma3Vision]] = {"idefics3": load_idefics3_vision,
+                                                                          "gemma3": load_gemma3_vision}
+BIDIRECTIONAL_IMAGES = ("gemma3",)  # families whose image tokens see each other (a Gemma 3 image's whole run)
 
 
 class ModelRunner:
@@ -91,7 +97,7 @@ class ModelRunner:
         log.info("decode steps run on %s", "the native decoder" if self.native else "torch")
         self.tiers = self._tiers()
         self.lora = LoRAModel(self.model, config.lora, self.kv_cache.page_bytes) if config.lora else None
-        self.processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing
+        self.processing: ImageProcessing | None = None  # a vision-language model's image preprocessing
         self.images = self._image_rows(path)
 
     def _image_rows(self, path: Path) -> ImageRows | None:
@@ -103,20 +109,28 @@ class ModelRunner:
         if self.workers is not None or self.draft is not None or self.config.lora is not None:
             raise ValueError("a vision-language model runs without tensor parallelism, a draft model or LoRA yet")
         if mmproj is None:
-            self.processing = Idefics3Processing.from_folder(path)
-            vision = load_idefics3_vision(path, device=self.device)
+            family = self.model_config.vision
+            assert family is not None
+            self.processing = processing_from_folder(family, path)
+            vision: Idefics3Vision | Gemma3Vision = VISION_LOADERS[family](path, device=self.device)
         else:
             if not is_gguf(path):
                 raise ModelLoadError("--mmproj goes with a GGUF model file; a Hugging Face folder brings its own "
                                      "image encoder")
             vision, self.processing = load_mmproj(Path(mmproj), self.device)
-            self.model_config = replace(self.model_config, vision="idefics3",
-                                        image_token_id=self._special_token(self.processing.image_token))
+            family = "gemma3" if isinstance(vision, Gemma3Vision) else "idefics3"
+            self.model_config = replace(self.model_config, vision=family,
+                                        image_token_id=self._special_token(self.processing.soft_token))
         if vision.config.text_hidden_size != self.model_config.hidden_size:
             raise ModelLoadError(f"the image encoder's rows are {vision.config.text_hidden_size} wide, the model's "
                                  f"embeddings {self.model_config.hidden_size}: they are not one model's")
         vision.compute_dtype = encoder_dtype(vision.stored_dtype, self.device)
-        spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len)
+        spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len,
+                          bidirectional=self.model_config.vision in BIDIRECTIONAL_IMAGES)
+        step_tokens = self.config.scheduler.step_tokens
+        if spec.bidirectional and step_tokens < spec.rows_per_tile:
+            raise ValueError(f"a {self.model_config.vision} image's {spec.rows_per_tile} tokens are computed in one "
+                             f"step: --max-num-batched-tokens must be at least that, not {step_tokens}")
         log.info("image encoder: %s in %s, %.0f MiB of its output kept across requests", self.model_config.vision,
                  str(vision.compute_dtype).removeprefix("torch."), self.config.image_cache_memory / 2**20)
         return ImageRows(vision.encode, spec, self.config.image_cache_memory, self.processing.normalize)

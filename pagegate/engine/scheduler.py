@@ -437,7 +437,7 @@ class Scheduler:
         n = min(len(seq.token_ids) - start, allowance)
         cut = self._hit_end(seq)
         n = cut - start if start < cut < start + n else n
-        return _whole_images(seq, start, n) if self.whole_images else n
+        return _whole_images(seq, start, n, allowance) if self.whole_images else n
 
     def _hit_end(self, seq: Sequence) -> int:
         """Where a prefix hit of `seq`'s prompt ends: the last whole page before its last token (0: none).
@@ -794,6 +794,10 @@ class Scheduler:
                 return WAIT
             num_hit += len(found.keys) * self.block_size
         n = self._chunk(seq, num_hit, budget)
+        if n == 0:  # an image it computes whole does not fit the budget left: a later step
+            self.pool.free(hits)
+            self._release_adapter(seq)
+            return 0
         need = -(-(num_hit + n) // self.block_size) - len(hits)
         reserve = self._pages_left_free(seq)
         if not self._pages_for(seq, need + reserve, batch, now):
@@ -885,14 +889,16 @@ class Scheduler:
                 "tier_hit_pages": (host.hits if host else 0) + (disk.hits if disk else 0)}
 
 
-def _whole_images(seq: Sequence, start: int, n: int) -> int:
-    """`n`, so that the chunk from `start` does not end inside an image: back to the image's first token, or, where
-    that leaves nothing to compute, on to its end (past the step's budget: an image is computed whole or not at all,
-    its tokens seeing each other)."""
+def _whole_images(seq: Sequence, start: int, n: int, allowance: int) -> int:
+    """`n`, so that the chunk from `start` does not end inside an image (its tokens see each other): back to the
+    image's first token, or, where the chunk starts inside it, on to its end if the allowance holds that, else 0
+    (the image waits for a step with room for it; the engine's step budget holds any one image)."""
     end = start + n
     for image in seq.request.images:
         if image.start < end < image.end:
-            return image.start - start if image.start > start else image.end - start
+            if image.start > start:
+                return image.start - start
+            return image.end - start if image.end - start <= allowance else 0
     return n
 
 

@@ -17,9 +17,9 @@ from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
-from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.images import ImageLimits
 from pagegate.engine.media.placement import PlacedImage, place_images, template_parts
+from pagegate.engine.media.processing import ImageProcessing
 from pagegate.engine.pins import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
@@ -90,7 +90,7 @@ class ModelContext:
     tool_call_parser: str = "hermes"  # the format the model writes tool calls in (--tool-call-parser)
     max_scoring_tokens: int | None = None  # --max-scoring-tokens: the bound of check_scoring (None: none)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served by name -> path (the host's)
-    processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing (None: text only)
+    processing: ImageProcessing | None = None  # a vision-language model's image preprocessing (None: text only)
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # what an image part may be (--limit-mm-per-prompt)
 
     @property

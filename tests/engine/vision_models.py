@@ -1,16 +1,19 @@
 """A tiny random SmolVLM (Idefics3: a SigLIP vision tower, a pixel-shuffle connector and a Llama text model) saved
 as a Hugging Face folder the way SmolVLM's own is laid out: config.json with text_config and vision_config,
 model.safetensors, tokenizer.json with the image tokens, processor_config.json and preprocessor_config.json, and
-SmolVLM's chat template. transformers' own Idefics3Processor and model read it, so tests compare against them."""
+SmolVLM's chat template. transformers' own Idefics3Processor and model read it, so tests compare against them.
+Likewise a tiny random Gemma 3 (save_gemma3_vision), laid out as google/gemma-3-4b-it is."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from .conftest import SavedModel, _randomize, hf
@@ -109,5 +112,130 @@ def save_smolvlm(folder: Path, seed: int = 0, splitting: bool = True, shape: Sha
     model.eval()
     model.save_pretrained(folder)
     json.dump({"eos_token_id": ids["<end_of_utterance>"], "bos_token_id": 0},
+              open(folder / "generation_config.json", "w"))
+    return SavedModel(folder, model)
+
+
+# --- Gemma 3 (Gemma3ForConditionalGeneration: a SigLIP tower, an average-pool projector, a Gemma 3 text model) ---
+
+GEMMA3_TILE = 56  # the tower's image size: 4 x 4 patches of 14 (gemma-3-4b-it: 896, 64 x 64)
+GEMMA3_SEQ_LEN = 4  # mm_tokens_per_image: the patch grid average-pooled 2 x 2 (gemma-3-4b-it: 256, pooled 4 x 4)
+# gemma-3-4b-it's chat template (its chat_template.json); an image part renders as <start_of_image>
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+# in gemma-3-4b-it's order (ids 105, 106, 255999, 256000, 262144 there); bos and eos are the base tokenizer's
+GEMMA3_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def _save_gemma3_tokenizer(folder: Path) -> dict[str, int]:
+    tokenizer = Tokenizer.from_file(str(BASE_TOKENIZER))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in GEMMA3_SPECIAL])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+              "pad_token": "<|end_of_text|>", "add_bos_token": True, "add_eos_token": False,
+              "model_max_length": 4096, "chat_template": GEMMA3_CHAT_TEMPLATE,
+              "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                       "image_token": "<image_soft_token>"}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    ids = {token: tokenizer.token_to_id(token) for token in ["<|begin_of_text|>", "<|end_of_text|>", *GEMMA3_SPECIAL]}
+    return {token: id_ for token, id_ in ids.items() if id_ is not None}
+
+
+def _save_gemma3_processor(folder: Path) -> None:
+    image = {"image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": None, "do_resize": True,
+             "size": {"height": GEMMA3_TILE, "width": GEMMA3_TILE}, "resample": 2, "do_rescale": True,
+             "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": None, "pan_and_scan_min_crop_size": None,
+             "pan_and_scan_max_num_crops": None, "pan_and_scan_min_ratio_to_activate": None,
+             "processor_class": "Gemma3Processor"}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": GEMMA3_SEQ_LEN,
+                                                              "processor_class": "Gemma3Processor"}, indent=2))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": GEMMA3_CHAT_TEMPLATE}))
+
+
+def gemma3_config(ids: dict[str, int], vocab: int) -> Any:
+    """The tiny Gemma 3: 6 text layers, 5 sliding and the last full attention as gemma-3-4b-it's (and llama.cpp's
+    default for a GGUF, which records no pattern), its rope as gemma-3-4b-it's (linear x8 on the full layers' 1e6
+    base, 1e4 on the sliding ones)."""
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=512,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=2048,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
+                pad_token_id=ids["<|end_of_text|>"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                  image_size=GEMMA3_TILE, vision_use_head=False)
+    transformers: Any = hf()
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_SEQ_LEN,
+                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                             image_token_index=ids["<image_soft_token>"],
+                             eos_token_id=[ids["<|end_of_text|>"], ids["<end_of_turn>"]])
+
+
+def _checkpoint_names(file: Path) -> None:
+    """Rename the tower's tensors as gemma-3-4b-it's checkpoint has them: transformers 5 saves `vision_tower.*`
+    (its SiglipVisionModel has no `vision_model` level), the published files hold `vision_tower.vision_model.*`."""
+    tensors = load_file(str(file))
+    renamed = {re.sub(r"^vision_tower\.", "vision_tower.vision_model.", name): tensor
+               for name, tensor in tensors.items()}
+    save_file(renamed, str(file), metadata={"format": "pt"})
+
+
+def save_gemma3_vision(folder: Path, seed: int = 0) -> SavedModel:
+    """A random tiny Gemma 3 vision-language model in `folder`, laid out as google/gemma-3-4b-it is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = _save_gemma3_tokenizer(folder)
+    _save_gemma3_processor(folder)
+    torch.manual_seed(seed)
+    transformers: Any = hf()
+    model = transformers.Gemma3ForConditionalGeneration(gemma3_config(ids, max(ids.values()) + 1)).to(torch.float32)
+    _randomize(model, seed)
+    model.eval()
+    model.save_pretrained(folder)
+    _checkpoint_names(folder / "model.safetensors")
+    json.dump({"bos_token_id": ids["<|begin_of_text|>"], "pad_token_id": ids["<|end_of_text|>"],
+               "eos_token_id": [ids["<|end_of_text|>"], ids["<end_of_turn>"]]},
               open(folder / "generation_config.json", "w"))
     return SavedModel(folder, model)

@@ -29,7 +29,12 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
-VISION_PREFIXES = ("model.vision_model.", "model.connector.")  # an Idefics3 checkpoint's image encoder
+# the image encoder's tensors: Idefics3's, Gemma 3's (transformers 5's names, then the hub checkpoints' older ones)
+VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "vision_tower.", "multi_modal_projector.")
+# a vision-language checkpoint's text-model prefixes -> the text model's own
+TEXT_PREFIXES = {"model.text_model.": "model.", "model.language_model.": "model.", "language_model.model.": "model.",
+                 "language_model.lm_head.": "lm_head."}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -191,7 +196,8 @@ def _text_model_name(name: str, config: ModelConfig) -> str | None:
         return name
     if name.startswith(VISION_PREFIXES):
         return None
-    return "model." + name.removeprefix("model.text_model.") if name.startswith("model.text_model.") else name
+    prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+    return name if prefix is None else TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

@@ -1,6 +1,6 @@
 """Read a multimodal projector GGUF (an "mmproj" file, as llama.cpp's `convert_hf_to_gguf.py --mmproj` writes it) for
-SmolVLM / Idefics3: the vision tower and connector with the Hugging Face module names, and the image preprocessing
-its `clip.*` metadata describes. The text model is an ordinary GGUF beside it (gguf_loader)."""
+SmolVLM / Idefics3 or Gemma 3: the vision tower and projector with the Hugging Face module names, and the image
+preprocessing its `clip.*` metadata describes. The text model is an ordinary GGUF beside it (gguf_loader)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,24 @@ from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
+from pagegate.engine.media.gemma3 import Gemma3Processing
 from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.processing import ImageProcessing
+from pagegate.engine.models.gemma3_vision import Gemma3Vision
 from pagegate.engine.models.idefics3_vision import Idefics3Vision
 
-PROJECTOR = "idefics3"
+PROJECTORS = ("idefics3", "gemma3")  # llama.cpp's projector types read here; the family's name is the same
+GEMMA3_MERGE = 4  # llama.cpp's default for Gemma 3: the patch grid pooled 4 x 4 (a file may say otherwise)
 # NOTE: Idefics3 and SmolVLM resize images so their longest edge is 4 tiles (SmolVLM-256M: 2048 for 512-pixel tiles;
 # Idefics3-8B: 1456 for 364). Files written before the converter stored `clip.vision.preproc_image_size` lack it;
 # llama.cpp then slices the image at its own size instead, which no transformers checkpoint does, so we assume 4.
 TILES_PER_LONGEST_EDGE = 4
 _GLOBAL_NAMES = {"v.patch_embd": "vision_model.embeddings.patch_embedding",
                  "v.position_embd": "vision_model.embeddings.position_embedding",
-                 "v.post_ln": "vision_model.post_layernorm", "mm.model.fc": "connector.modality_projection.proj"}
+                 "v.post_ln": "vision_model.post_layernorm", "mm.model.fc": "connector.modality_projection.proj",
+                 "mm.input_projection": "multi_modal_projector.mm_input_projection",
+                 "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"}
+_TOWER = {"idefics3": "", "gemma3": "vision_tower."}  # where each family's SigLIP tower sits
 _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1",
                 "ffn_down": "mlp.fc2"}
@@ -46,22 +53,31 @@ def is_mmproj(path: Path) -> bool:
         return False
 
 
-def load_mmproj(path: Path, device: str | torch.device = "cpu") -> tuple[Idefics3Vision, Idefics3Processing]:
-    """The Idefics3 vision tower + connector (float32, eval mode, on `device`) and its preprocessing, from an mmproj
-    GGUF; ModelLoadError when the file is not an Idefics3 projector or lacks a tensor or key."""
+def load_mmproj(path: Path, device: str | torch.device = "cpu") -> tuple[Idefics3Vision | Gemma3Vision,
+                                                                         ImageProcessing]:
+    """The vision tower + projector (float32, eval mode, on `device`) and its preprocessing, from an mmproj GGUF;
+    its family is the model's `vision`. ModelLoadError when the file is no projector read here or lacks a tensor or
+    key."""
     path = Path(path)
     contents = _open(path)
     metadata = contents.metadata
-    config = _config(metadata, path)
-    model = Idefics3Vision.from_config(config)
-    state = _state_dict(contents.tensors, config["vision_config"], path)
-    missing = sorted(_gguf_name(name) for name in model.state_dict() if f"model.{name}" not in state)
+    family = projector_family(metadata)
+    config = _config(metadata, path, family)
+    model = Idefics3Vision.from_config(config) if family == "idefics3" else Gemma3Vision.from_config(config)
+    state = _state_dict(contents.tensors, config["vision_config"], path, family)
+    missing = sorted(_gguf_name(name, family) for name in model.state_dict() if f"model.{name}" not in state)
     if missing:
         raise ModelLoadError(f"{path.name} is missing tensor(s): {', '.join(missing[:5])}")
     model.load_state_dict_hf(state)  # shapes are checked there
     stored = {t.tensor_type for t in contents.tensors if t.name.startswith("v.blk.")}
     model.stored_dtype = next((_HALF[kind] for kind in stored if kind in _HALF), torch.float32)
-    return model.to(device=device).eval(), _processing(metadata, config)
+    processing = _processing(metadata, config) if family == "idefics3" else _gemma3_processing(metadata, config)
+    return model.to(device=device).eval(), processing
+
+
+def projector_family(metadata: dict[str, Any]) -> str:
+    """The file's projector type (clip.*), one of PROJECTORS: the vision family of the model it goes with."""
+    return str(metadata.get("clip.vision.projector_type", metadata.get("clip.projector_type")))
 
 
 def _open(path: Path) -> GGUFContents:
@@ -77,14 +93,15 @@ def _open(path: Path) -> GGUFContents:
                              f"{metadata.get('general.architecture')!r}, not 'clip'")
     if not metadata.get("clip.has_vision_encoder"):
         raise ModelLoadError(f"{path.name} has no vision encoder (clip.has_vision_encoder)")
-    projector = metadata.get("clip.vision.projector_type", metadata.get("clip.projector_type"))
-    if projector != PROJECTOR:
-        raise ModelLoadError(f"{path.name}: projector type {projector!r} is not supported; supported: {PROJECTOR}")
+    projector = projector_family(metadata)
+    if projector not in PROJECTORS:
+        raise ModelLoadError(f"{path.name}: projector type {projector!r} is not supported; supported: "
+                             f"{', '.join(PROJECTORS)}")
     return contents
 
 
-def _config(metadata: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The clip.* metadata as the config.json dict Idefics3Vision reads."""
+def _config(metadata: dict[str, Any], path: Path, family: str) -> dict[str, Any]:
+    """The clip.* metadata as the config.json dict the family's vision module reads."""
 
     def get(key: str) -> Any:
         if key not in metadata:
@@ -93,16 +110,21 @@ def _config(metadata: dict[str, Any], path: Path) -> dict[str, Any]:
 
     if not metadata.get("clip.use_gelu", False):  # llama.cpp's FFN is then SiLU, which no Idefics3 has
         raise ModelLoadError(f"{path.name}: only GELU vision MLPs are supported (clip.use_gelu is not set)")
-    vision = {"hidden_size": int(get("clip.vision.embedding_length")),
-              "intermediate_size": int(get("clip.vision.feed_forward_length")),
-              "num_hidden_layers": int(get("clip.vision.block_count")),
-              "num_attention_heads": int(get("clip.vision.attention.head_count")),
-              "image_size": int(get("clip.vision.image_size")), "patch_size": int(get("clip.vision.patch_size")),
-              # NOTE: the file holds eps as float32 (1e-6 reads 9.99999997e-07), a difference far below float32's
-              "layer_norm_eps": float(get("clip.vision.attention.layer_norm_epsilon")),
-              # ggml's GELU (llama.cpp's FFN_GELU) is the tanh approximation SigLIP's gelu_pytorch_tanh names
-              "hidden_act": "gelu_pytorch_tanh"}
-    return {"vision_config": vision, "text_config": {"hidden_size": int(get("clip.vision.projection_dim"))},
+    vision: dict[str, Any] = {"hidden_size": int(get("clip.vision.embedding_length")),
+        "intermediate_size": int(get("clip.vision.feed_forward_length")),
+        "num_hidden_layers": int(get("clip.vision.block_count")),
+        "num_attention_heads": int(get("clip.vision.attention.head_count")),
+        "image_size": int(get("clip.vision.image_size")), "patch_size": int(get("clip.vision.patch_size")),
+        # NOTE: the file holds eps as float32 (1e-6 reads 9.99999997e-07), a difference far below float32's
+        "layer_norm_eps": float(get("clip.vision.attention.layer_norm_epsilon")),
+        # ggml's GELU (llama.cpp's FFN_GELU) is the tanh approximation SigLIP's gelu_pytorch_tanh names
+        "hidden_act": "gelu_pytorch_tanh"}
+    text = {"hidden_size": int(get("clip.vision.projection_dim"))}
+    if family == "gemma3":
+        side = vision["image_size"] // vision["patch_size"] // int(metadata.get("clip.vision.projector.scale_factor",
+                                                                                 GEMMA3_MERGE))
+        return {"vision_config": vision, "text_config": text, "mm_tokens_per_image": side * side}
+    return {"vision_config": vision, "text_config": text,
             "scale_factor": int(metadata.get("clip.vision.projector.scale_factor", 2))}
 
 
@@ -118,35 +140,59 @@ def _processing(metadata: dict[str, Any], config: dict[str, Any]) -> Idefics3Pro
     return Idefics3Processing.from_config(preprocessor, {}, config)  # image_seq_len from the config
 
 
-def _state_dict(tensors: list[GGUFTensor], vision: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+def _gemma3_processing(metadata: dict[str, Any], config: dict[str, Any]) -> Gemma3Processing:
+    """The preprocessing llama.cpp applies to a Gemma 3 file: the image resized (bilinear) to the tower's square."""
+    tile = config["vision_config"]["image_size"]
+    preprocessor = {"size": {"height": tile, "width": tile}, "resample": Image.Resampling.BILINEAR,
+                    "image_mean": [float(v) for v in metadata.get("clip.vision.image_mean", [0.5] * 3)],
+                    "image_std": [float(v) for v in metadata.get("clip.vision.image_std", [0.5] * 3)]}
+    return Gemma3Processing.from_config(preprocessor, {}, config)
+
+
+def _state_dict(tensors: list[GGUFTensor], vision: dict[str, Any], path: Path,
+                family: str) -> dict[str, torch.Tensor]:
     """The file's tensors under the checkpoint's names (`model.` + module path), float32. The converter keeps
-    PyTorch's layouts (conv weight [out, in, p, p], Linear [out, in], Q/K/V unpermuted: the tower has no RoPE)."""
+    PyTorch's layouts (conv weight [out, in, p, p], Linear [out, in], Q/K/V unpermuted: the tower has no RoPE), but
+    Gemma 3's projection is a bare matrix and its soft-embedding norm is stored with Gemma's 1 added."""
     state = {}
     for tensor in tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, family)
         if name is None:
-            raise ModelLoadError(f"{path.name}: unexpected tensor {tensor.name} for an {PROJECTOR} projector")
+            raise ModelLoadError(f"{path.name}: unexpected tensor {tensor.name} for a {family} projector")
         state[f"model.{name}"] = _array(tensor)
     _unswap_ffn(state, vision["hidden_size"], vision["intermediate_size"])
+    if family == "gemma3":
+        projection = state.pop("model.multi_modal_projector.mm_input_projection.weight", None)
+        if projection is not None:
+            state["model.multi_modal_projector.mm_input_projection_weight"] = projection
+        norm = "model.multi_modal_projector.mm_soft_emb_norm.weight"
+        if norm in state:
+            state[norm] = state[norm] - 1.0
     return state
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """v.blk.3.attn_q.weight -> vision_model.encoder.layers.3.self_attn.q_proj.weight (None: not a known name)."""
+def _hf_name(gguf_name: str, family: str) -> str | None:
+    """v.blk.3.attn_q.weight -> vision_model.encoder.layers.3.self_attn.q_proj.weight, under the family's tower
+    (None: not a known name)."""
     module, _, leaf = gguf_name.rpartition(".")
     if leaf not in ("weight", "bias"):
         return None
+    tower = _TOWER[family]
     if module in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[module]}.{leaf}"
+        name = _GLOBAL_NAMES[module]
+        return f"{name}.{leaf}" if name.startswith(("connector.", "multi_modal_projector.")) else \
+            f"{tower}{name}.{leaf}"
     parts = module.split(".")
     if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in _LAYER_NAMES:
-        return f"vision_model.encoder.layers.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{leaf}"
+        return f"{tower}vision_model.encoder.layers.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{leaf}"
     return None
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, family: str) -> str:
     """The inverse of _hf_name, to name a missing tensor as the file would."""
-    module, _, leaf = hf_name.rpartition(".")
+    if hf_name == "multi_modal_projector.mm_input_projection_weight":
+        return "mm.input_projection.weight"
+    module, _, leaf = hf_name.removeprefix(_TOWER[family]).rpartition(".")
     for gguf_module, name in _GLOBAL_NAMES.items():
         if module == name:
             return f"{gguf_module}.{leaf}"

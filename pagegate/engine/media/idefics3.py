@@ -55,6 +55,11 @@ class Idefics3Processing:
     fake_image_token: str = "<fake_token_around_image>"
     global_image_token: str = "<global-img>"
 
+    @property
+    def soft_token(self) -> str:
+        """The token whose embeddings the encoder's rows replace: the placeholder itself."""
+        return self.image_token
+
     @classmethod
     def from_folder(cls, folder: Path) -> Idefics3Processing:
         """Read preprocessor_config.json (or processor_config.json's `image_processor`, transformers 5's layout),

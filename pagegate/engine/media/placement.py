@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from pagegate.engine.errors import InvalidParamError
-from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.images import DecodedImage
+from pagegate.engine.media.processing import ImageProcessing
 
 PlacedImage = tuple[bytes, np.ndarray]  # (digest, uint8 tiles [n, S, S, 3]), as the engine takes an image
 
 
-def place_images(text: str, images: Sequence[DecodedImage], processing: Idefics3Processing,
+def place_images(text: str, images: Sequence[DecodedImage], processing: ImageProcessing,
                  param: str) -> tuple[str, list[PlacedImage]]:
     """`text` with its i-th image placeholder replaced by image i's prompt text; InvalidParamError (naming
     `param`) when the placeholders and the images do not pair up."""

@@ -16,7 +16,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "idefics3"}  # SmolVLM's: SigLIP + Llama
+# image encoder families: SmolVLM's (SigLIP + Llama) and Gemma 3's (SigLIP + Gemma 3, images read bidirectionally)
+VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "idefics3", "Gemma3ForConditionalGeneration": "gemma3"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -152,7 +153,7 @@ def _vision_language(raw: dict[str, Any]) -> ModelConfig:
     config = ModelConfig.from_dict({**text, "architectures": [_ARCHITECTURE_BY_MODEL_TYPE.get(
         text.get("model_type", "llama"), "LlamaForCausalLM")]})
     return replace(config, vision=VISION_ARCHITECTURES[raw["architectures"][0]],
-                   image_token_id=int(raw["image_token_id"]))
+                   image_token_id=int(raw["image_token_id"] if "image_token_id" in raw else raw["image_token_index"]))
 
 
 def token_id_list(value: int | list[int] | None) -> list[int]:

@@ -25,7 +25,7 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
-from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.processing import ImageProcessing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
@@ -101,7 +101,7 @@ class CoreClient:
         self._load: CoreLoad | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.grammars: GrammarCompiler | None = None
-        self.processing: Idefics3Processing | None = None  # a vision-language model's (from its Ready frame)
+        self.processing: ImageProcessing | None = None  # a vision-language model's (from its Ready frame)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class CoreClient:
         self.default_sampling = ready.default_sampling
         self.eos_token_ids = ready.eos_token_ids
         self.tokenizer = ready.tokenizer.tokenizer() if ready.tokenizer is not None else None
-        self.processing = ready.processing
+        self.processing = ready.processing.processing() if ready.processing is not None else None
         self._load = ready.load
         if self.tokenizer is not None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

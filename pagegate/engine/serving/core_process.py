@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.engine import Engine
 from pagegate.engine.lora.loader import AdapterLoader, LoadJob
+from pagegate.engine.media.processing import WireProcessing
 from pagegate.engine.memory.page_ledger import receive_ledger
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.serving.frames import (
@@ -258,7 +259,7 @@ def ready_frame(loop: CoreLoop) -> Ready:
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.generation.sampling_overrides(),
                  WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load(),
-                 engine.processing)
+                 WireProcessing.of(engine.processing) if engine.processing is not None else None)
 
 
 def _never_outlive(parent_pid: int) -> None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from pagegate.engine.loading.tokenizer import Tokenizer
-    from pagegate.engine.media.idefics3 import Idefics3Processing
+    from pagegate.engine.media.processing import ImageProcessing
     from pagegate.engine.pins import Pin
     from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.sampling.structured import StructuredOutputsParams
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class EngineClient(Protocol):
     model_name: str
     tokenizer: Tokenizer | None
-    processing: Idefics3Processing | None  # a vision-language model's image preprocessing (None: text only)
+    processing: ImageProcessing | None  # a vision-language model's image preprocessing (None: text only)
     max_model_len: int
     kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
     vocab_size: int

@@ -30,7 +30,7 @@ import numpy as np
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
-from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.media.processing import WireProcessing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -292,7 +292,7 @@ class Ready(Frame, tag="ready"):
     default_sampling: dict[str, int | float]  # generation_config.json, as SamplingParams keywords (top_k an int)
     tokenizer: WireTokenizer | None
     load: CoreLoad
-    processing: Idefics3Processing | None = None  # a vision-language model's image preprocessing
+    processing: WireProcessing | None = None  # a vision-language model's image preprocessing
 
 
 class Outputs(Frame, tag="outputs"):

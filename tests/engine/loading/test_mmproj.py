@@ -1,6 +1,6 @@
-"""SmolVLM's vision side from the mmproj GGUF llama.cpp's own converter writes (`convert_hf_to_gguf.py --mmproj`):
-the same image-token rows as the Hugging Face folder (F32 exactly, F16 within its rounding), the same preprocessing,
-and files that are not Idefics3 projectors refused by name."""
+"""SmolVLM's and Gemma 3's vision side from the mmproj GGUF llama.cpp's own converter writes (`convert_hf_to_gguf.py
+--mmproj`): the same image-token rows as the Hugging Face folder (F32 exactly, F16 within its rounding), the same
+preprocessing, the same answers, and files that are no projector read here refused by name."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from bench.peers import llamacpp
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.gguf_reader import GGUFContents
 from pagegate.engine.loading.mmproj import is_mmproj, load_mmproj
+from pagegate.engine.media.gemma3 import Gemma3Processing
 from pagegate.engine.media.idefics3 import Idefics3Processing
+from pagegate.engine.models.gemma3_vision import Gemma3Vision, load_gemma3_vision
 from pagegate.engine.models.idefics3_vision import load_idefics3_vision
-from tests.engine.vision_models import save_smolvlm
+from tests.engine.vision_models import save_gemma3_vision, save_smolvlm
 
 OUTTYPES = ("f32", "f16")
 
@@ -115,7 +117,7 @@ def test_is_mmproj_tells_projectors_from_other_files(folder: Path, mmproj: dict[
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"arch": "llama"}, "not a multimodal projector"),
-    ({"values": {"clip.projector_type": "gemma3"}}, "projector type 'gemma3' is not supported"),
+    ({"values": {"clip.projector_type": "qwen2.5vl_merger"}}, "projector type 'qwen2.5vl_merger' is not supported"),
     ({"drop": ("v.blk.1.attn_v.weight",)}, "missing tensor(s): v.blk.1.attn_v.weight"),
     ({"drop": ("clip.vision.patch_size",)}, "lacks the metadata key clip.vision.patch_size"),
     ({"extra": "v.blk.0.attn_qkv.weight"}, "unexpected tensor v.blk.0.attn_qkv.weight"),
@@ -156,3 +158,44 @@ def _rewrite(source: Path, out: Path, arch: str = "clip", values: dict[str, Any]
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Gemma 3 folder and llama.cpp's conversion of it: its text model F32, its vision side F32 (the
+    converter keeps the projection matrix in F16 whatever the outtype)."""
+    folder = save_gemma3_vision(tmp_path_factory.mktemp("gemma3") / "hf", seed=7).path
+    return {"folder": folder, "text": llamacpp.convert(folder, folder.parent / "text.gguf", "f32"),
+            "mmproj": llamacpp.convert(folder, folder.parent / "mmproj.gguf", "f32", extra_args=("--mmproj",))}
+
+
+def test_a_gemma3_mmproj_is_the_folders_vision_side(gemma3: dict[str, Path]) -> None:
+    vision, processing = load_mmproj(gemma3["mmproj"])
+    assert isinstance(vision, Gemma3Vision) and vision.config.image_seq_len == 4
+    folder_processing = Gemma3Processing.from_folder(gemma3["folder"])
+    assert processing == folder_processing
+    pixels = np.random.default_rng(8).integers(0, 256, (90, 120, 3), dtype=np.uint8)
+    tiles = torch.from_numpy(processing.normalize(processing.prepare(pixels).tiles))
+    expected = load_gemma3_vision(gemma3["folder"]).encode(tiles)
+    torch.testing.assert_close(vision.encode(tiles), expected, atol=1e-2, rtol=1e-2)  # the F16 projection
+
+
+def test_a_gemma3_gguf_with_its_mmproj_answers_as_the_folder_does(gemma3: dict[str, Path]) -> None:
+    from PIL import Image
+
+    from pagegate.engine.llm import LLM
+    from pagegate.engine.sampling.params import SamplingParams
+
+    image = Image.fromarray(np.random.default_rng(9).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+    prompt = {"prompt": "<start_of_turn>user\nLook:<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n",
+              "multi_modal_data": {"image": image}}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    answers = []
+    for model, mmproj in ((str(gemma3["folder"]), None), (str(gemma3["text"]), str(gemma3["mmproj"]))):
+        llm = LLM(model, mmproj=mmproj, device="cpu", num_kv_blocks=32, max_model_len=512, kv_cache_dtype="float32")
+        answers.append(llm.generate(prompt, params, use_tqdm=False)[0])
+        llm.shutdown()
+    folder_answer, gguf_answer = answers
+    assert gguf_answer.prompt_token_ids == folder_answer.prompt_token_ids
+    assert gguf_answer.outputs[0].token_ids == folder_answer.outputs[0].token_ids
+    assert llm.engine.runner.model_config.vision == "gemma3"

@@ -114,7 +114,8 @@ def _compare_steps(model: CausalLM, exact: bool = False) -> None:
             k.copy_(k0)
             v.copy_(v0)
         step = SimpleNamespace(input_ids=arrays[0], positions=arrays[1], slot_mapping=arrays[2],
-                               block_tables=arrays[3], seq_lens=arrays[4], query_start_loc=arrays[5], given=None)
+                               block_tables=arrays[3], seq_lens=arrays[4], query_start_loc=arrays[5], given=None,
+                               key_ends=None)
         hidden = native.forward(cast(StepInputs, step))
         torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
         for (k, v), (k1, v1) in zip(caches, written, strict=True):
