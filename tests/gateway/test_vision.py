@@ -159,3 +159,44 @@ def test_a_text_model_refuses_images(client: openai.OpenAI, model: str) -> None:
             {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}])
     assert caught.value.body["param"] == "messages.0.content.0.image_url"
     assert "does not take images" in caught.value.body["message"]
+
+
+def test_gemma3_answers_as_transformers_does_through_the_sdks(tmp_path: Path) -> None:
+    """The second family, served: Gemma 3's preprocessing crosses to the engine core (its image tokens see each
+    other), and the openai and anthropic SDKs get transformers' greedy answer."""
+    import transformers
+
+    from tests.engine.vision_models import save_gemma3_vision
+
+    folder = save_gemma3_vision(tmp_path / "gemma3", seed=2).path
+    image = _picture(3, (90, 120))
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    # the template writes the BOS: the tokenizer adds none (as a served chat's prompt; the processor's own call on
+    # the rendered text would add a second)
+    inputs = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=[image],
+                       return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    args = server_args("--served-model-name", "gemma3", "--num-kv-blocks", "64", "--max-model-len", "512",
+                       embedded=True)
+    server = ServerProcess(["--model", str(folder), *args]).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        content = [{"type": "image_url", "image_url": {"url": _data_url(_png(image))}},
+                   {"type": "text", "text": QUESTION}]
+        chat = client.chat.completions.create(model="gemma3", messages=[{"role": "user", "content": content}],
+                                              extra_body={"ignore_eos": True}, **GREEDY)
+        assert chat.choices[0].message.content == expected
+        assert chat.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+        message = claude.messages.create(model="gemma3", max_tokens=MAX_TOKENS, messages=[
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(_png(image)).decode()}},
+                {"type": "text", "text": QUESTION}]}], extra_body={"temperature": 0.0})
+        assert message.stop_reason == "max_tokens"  # no end of turn in 6 tokens: the same tokens as above
+        assert message.content[0].text == expected
+    finally:
+        assert server.stop() == 0, server.log()[-4000:]
