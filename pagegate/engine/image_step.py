@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -79,15 +79,10 @@ class ImageRows:
         if not self.spec.bidirectional:
             return None
         ends = None
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            end = seq.num_computed
-            begin = end - n + len(seq.draft)
-            for image in seq.request.images:
-                if image.end <= begin or image.start >= end:
-                    continue
-                ends = positions.copy() if ends is None else ends
-                first = max(image.start, begin)
-                ends[starts[i] + first - begin:starts[i] + image.end - begin] = image.end - 1
+        for i, begin, image in _step_images(seqs, counts):
+            ends = positions.copy() if ends is None else ends
+            first = max(image.start, begin)
+            ends[starts[i] + first - begin:starts[i] + image.end - begin] = image.end - 1
         return ends
 
     def given(self, seqs: Seq[Sequence], counts: Seq[int], starts: np.ndarray) -> Given | None:
@@ -96,17 +91,23 @@ class ImageRows:
         tokens: list[np.ndarray] = []
         rows: list[torch.Tensor] = []
         step: dict[bytes, torch.Tensor] = {}  # an image too large for the cache is still encoded once a step
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            end = seq.num_computed
-            begin = end - n + len(seq.draft)
-            for image in seq.request.images:
-                if image.end <= begin or image.start >= end:
-                    continue
-                inside = (image.rows >= begin) & (image.rows < end)
-                tokens.append((image.rows[inside] - begin + starts[i]).astype(np.int32))
-                if image.digest not in step:
-                    step[image.digest] = self.rows(image)
-                rows.append(step[image.digest][torch.from_numpy(inside)])
+        for i, begin, image in _step_images(seqs, counts):
+            inside = (image.rows >= begin) & (image.rows < seqs[i].num_computed)
+            tokens.append((image.rows[inside] - begin + starts[i]).astype(np.int32))
+            if image.digest not in step:
+                step[image.digest] = self.rows(image)
+            rows.append(step[image.digest][torch.from_numpy(inside)])
         if not tokens:
             return None
         return np.concatenate(tokens), torch.cat(rows).contiguous()
+
+
+def _step_images(seqs: Seq[Sequence], counts: Seq[int]) -> Iterator[tuple[int, int, ImageInput]]:
+    """(i, begin, image) for each image of sequence i that its known tokens in the step (from position `begin` to
+    its num_computed, before any guessed tokens) reach."""
+    for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+        end = seq.num_computed
+        begin = end - n + len(seq.draft)
+        for image in seq.request.images:
+            if image.start < end and image.end > begin:
+                yield i, begin, image

@@ -8,7 +8,6 @@ with torch's int16-weight kernel, a level apart from Pillow's on some pixels, an
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.media.idefics3 import PreparedImage
+from pagegate.engine.media.preprocess import PreparedImage, read_json, rescale_normalize, three
 
 # transformers' Gemma3ImageProcessor and Gemma3Processor defaults, for keys the configs leave out (a published
 # preprocessor_config.json writes null for the pan-and-scan keys: the processor's own default, off, applies)
@@ -48,10 +47,10 @@ class Gemma3Processing:
     def from_folder(cls, folder: Path) -> Gemma3Processing:
         """Read preprocessor_config.json (or processor_config.json's `image_processor`, transformers 5's layout),
         processor_config.json, tokenizer_config.json and config.json."""
-        processor = _read_json(folder / "processor_config.json")
-        preprocessor = _read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
-        return cls.from_config(preprocessor, processor, _read_json(folder / "config.json"),
-                               _read_json(folder / "tokenizer_config.json"))
+        processor = read_json(folder / "processor_config.json")
+        preprocessor = read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        return cls.from_config(preprocessor, processor, read_json(folder / "config.json"),
+                               read_json(folder / "tokenizer_config.json"))
 
     @classmethod
     def from_config(cls, preprocessor: dict[str, Any], processor: dict[str, Any], config: dict[str, Any],
@@ -75,8 +74,8 @@ class Gemma3Processing:
         seq_len = processor.get("image_seq_length") or config.get("mm_tokens_per_image") or 256
         return cls(tile_size=tile, image_seq_len=int(seq_len), resample=int(image["resample"]),
                    do_rescale=bool(image["do_rescale"]), rescale_factor=float(image["rescale_factor"]),
-                   do_normalize=bool(image["do_normalize"]), image_mean=_three(image["image_mean"]),
-                   image_std=_three(image["image_std"]), **tokens)
+                   do_normalize=bool(image["do_normalize"]), image_mean=three(image["image_mean"]),
+                   image_std=three(image["image_std"]), **tokens)
 
     def prompt_text(self) -> str:
         """The prompt text of one image: the processor's full image sequence, blank lines around it."""
@@ -92,14 +91,8 @@ class Gemma3Processing:
 
     def normalize(self, frames: np.ndarray) -> np.ndarray:
         """uint8 tiles [n, S, S, 3] -> the encoder's float32 input [n, 3, S, S], as transformers computes it."""
-        tiles = frames.transpose(0, 3, 1, 2)
-        # NOTE: rescaled in float64 and rounded to float32, then normalized in float32 (mean and std rounded to
-        # float32 first), as Idefics3Processing.normalize does
-        values = (tiles.astype(np.float64) * self.rescale_factor).astype(np.float32) if self.do_rescale \
-            else tiles.astype(np.float32)
-        if self.do_normalize:
-            values = (values - _channels(self.image_mean)) / _channels(self.image_std)
-        return np.ascontiguousarray(values)
+        return rescale_normalize(frames, self.rescale_factor if self.do_rescale else None,
+                                 (self.image_mean, self.image_std) if self.do_normalize else None)
 
 
 def _tokens(tokenizer: dict[str, Any]) -> dict[str, str]:
@@ -109,22 +102,3 @@ def _tokens(tokenizer: dict[str, Any]) -> dict[str, str]:
     named = {**tokenizer, **(extra if isinstance(extra, dict) else {})}
     fields = {"boi_token": "image_token", "image_token": "soft_token", "eoi_token": "end_token"}
     return {field: str(named[key]) for key, field in fields.items() if isinstance(named.get(key), str)}
-
-
-def _channels(values: tuple[float, float, float]) -> np.ndarray:
-    return np.asarray(values, dtype=np.float32)[:, None, None]
-
-
-def _three(values: float | list[float]) -> tuple[float, float, float]:
-    if isinstance(values, (int, float)):
-        return (float(values),) * 3
-    if len(values) != 3:
-        raise ModelLoadError(f"expected 3 per-channel values, got {values}")
-    return float(values[0]), float(values[1]), float(values[2])
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    loaded: dict[str, Any] = json.loads(path.read_text())
-    return loaded

@@ -4,7 +4,6 @@ Torch-free: the gateway imports it to expand `<image>` placeholders and count pr
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.media.preprocess import PreparedImage, read_json, rescale_normalize, three
 
 # NOTE: transformers caps a resized image's longest edge at 4096 pixels whatever the config says; so do we.
 MAX_IMAGE_SIZE = 4096
@@ -22,18 +22,6 @@ _DEFAULTS: dict[str, Any] = {"size": {"longest_edge": 4 * 364}, "max_image_size"
                              "resample": Image.Resampling.LANCZOS, "do_resize": True, "do_rescale": True,
                              "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
                              "image_std": [0.5, 0.5, 0.5], "do_image_splitting": True}
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """One image ready for the model: `tiles` uint8 [n, S, S, 3] (row-major crops, then the global image; `normalize`
-    makes them the encoder's input) and `text`, the prompt text that replaces the image's one `<image>` placeholder.
-
-    NOTE: tiles stay uint8 until the encoder runs: a fourth of float32's bytes across the seam and while the request
-    lives (a 17-tile SmolVLM image: 13 MB, not 53)."""
-
-    tiles: np.ndarray
-    text: str
 
 
 @dataclass(frozen=True)
@@ -64,9 +52,9 @@ class Idefics3Processing:
     def from_folder(cls, folder: Path) -> Idefics3Processing:
         """Read preprocessor_config.json (or processor_config.json's `image_processor`, transformers 5's layout),
         processor_config.json and config.json."""
-        processor = _read_json(folder / "processor_config.json")
-        preprocessor = _read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
-        return cls.from_config(preprocessor, processor, _read_json(folder / "config.json"))
+        processor = read_json(folder / "processor_config.json")
+        preprocessor = read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        return cls.from_config(preprocessor, processor, read_json(folder / "config.json"))
 
     @classmethod
     def from_config(cls, preprocessor: dict[str, Any], processor: dict[str, Any],
@@ -81,7 +69,7 @@ class Idefics3Processing:
                    do_image_splitting=bool(image["do_image_splitting"]), resample=int(image["resample"]),
                    do_resize=bool(image["do_resize"]), do_rescale=bool(image["do_rescale"]),
                    rescale_factor=float(image["rescale_factor"]), do_normalize=bool(image["do_normalize"]),
-                   image_mean=_three(image["image_mean"]), image_std=_three(image["image_std"]))
+                   image_mean=three(image["image_mean"]), image_std=three(image["image_std"]))
 
     def prepare(self, pixels: np.ndarray) -> PreparedImage:
         """A decoded RGB image, uint8 [H, W, 3] -> its tiles and prompt text."""
@@ -126,16 +114,8 @@ class Idefics3Processing:
 
     def normalize(self, frames: np.ndarray) -> np.ndarray:
         """uint8 tiles [n, S, S, 3] -> the encoder's float32 input [n, 3, S, S], rescaled then normalized."""
-        # NOTE: transformers rescales in float64 and rounds to float32, then normalizes in float32 (mean and std
-        # rounded to float32 first); the same order keeps the tiles bit-identical to its pixel_values.
-        tiles = frames.transpose(0, 3, 1, 2)
-        values = (tiles.astype(np.float64) * self.rescale_factor).astype(np.float32) if self.do_rescale \
-            else tiles.astype(np.float32)
-        if self.do_normalize:
-            mean = np.asarray(self.image_mean, dtype=np.float32)[:, None, None]
-            std = np.asarray(self.image_std, dtype=np.float32)[:, None, None]
-            values = (values - mean) / std
-        return np.ascontiguousarray(values)
+        return rescale_normalize(frames, self.rescale_factor if self.do_rescale else None,
+                                 (self.image_mean, self.image_std) if self.do_normalize else None)
 
 
 def _longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
@@ -176,18 +156,3 @@ def _model_seq_len(config: dict[str, Any]) -> int:
     vision = config.get("vision_config", {})
     patches = vision.get("image_size", 224) // vision.get("patch_size", 32)
     return int(patches**2 / config.get("scale_factor", 2) ** 2)
-
-
-def _three(values: float | list[float]) -> tuple[float, float, float]:
-    if isinstance(values, (int, float)):
-        return (float(values),) * 3
-    if len(values) != 3:
-        raise ModelLoadError(f"expected 3 per-channel values, got {values}")
-    return float(values[0]), float(values[1]), float(values[2])
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    loaded: dict[str, Any] = json.loads(path.read_text())
-    return loaded
