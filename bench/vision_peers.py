@@ -1,9 +1,10 @@
 """pagegate's greedy tokens against llama.cpp's (`llama-server --mmproj`) and transformers' on one image, a tiny random
 SmolVLM or Gemma 3. Tokens only: time to first token is bench/vision_served.py's (both servers through the SDK).
 
-    python -m bench.vision_peers [--family smolvlm|gemma3] [--rounds 3] [--tokens 8] [--threads 2]
+    python -m bench.vision_peers [--family smolvlm|gemma3|gemma3-4b] [--rounds 3] [--tokens 8] [--threads 2]
 
-The model is tests/engine/vision_models.py's tiny SmolVLM or Gemma 3, saved once under .cache/peers/ and converted
+The model is tests/engine/vision_models.py's tiny SmolVLM or Gemma 3 (gemma3-4b: Gemma 3 at gemma-3-4b-it's widths,
+6 text layers, 896-pixel images of 256 tokens), saved once under .cache/peers/ and converted
 by llama.cpp's own `convert_hf_to_gguf.py` (a text GGUF and, with --mmproj, the vision GGUF); llama.cpp is built
 once by `python -m bench.peers.llamacpp build`. Each round makes a new random image and sends it with the family's
 chat prompt to both engines for `--tokens` greedy tokens, printed beside transformers' own. pagegate runs offline
@@ -26,26 +27,26 @@ from PIL import Image
 from bench.peers import llamacpp
 from bench.peers.served import start_llama_server
 from pagegate import LLM, SamplingParams
-from tests.engine.vision_models import save_gemma3_vision, save_smolvlm
+from tests.engine.vision_models import GEMMA3_4B, save_gemma3_vision, save_smolvlm
 
 QUESTION = "What is in this image?"
 CONTEXT = 2048
 # height, width of each family's images. SmolVLM's 300 x 200 is resized to 256 x 170 and cut into 2 x 2 tiles and the
 # global image; Gemma 3's is its tower's square (56), since llama.cpp's bilinear resize (no antialiasing) is not
 # Pillow's, which transformers runs: downscaled, the two give the encoder other pixels
-IMAGE_SIZES = {"smolvlm": (300, 200), "gemma3": (56, 56)}
+IMAGE_SIZES = {"smolvlm": (300, 200), "gemma3": (56, 56), "gemma3-4b": (896, 896)}
 
 
 def make_model(family: str) -> tuple[Path, Path, Path]:
     """The family's HF folder, its text GGUF and its mmproj GGUF (made once)."""
-    work = llamacpp.CACHE / f"{family}-tiny"
+    work = llamacpp.CACHE / (family if family == "gemma3-4b" else f"{family}-tiny")
     folder = work / "hf"
     if not (folder / "model.safetensors").is_file():
         if family == "smolvlm":
             save_smolvlm(folder)
             fit_for_llama_cpp(folder)
         else:
-            save_gemma3_vision(folder)
+            save_gemma3_vision(folder, shape=GEMMA3_4B) if family == "gemma3-4b" else save_gemma3_vision(folder)
     text = llamacpp.convert(folder, work / "text-f32.gguf", "f32")
     mmproj = llamacpp.convert(folder, work / "mmproj-f32.gguf", "f32", extra_args=("--mmproj",))
     return folder, text, mmproj
@@ -102,7 +103,8 @@ def pagegate_run(llm: LLM, prompt: str, png: bytes, tokens: int) -> Run:
 
 # each family's placeholder, and what llama.cpp's prompt holds for it (tools/mtmd/mtmd.cpp puts Gemma 3's image between
 # <start_of_image> and <end_of_image>, and transformers' processor writes blank lines around those)
-MARKERS = {"smolvlm": ("<image>", "{}"), "gemma3": ("<start_of_image>", "\n\n{}\n\n")}
+MARKERS = {"smolvlm": ("<image>", "{}"), "gemma3": ("<start_of_image>", "\n\n{}\n\n"),
+           "gemma3-4b": ("<start_of_image>", "\n\n{}\n\n")}
 
 
 def llama_run(base: str, family: str, prompt: str, png: bytes, tokens: int) -> Run:

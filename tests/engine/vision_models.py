@@ -181,37 +181,61 @@ def _save_gemma3_tokenizer(folder: Path) -> dict[str, int]:
     return {token: id_ for token, id_ in ids.items() if id_ is not None}
 
 
-def _save_gemma3_processor(folder: Path) -> None:
+@dataclass(frozen=True)
+class Gemma3Shape:
+    """A Gemma 3's widths: its text model's (6 layers: 5 sliding, 1 full), its vision tower's, its image tokens."""
+
+    text: dict[str, Any]
+    vision: dict[str, Any]
+    tokens: int  # mm_tokens_per_image
+
+    @property
+    def tile(self) -> int:
+        return int(self.vision["image_size"])
+
+
+GEMMA3_TINY = Gemma3Shape(dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, query_pre_attn_scalar=16, sliding_window=512),
+                          dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               patch_size=14, image_size=GEMMA3_TILE), GEMMA3_SEQ_LEN)
+# gemma-3-4b-it's widths (its vocabulary and 28 of its 34 text layers aside): 896-pixel images, 256 image tokens.
+# Untied: with random weights six layers move the stream too little, and a tied head then repeats its input token.
+GEMMA3_4B = Gemma3Shape(dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4,
+                             head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, tie_word_embeddings=False),
+                        dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                             patch_size=14, image_size=896), 256)
+
+
+def _save_gemma3_processor(folder: Path, shape: Gemma3Shape) -> None:
     image = {"image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": None, "do_resize": True,
-             "size": {"height": GEMMA3_TILE, "width": GEMMA3_TILE}, "resample": 2, "do_rescale": True,
+             "size": {"height": shape.tile, "width": shape.tile}, "resample": 2, "do_rescale": True,
              "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
              "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": None, "pan_and_scan_min_crop_size": None,
              "pan_and_scan_max_num_crops": None, "pan_and_scan_min_ratio_to_activate": None,
              "processor_class": "Gemma3Processor"}
     (folder / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
-    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": GEMMA3_SEQ_LEN,
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": shape.tokens,
                                                               "processor_class": "Gemma3Processor"}, indent=2))
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": GEMMA3_CHAT_TEMPLATE}))
 
 
-def gemma3_config(ids: dict[str, int], vocab: int) -> Any:
-    """The tiny Gemma 3: 6 text layers, 5 sliding and the last full attention as gemma-3-4b-it's (and llama.cpp's
+def gemma3_config(ids: dict[str, int], vocab: int, shape: Gemma3Shape = GEMMA3_TINY) -> Any:
+    """A Gemma 3 of `shape`: 6 text layers, 5 sliding and the last full attention as gemma-3-4b-it's (and llama.cpp's
     default for a GGUF, which records no pattern), its rope as gemma-3-4b-it's (linear x8 on the full layers' 1e6
     base, 1e4 on the sliding ones)."""
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=512,
+    text = dict(shape.text, vocab_size=vocab, num_hidden_layers=6,
                 layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=2048,
                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                 bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
                 pad_token_id=ids["<|end_of_text|>"])
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
-                  image_size=GEMMA3_TILE, vision_use_head=False)
     transformers: Any = hf()
-    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_SEQ_LEN,
-                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-                             image_token_index=ids["<image_soft_token>"],
-                             eos_token_id=[ids["<|end_of_text|>"], ids["<end_of_turn>"]])
+    return transformers.Gemma3Config(text_config=text, vision_config=dict(shape.vision, vision_use_head=False),
+                                     tie_word_embeddings=shape.text.get("tie_word_embeddings", True),
+                                     mm_tokens_per_image=shape.tokens, boi_token_index=ids["<start_of_image>"],
+                                     eoi_token_index=ids["<end_of_image>"],
+                                     image_token_index=ids["<image_soft_token>"],
+                                     eos_token_id=[ids["<|end_of_text|>"], ids["<end_of_turn>"]])
 
 
 def _checkpoint_names(file: Path) -> None:
@@ -223,15 +247,34 @@ def _checkpoint_names(file: Path) -> None:
     save_file(renamed, str(file), metadata={"format": "pt"})
 
 
-def save_gemma3_vision(folder: Path, seed: int = 0) -> SavedModel:
-    """A random tiny Gemma 3 vision-language model in `folder`, laid out as google/gemma-3-4b-it is."""
+def _randomize_by_width(model: torch.nn.Module, seed: int) -> None:
+    """_randomize for real widths: matrices scaled by 1 / sqrt(their inputs), so activations stay near unit size and
+    the logits tell tokens apart (0.15 a weight at 2560 wide saturates every softmax: one token wins always)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if "norm" in name or param.dim() < 2:
+                param.copy_(0.1 * noise if "norm" in name else 0.02 * noise)  # Gemma's norms scale by 1 + w
+            else:
+                inputs = param.shape[0] if name.endswith("mm_input_projection_weight") else param[0].numel()
+                param.copy_(noise / inputs**0.5)
+
+
+def save_gemma3_vision(folder: Path, seed: int = 0, shape: Gemma3Shape = GEMMA3_TINY) -> SavedModel:
+    """A random Gemma 3 vision-language model (GEMMA3_TINY unless `shape` says otherwise) in `folder`, laid out as
+    google/gemma-3-4b-it is."""
     folder.mkdir(parents=True, exist_ok=True)
     ids = _save_gemma3_tokenizer(folder)
-    _save_gemma3_processor(folder)
+    _save_gemma3_processor(folder, shape)
     torch.manual_seed(seed)
     transformers: Any = hf()
-    model = transformers.Gemma3ForConditionalGeneration(gemma3_config(ids, max(ids.values()) + 1)).to(torch.float32)
-    _randomize(model, seed)
+    config = gemma3_config(ids, max(ids.values()) + 1, shape)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    if shape is GEMMA3_TINY:
+        _randomize(model, seed)
+    else:
+        _randomize_by_width(model, seed)
     model.eval()
     model.save_pretrained(folder)
     _checkpoint_names(folder / "model.safetensors")

@@ -147,9 +147,22 @@ class ModelConfig:
         )
 
 
+# transformers' Gemma3TextConfig defaults: a published Gemma 3 config.json's text_config leaves these out
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                         "rope_local_base_freq": 1e4, "max_position_embeddings": 131072, "sliding_window": 4096,
+                         "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+                         "tie_word_embeddings": True}
+
+
 def _vision_language(raw: dict[str, Any]) -> ModelConfig:
     text = dict(raw["text_config"])
-    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    if text.get("model_type") == "gemma3_text":
+        text = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # the whole model's, where the text's are not
+        if key in raw:
+            text.setdefault(key, raw[key])
     config = ModelConfig.from_dict({**text, "architectures": [_ARCHITECTURE_BY_MODEL_TYPE.get(
         text.get("model_type", "llama"), "LlamaForCausalLM")]})
     return replace(config, vision=VISION_ARCHITECTURES[raw["architectures"][0]],

@@ -4,6 +4,7 @@ transformers 5's names)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,19 @@ def test_the_encoder_computes_in_its_compute_dtype(gemma3: SavedModel) -> None:
     rounded = vision.encode(pixel_values)
     assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
     torch.testing.assert_close(rounded, exact, atol=0.1 * exact.abs().max().item(), rtol=0)
+
+
+def test_the_text_model_of_a_published_config_is_the_one_transformers_reads() -> None:
+    """gemma-3-4b-it's config.json leaves most of its text model to Gemma3TextConfig's defaults: pagegate reads the
+    same model from it as from the config transformers completes (and its head is tied: no lm_head tensor)."""
+    from pagegate.engine.models.config import ModelConfig
+
+    transformers: Any = hf()
+    completed = transformers.Gemma3Config(**GEMMA3_4B_CONFIG).to_dict()
+    ours, theirs = ModelConfig.from_dict(GEMMA3_4B_CONFIG), ModelConfig.from_dict(completed)
+    # the special tokens aside: transformers gives the text model its own defaults (eos 1), pagegate the model's
+    assert ours.eos_token_ids == (1, 106)
+    assert ours == replace(theirs, bos_token_id=ours.bos_token_id, eos_token_ids=ours.eos_token_ids)
+    assert (ours.vocab_size, ours.num_attention_heads, ours.head_dim, ours.tie_word_embeddings) == (262208, 8, 256, True)
+    assert ours.layer_sliding_windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,) + ours.layer_sliding_windows[12:]
+    assert (ours.vision, ours.image_token_id) == ("gemma3", 262144)
