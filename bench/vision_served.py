@@ -1,11 +1,13 @@
 """Time to first token of one image question, served: `pagegate serve model.gguf --mmproj mmproj.gguf` against
 `llama-server -m model.gguf --mmproj mmproj.gguf` on the same files, both through the official OpenAI SDK.
 
-    python -m bench.vision_served [--rounds 3] [--threads 2] [--size 512]
+    python -m bench.vision_served [--family smolvlm|gemma3-4b] [--rounds 3] [--threads 2] [--size 512]
 
 The model is a random SmolVLM of SmolVLM-256M-Instruct's shapes (tests/engine/vision_models.py's SMOLVLM_256M:
 30 text layers of 576, a 12-layer SigLIP of 768 on 512-pixel tiles; so a 512 x 512 image becomes 4 x 4 tiles and
-the global image, 1,088 image tokens), converted to F16 GGUF files by llama.cpp's own converter. Each round sends a
+the global image, 1,088 image tokens), or a random Gemma 3 of gemma-3-4b-it's widths (GEMMA3_4B: its whole
+27-layer SigLIP of 1152 on 896-pixel images, 256 image tokens; 6 of its 34 text layers), converted to F16 GGUF
+files by llama.cpp's own converter. Each round sends a
 new random image (no side reuses an encoded image or a cached prefix) with a short question as a streamed chat
 request for one token, the two servers in alternating order; TTFT is the first content chunk's arrival.
 """
@@ -28,20 +30,24 @@ from bench.peers import llamacpp
 from bench.peers.served import start_llama_server
 from bench.vision_peers import fit_for_llama_cpp
 from pagegate.testing.launcher import ServerProcess
-from tests.engine.vision_models import SMOLVLM_256M, save_smolvlm
+from tests.engine.vision_models import GEMMA3_4B, SMOLVLM_256M, save_gemma3_vision, save_smolvlm
 
-WORK = llamacpp.CACHE / "smolvlm-256m"
-CONTEXT = 4096
+WORKS = {"smolvlm": llamacpp.CACHE / "smolvlm-256m", "gemma3-4b": llamacpp.CACHE / "gemma3-4b"}
+CONTEXTS = {"smolvlm": 4096, "gemma3-4b": 2048}  # each model's positions at most
 QUESTION = "What does this picture show?"
-RESULTS = Path("bench/results/vision-served.json")
+RESULTS = Path("bench/results")
 
 
-def make_model(work: Path = WORK) -> tuple[Path, Path]:
-    """The text GGUF and the mmproj GGUF, F16 (made once)."""
+def make_model(family: str) -> tuple[Path, Path]:
+    """The family's text GGUF and mmproj GGUF, F16 (made once)."""
+    work = WORKS[family]
     folder = work / "hf"
     if not (folder / "model.safetensors").is_file():
-        save_smolvlm(folder, shape=SMOLVLM_256M)
-        fit_for_llama_cpp(folder)
+        if family == "smolvlm":
+            save_smolvlm(folder, shape=SMOLVLM_256M)
+            fit_for_llama_cpp(folder)
+        else:
+            save_gemma3_vision(folder, shape=GEMMA3_4B)
     text = llamacpp.convert(folder, work / "text-f16.gguf", "f16")
     mmproj = llamacpp.convert(folder, work / "mmproj-f16.gguf", "f16", extra_args=("--mmproj",))
     return text, mmproj
@@ -58,7 +64,7 @@ def ttft(client: openai.OpenAI, url: str) -> float:
     """Seconds from sending the request to its first content chunk."""
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     start = time.perf_counter()
-    stream = client.chat.completions.create(model="smolvlm", messages=[{"role": "user", "content": content}],
+    stream = client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": content}],
                                             max_tokens=1, temperature=0.0, stream=True)
     first = None
     for chunk in stream:
@@ -69,16 +75,17 @@ def ttft(client: openai.OpenAI, url: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=tuple(WORKS), default="smolvlm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--size", type=int, default=512, help="the image's side in pixels")
     args = parser.parse_args()
     llamacpp.build()
-    text, mmproj = make_model()
-    pagegate = ServerProcess(["--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "smolvlm",
-                              "--max-model-len", str(CONTEXT), "--grpc-port", "0", "--disable-uvicorn-access-log"],
+    text, mmproj = make_model(args.family)
+    pagegate = ServerProcess(["--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "vlm",
+                              "--max-model-len", str(CONTEXTS[args.family]), "--grpc-port", "0", "--disable-uvicorn-access-log"],
                              env={"PAGEGATE_CORE_CPUS": ",".join(map(str, range(args.threads)))}).start()
-    process, served = start_llama_server(text, args.threads, 1, llamacpp.repack_crashes(), context=CONTEXT,
+    process, served = start_llama_server(text, args.threads, 1, llamacpp.repack_crashes(), context=CONTEXTS[args.family],
                                          extra=("--mmproj", str(mmproj), "--jinja"))
     clients = {"pagegate": openai.OpenAI(base_url=pagegate.base_url + "/v1", api_key="-", timeout=900),
                "llama-server": openai.OpenAI(base_url=served.base_url, api_key="-", timeout=900)}
@@ -99,7 +106,8 @@ def main() -> None:
     ratio = medians["pagegate"] / medians["llama-server"]
     print("median TTFT: " + ", ".join(f"{name} {value:.2f} s" for name, value in medians.items()) +
           f"; pagegate / llama-server = {ratio:.2f}x")
-    RESULTS.write_text(json.dumps({"image": args.size, "threads": args.threads, "rounds": times,
+    name = "vision-served.json" if args.family == "smolvlm" else f"vision-served-{args.family}.json"
+    (RESULTS / name).write_text(json.dumps({"image": args.size, "threads": args.threads, "rounds": times,
                                    "median_s": medians, "ratio": ratio}, indent=2) + "\n")
 
 
