@@ -9,7 +9,9 @@ within --logprob-tol. In the model's own dtype (`auto`: bfloat16 for SmolLM2 on 
 not judged, and throughput is timed: one stream, then --batch requests at once. With --rows, appends markdown
 table rows (check | result | figures) for bench/gpu_check.sh. Then the KV tiers on the device (host memory and disk
 give back a prefix's pages with the cold run's tokens), and LoRA adapters in one mixed batch (on CUDA through the
-grouped Triton kernels, kernels/triton_lora.py) against the CPU's torch path. Exits 1 when a check fails.
+grouped Triton kernels, kernels/triton_lora.py) against the CPU's torch path, and images on a tiny SmolVLM and a
+tiny Gemma 3 (the vision encoder on the device; Gemma 3's image tokens seeing each other) against the CPU. Exits 1
+when a check fails.
 """
 
 from __future__ import annotations
@@ -237,6 +239,40 @@ def check_lora(args: argparse.Namespace) -> tuple[bool, tuple[str, str, str]]:
                 figures)
 
 
+def check_vision(args: argparse.Namespace) -> tuple[bool, tuple[str, str, str]]:
+    """A tiny random SmolVLM and Gemma 3, float32, three images each in one batch: the device (its encoder, and
+    Gemma 3's bidirectional image steps on the reference attention) gives the CPU's tokens and logprobs."""
+    import numpy as np
+    from PIL import Image
+
+    try:  # the tiny models are built with transformers, a test dependency the GPU setup may not install
+        from tests.engine.vision_models import save_gemma3_vision, save_smolvlm
+    except ImportError as error:
+        print(f"[vision] skipped: {error}")
+        return True, (f"images on {args.device}", "SKIP", f"the tiny models need transformers: {error}")
+
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+              for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
+    ok, figures = True, []
+    with tempfile.TemporaryDirectory(prefix="pagegate-gpu-vision-") as directory:
+        for name, save, placeholder in (("SmolVLM", save_smolvlm, "<image>"),
+                                        ("Gemma 3", save_gemma3_vision, "<start_of_image>")):
+            folder = save(Path(directory) / name).path
+            prompts = [{"prompt": f"Look: {placeholder} What is this?", "multi_modal_data": {"image": image}}
+                       for image in images]
+            outputs = {}
+            for on in ("cpu", args.device):
+                llm = LLM(str(folder), device=on, dtype="float32", num_kv_blocks=256, kv_cache_dtype="float32")
+                outputs[on] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+                release(llm)
+            agreement = compare(outputs["cpu"], outputs[args.device], args.tie_nats)
+            ok &= agreement.mismatch == 0 and agreement.max_logprob_diff <= args.logprob_tol
+            figures.append(f"{name}: {agreement.describe()}")
+    print(f"[vision] {args.device} float32 vs cpu float32: {'; '.join(figures)} -> {'PASS' if ok else 'FAIL'}")
+    return ok, (f"images on {args.device}: SmolVLM and Gemma 3 = cpu", "PASS" if ok else "FAIL", "; ".join(figures))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="device under test (cpu: a dry run against itself)")
@@ -281,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     lora_ok, lora_row = check_lora(args)
     ok &= lora_ok
     rows.append(lora_row)
+    vision_ok, vision_row = check_vision(args)
+    ok &= vision_ok
+    rows.append(vision_row)
     if not args.smollm2.is_file():
         print(f"SmolLM2 skipped: {args.smollm2} is missing")
         rows.append(("engine SmolLM2-135M Q4_1", "SKIP", f"{args.smollm2} not present"))
