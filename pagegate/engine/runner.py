@@ -127,10 +127,12 @@ class ModelRunner:
         vision.compute_dtype = encoder_dtype(vision.stored_dtype, self.device)
         spec = VisionSpec(self.model_config.image_token_id or 0, vision.config.image_size, vision.config.image_seq_len,
                           bidirectional=self.model_config.vision in BIDIRECTIONAL_IMAGES)
-        step_tokens = self.config.scheduler.step_tokens
-        if spec.bidirectional and step_tokens < spec.rows_per_tile:
+        step_tokens, seqs = self.config.scheduler.step_tokens, self.config.scheduler.max_num_seqs
+        if spec.bidirectional and step_tokens < spec.rows_per_tile + seqs - 1:
+            # NOTE: beside every other sequence's decode, or the image could wait for a step with room forever
             raise ValueError(f"a {self.model_config.vision} image's {spec.rows_per_tile} tokens are computed in one "
-                             f"step: --max-num-batched-tokens must be at least that, not {step_tokens}")
+                             f"step beside up to {seqs - 1} decodes: --max-num-batched-tokens must be at least "
+                             f"{spec.rows_per_tile + seqs - 1}, not {step_tokens} (or lower --max-num-seqs)")
         log.info("image encoder: %s in %s, %.0f MiB of its output kept across requests", self.model_config.vision,
                  str(vision.compute_dtype).removeprefix("torch."), self.config.image_cache_memory / 2**20)
         return ImageRows(vision.encode, spec, self.config.image_cache_memory, self.processing.normalize)

@@ -95,12 +95,18 @@ def test_the_same_bits_in_a_batch_in_chunks_and_after_a_prefix_hit(gemma3: Saved
                                                                                                  picture(7)]}}]
     batched = make(gemma3, enable_prefix_caching=False)
     assert answer(run(batched, [beside[0], probe(texts), beside[1]])[1]) == alone
-    # steps of 5 tokens would cut images (of 4): each is computed whole in a step with room for it
-    chunked = make(gemma3, enable_prefix_caching=False, max_num_batched_tokens=5)
+    # steps of 5 tokens would cut images (of 4): each is computed whole in a step with room for it (5 holds an image
+    # beside the other sequence's decode)
+    chunked = make(gemma3, enable_prefix_caching=False, max_num_batched_tokens=5, max_num_seqs=2)
     assert answer(run(chunked, [probe(texts), *beside])[0]) == alone
     cached = make(gemma3)
     first, second = run(cached, [probe(texts)])[0], run(cached, [probe(texts)])[0]
     assert second.num_cached_tokens > 0 and answer(first) == answer(second) == alone
+
+
+def test_a_step_budget_without_room_for_an_image_beside_every_decode_is_refused(gemma3: SavedModel) -> None:
+    with pytest.raises(ValueError, match="must be at least 5, not 4"):
+        make(gemma3, max_num_batched_tokens=4, max_num_seqs=2)
 
 
 def test_another_image_gives_another_answer(gemma3: SavedModel, texts: dict[str, str], alone: Answer) -> None:
