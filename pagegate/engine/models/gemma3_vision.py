@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.models.idefics3_vision import _ACTIVATIONS, Encoder, Idefics3VisionConfig
+from pagegate.engine.models.idefics3_vision import ACTIVATIONS, Encoder, Idefics3VisionConfig
 
 _PREFIXES = ("vision_tower.vision_model.", "multi_modal_projector.")
 
@@ -52,8 +52,8 @@ class Gemma3VisionConfig:
                    mm_tokens_per_image=config.get("mm_tokens_per_image", 256),
                    **{key: value for key, value in vision.items()
                       if key in names and key not in ("text_hidden_size", "mm_tokens_per_image")})
-        if made.hidden_act not in _ACTIVATIONS:
-            raise ModelLoadError(f"vision hidden_act {made.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+        if made.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"vision hidden_act {made.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
         side = made.tokens_per_side
         if side * side != made.mm_tokens_per_image or made.patches_per_side % side:
             raise ModelLoadError(f"{made.patches_per_side} x {made.patches_per_side} patches do not pool evenly to "

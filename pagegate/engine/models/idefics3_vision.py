@@ -17,7 +17,7 @@ from torch import nn
 
 from pagegate.engine.errors import ModelLoadError
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -49,8 +49,8 @@ class Idefics3VisionConfig:
         made = cls(text_hidden_size=config.get("text_config", {}).get("hidden_size", 4096),
                    scale_factor=config.get("scale_factor", 2),
                    **{key: value for key, value in vision.items() if key in names and key != "text_hidden_size"})
-        if made.hidden_act not in _ACTIVATIONS:
-            raise ModelLoadError(f"vision hidden_act {made.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+        if made.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"vision hidden_act {made.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
         if made.patches_per_side % made.scale_factor:
             raise ModelLoadError(f"{made.patches_per_side} patches per side do not shuffle by {made.scale_factor}")
         return made
@@ -116,7 +116,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
