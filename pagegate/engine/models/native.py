@@ -167,12 +167,10 @@ def _cut_end(step: StepInputs, t0: int, size: int) -> int:
     t1 = min(t0 + size, len(step.input_ids))
     if step.key_ends is None or t1 == len(step.input_ids):
         return t1
-    cut = t1
-    while cut > t0 and step.key_ends[cut - 1] > step.positions[cut - 1]:
-        cut -= 1
-    if cut == t0:
+    ends_here = np.flatnonzero(step.key_ends[t0:t1] <= step.positions[t0:t1])  # tokens that see no further
+    if not len(ends_here):
         raise ValueError(f"a run of tokens that see each other is longer than one native call ({size} tokens)")
-    return cut
+    return t0 + int(ends_here[-1]) + 1
 
 
 def _given_part(given: tuple[np.ndarray, torch.Tensor] | None, start: int,
