@@ -171,11 +171,14 @@ static void pgd_store(const pgd_linear *l, const float *part, int64_t part_strid
     }
 }
 
-/* pgd_matmul for integer rows interleaved eight at a time (cpu_qx8.h): a group's eight rows against every token, the
-   tokens in chunks whose Q8 stays in L2; the rows after the last group (in their file layout) four at a time. */
+/* pgd_matmul for integer rows interleaved eight at a time (cpu_qx8.h): a group's eight rows (two groups' where the
+   instruction set reads them as one vector, for more than one token) against every token, the tokens in chunks whose
+   Q8 stays in L2; the rows after the last group (in their file layout) four at a time. */
 static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act *act, int tokens, float *out,
                           int64_t out_stride, int accumulate) {
     const int64_t nb = act->k / 32, groups = l->n / PGQ_X8_ROWS, rest = l->n - groups * PGQ_X8_ROWS;
+    /* one token is bound by memory, where one group a call streams its weights best */
+    const int64_t span = tokens > 1 ? pgq_x8_span() : 1, units = (groups + span - 1) / span;
     pgd_linear tail = *l;  /* the rows after the groups, as the file has them */
     tail.qtype = pgq_base_type(l->qtype);
     int chunk = (int)((256 << 10) / act->k) & ~3;
@@ -184,12 +187,12 @@ static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act
         const int count = tokens - t0 < chunk ? tokens - t0 : chunk;
         const pgq_act part_act = {act->k, count, act->q + t0 * act->k, act->d + t0 * nb, act->s + PGQ_SUMS * t0 * nb};
         #pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < groups + (rest > 0); g++) {
-            float part[PGD_MAX_TOKENS * PGQ_X8_ROWS];
-            if (g == groups) {
+        for (int64_t u = 0; u < units + (rest > 0); u++) {
+            float part[PGD_MAX_TOKENS * 2 * PGQ_X8_ROWS];
+            if (u == units) {
                 for (int c0 = 0; c0 < count; c0 += PGQ_MAX_M) {
                     const int n = count - c0 < PGQ_MAX_M ? count - c0 : PGQ_MAX_M;
-                    for (int64_t first = g * PGQ_X8_ROWS; first < l->n; first += PGQ_GROUP) {
+                    for (int64_t first = groups * PGQ_X8_ROWS; first < l->n; first += PGQ_GROUP) {
                         const int rows = (int)(l->n - first < PGQ_GROUP ? l->n - first : PGQ_GROUP);
                         pgd_group_dot(m, &tail, first, rows, NULL, act, t0 + c0, n, part);
                         pgd_store(l, part, PGQ_GROUP, t0 + c0, n, first, rows, out, out_stride, accumulate);
@@ -197,9 +200,11 @@ static void pgd_matmul_x8(const pgd_model *m, const pgd_linear *l, const pgq_act
                 }
                 continue;
             }
-            pgq_x8_dot(tail.qtype, l->data + g * PGQ_X8_ROWS * l->row_bytes, l->row_bytes, &part_act, part,
-                       PGQ_X8_ROWS);
-            pgd_store(l, part, PGQ_X8_ROWS, t0, count, g * PGQ_X8_ROWS, PGQ_X8_ROWS, out, out_stride, accumulate);
+            const int64_t g = u * span, these = groups - g < span ? groups - g : span;
+            pgq_x8_dot_groups(tail.qtype, l->data + g * PGQ_X8_ROWS * l->row_bytes, l->row_bytes, these, &part_act,
+                              part, span * PGQ_X8_ROWS);
+            pgd_store(l, part, span * PGQ_X8_ROWS, t0, count, g * PGQ_X8_ROWS, (int)(these * PGQ_X8_ROWS), out,
+                      out_stride, accumulate);
         }
     }
     #pragma omp barrier

@@ -14,9 +14,10 @@
    (cpu_qx8.h's layout) put eight weight rows in the lanes of a vector; the portable C is scalar:
    all give the same bits.
 
-   Three builds of the kernels: AVX-512 VNNI on 256-bit vectors (vpdpbusd), AVX2 (vpmaddubsw)
-   and portable C; the CPU picks one when
-   the module loads, and pgq_set_isa forces one (the tests run all three). */
+   Four builds of the kernels: AVX-512 VNNI with the interleaved kernels on 512-bit vectors (two
+   groups, sixteen rows, a vector: cpu_qx8_isa.h), the same on 256-bit vectors (vpdpbusd), AVX2
+   (vpmaddubsw) and portable C; the CPU picks one when the module loads, and pgq_set_isa forces one
+   (the tests run all four). */
 #ifndef PAGEGATE_CPU_QDOT_H
 #define PAGEGATE_CPU_QDOT_H
 
@@ -271,6 +272,24 @@ PGQ_VNNI_TARGET PGQ_INLINE __m256i pgq_dot_bcast_vnni(__m256i acc, __m256i u, co
 #define PGQ_X8_TOKENS 8  /* AVX-512's 32 registers */
 #include "cpu_qdot_isa.h"
 
+/* The interleaved kernels again on 512-bit vectors, two groups a call (cpu_qx8_isa.h). */
+PGQ_VNNI_TARGET PGQ_INLINE __m512i pgq_dot_bcast_vnni_pair(__m512i acc, __m512i u, const int32_t *q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*q));
+    return acc;
+}
+#define PGQ_ISA vnni_pair
+#define PGQ_TARGET PGQ_VNNI_TARGET
+#define PGQ_DOT_BCAST(acc, u, q) pgq_dot_bcast_vnni_pair(acc, u, q)
+#define PGQ_SATURATES 0
+#define PGQ_X8_TOKENS 8
+#define PGQ_X_GROUPS 2
+#include "cpu_qx8_isa.h"
+#undef PGQ_ISA
+#undef PGQ_TARGET
+#undef PGQ_DOT_BCAST
+#undef PGQ_SATURATES
+#undef PGQ_X8_TOKENS
+
 static int pgq_has_vnni(void) {
     return pgq_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
            && __builtin_cpu_supports("avx512bw");
@@ -285,6 +304,8 @@ static void pgq_x8_dot_avx2(int base, const uint8_t *group, int64_t row_bytes, c
                             int64_t out_stride) {}
 static void pgq_x8_dot_vnni(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
                             int64_t out_stride) {}
+static void pgq_x8_dot_vnni_pair(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
+                                 int64_t out_stride) {}
 #endif
 
 /* out[r * out_stride + i] = row i . x_r for the eight rows of an interleaved group (cpu_qx8.h) of `base` blocks and
@@ -301,20 +322,38 @@ typedef void (*pgq_qdot_fn)(int, const uint8_t *, int64_t, int, const pgq_act *,
 typedef void (*pgq_x8_dot_fn)(int, const uint8_t *, int64_t, const pgq_act *, float *, int64_t);
 static pgq_qdot_fn pgq_qdot = pgq_qdot_plain;
 static pgq_x8_dot_fn pgq_x8_dot = pgq_x8_dot_plain;
+static pgq_x8_dot_fn pgq_x8_pair_dot = NULL;  /* two adjacent groups a call, where the set reads them as one */
 static const char *pgq_isa = "portable";
 
-/* Use the named kernels ("vnni", "avx2", "portable") if this CPU runs them; returns whether it does. */
+/* Groups a call of pgq_x8_dot_groups serves at once: 2 where the instruction set reads two groups as one vector. */
+static inline int pgq_x8_span(void) { return pgq_x8_pair_dot ? 2 : 1; }
+
+/* pgq_x8_dot for `groups` adjacent groups (8 * row_bytes apart), their outputs side by side: out[r * out_stride +
+   8 g + i]; pairs of them in one call where the instruction set has it (the same bits). */
+static void pgq_x8_dot_groups(int base, const uint8_t *group, int64_t row_bytes, int64_t groups, const pgq_act *a,
+                              float *out, int64_t out_stride) {
+    int64_t g = 0;
+    const int64_t bytes = PGQ_X8_ROWS * row_bytes;
+    if (pgq_x8_pair_dot)
+        for (; g + 2 <= groups; g += 2) pgq_x8_pair_dot(base, group + g * bytes, row_bytes, a, out + 8 * g, out_stride);
+    for (; g < groups; g++) pgq_x8_dot(base, group + g * bytes, row_bytes, a, out + 8 * g, out_stride);
+}
+
+/* Use the named kernels ("avx512", "vnni", "avx2", "portable") if this CPU runs them; returns whether it does.
+   "avx512" is "vnni" with the interleaved kernels on 512-bit vectors. */
 static int pgq_set_isa(const char *name) {
-    if (!strcmp(name, "vnni") && pgq_has_vnni()) {
-        pgq_qdot = pgq_qdot_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = "vnni";
+    const int avx512 = !strcmp(name, "avx512");
+    if ((avx512 || !strcmp(name, "vnni")) && pgq_has_vnni()) {
+        pgq_qdot = pgq_qdot_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = avx512 ? "avx512" : "vnni";
+        pgq_x8_pair_dot = avx512 ? pgq_x8_dot_vnni_pair : NULL;
         return 1;
     }
     if (!strcmp(name, "avx2") && pgq_has_avx2()) {
-        pgq_qdot = pgq_qdot_avx2, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2";
+        pgq_qdot = pgq_qdot_avx2, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2", pgq_x8_pair_dot = NULL;
         return 1;
     }
     if (!strcmp(name, "portable")) {
-        pgq_qdot = pgq_qdot_plain, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable";
+        pgq_qdot = pgq_qdot_plain, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable", pgq_x8_pair_dot = NULL;
         return 1;
     }
     return 0;
@@ -324,7 +363,7 @@ static void pgq_init(void) {
 #if defined(__GNUC__) && defined(__x86_64__)
     if (pgq_has_avx2()) pgq_quantize_block = pgq_quantize_block_avx2;
 #endif
-    if (!pgq_set_isa("vnni")) (void)(pgq_set_isa("avx2") || pgq_set_isa("portable"));
+    if (!pgq_set_isa("avx512")) (void)(pgq_set_isa("avx2") || pgq_set_isa("portable"));
 }
 
 #endif /* PAGEGATE_CPU_QDOT_H */

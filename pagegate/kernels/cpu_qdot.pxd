@@ -32,5 +32,6 @@ cdef extern from "cpu_qdot.h":
     void pgq_x8_pack(int base, const uint8_t *rows, int64_t row_bytes, uint8_t *out) noexcept nogil
     const uint8_t *pgq_row_at(int qtype, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t r,
                               uint8_t *buf) noexcept nogil
-    void pgq_x8_dot(int base, const uint8_t *group, int64_t row_bytes, const pgq_act *a, float *out,
-                    int64_t out_stride) noexcept nogil
+    int pgq_x8_span() noexcept nogil
+    void pgq_x8_dot_groups(int base, const uint8_t *group, int64_t row_bytes, int64_t groups, const pgq_act *a,
+                           float *out, int64_t out_stride) noexcept nogil

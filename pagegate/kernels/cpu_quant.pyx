@@ -18,7 +18,8 @@ from libc.stdint cimport int8_t, int64_t, uint8_t
 
 from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_SUMS, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
                                         pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
-                                        pgq_row_of, pgq_set_isa, pgq_x8_dot, pgq_x8_pack)
+                                        pgq_row_of, pgq_set_isa, pgq_x8_dot_groups, pgq_x8_pack,
+                                        pgq_x8_span)
 
 import numpy as np
 import torch
@@ -142,9 +143,11 @@ def matmul_q8(x, blocks, int qtype):
     cdef float *op = <float *><size_t>out.data_ptr()
     for r in range(m):
         pgq_quantize_row(xp + r * k, &act, r, 0, nb)
-    if pgq_is_x8(qtype):  # whole groups, then the rows after them in their file layout
-        for g in prange(n // 8, nogil=True, schedule="static"):
-            pgq_x8_dot(pgq_base_type(qtype), w + g * 8 * row_bytes, row_bytes, &act, op + g * 8, stride)
+    cdef int64_t span = pgq_x8_span(), groups = n // 8
+    if pgq_is_x8(qtype):  # whole groups (span at a time), then the rows after them in their file layout
+        for g in prange((groups + span - 1) // span, nogil=True, schedule="static"):
+            pgq_x8_dot_groups(pgq_base_type(qtype), w + g * span * 8 * row_bytes, row_bytes,
+                              min(span, groups - g * span), &act, op + g * span * 8, stride)
         w, qtype = w + n // 8 * 8 * row_bytes, pgq_base_type(qtype)
         op, n = op + n // 8 * 8, n % 8
     for g in prange((n + PGQ_GROUP - 1) // PGQ_GROUP, nogil=True, schedule="static"):

@@ -61,7 +61,7 @@ def sample_kernel() -> ModuleType | None:
     return _extension("cpu_sample")
 
 
-INTEGER_ISAS = ("vnni", "avx2", "portable")  # the integer dot products' instruction sets, fastest first
+INTEGER_ISAS = ("avx512", "vnni", "avx2", "portable")  # the integer dot products' instruction sets, fastest first
 
 
 def _integer_modules() -> list[ModuleType]:
