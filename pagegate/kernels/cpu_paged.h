@@ -256,8 +256,8 @@ typedef struct {
 static inline const pg_tiles *pg_tiles_of(int format, int head_dim) {
     static const pg_tiles plain[] = PG_TILE_TABLE(pg_);
 #if defined(PAGEGATE_CPU_TILES_AVX2_H)
-    static const pg_tiles avx2[] = PG_TILE_TABLE(pg_avx2_);
-    if (PG_TILES_AVX2(format, head_dim)) return &avx2[format];
+    static const pg_tiles avx2[] = PG_TILE_TABLE(pg_avx2_), avx512[] = PG_TILE_TABLE(pg_avx512_);
+    if (PG_TILES_AVX2(format, head_dim)) return head_dim % 16 == 0 && pg_has_avx512() ? &avx512[format] : &avx2[format];
 #endif
     return &plain[format];
 }

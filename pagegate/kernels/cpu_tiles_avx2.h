@@ -3,7 +3,9 @@
    and converted), four keys at a time: the four dot products of a query row are summed across lanes together
    (three hadds), a one-byte format's scales multiply the four scores (keys) or fold into the four weights
    (values) rather than every value. Rows of other formats are converted once per KV head into a float tile that
-   the query rows of that head (GQA) then share; float32 rows are read where they lie. head_dim % 8 == 0. */
+   the query rows of that head (GQA) then share; float32 rows are read where they lie. head_dim % 8 == 0. The dot
+   products and accumulations run on 512-bit vectors where the CPU has AVX-512 and head_dim % 16 == 0
+   (cpu_tiles_isa.h builds the tiles once for each width). */
 #ifndef PAGEGATE_CPU_TILES_AVX2_H
 #define PAGEGATE_CPU_TILES_AVX2_H
 
@@ -83,83 +85,75 @@ PG_AVX2_INLINE __m128 pg_dot4_avx2(const float *q, const float *const *k, int n)
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-PG_AVX2_INLINE void pg_score_tile_avx2_of(const int format, const uint8_t *keys, const int64_t *slot, int num_keys,
-                                          const float **query_row, const int64_t *head_offset, int rows,
-                                          int head_dim, int ahead, float *scores, int stride) {
-    const int64_t span = pg_span(head_offset, rows, pg_row_bytes(format, head_dim));
-    float tile[4 * PG_MAX_HEAD_DIM] __attribute__((aligned(32))), scale[4], out[4];
-    const float *k[4];
-    int64_t slots[4];
-    for (int j = 0; j < num_keys; j += 4) {
-        pg_prefetch_ahead(keys, slot, j, ahead, head_offset[0], span);
-        pg_slots4(slot, j, num_keys, slots);
-        const int valid = num_keys - j < 4 ? num_keys - j : 4;
-        for (int r = 0; r < rows; r++) {
-            if (r == 0 || head_offset[r] != head_offset[r - 1])
-                pg_rows4_avx2(format, keys + head_offset[r], slots, head_dim, tile, k, scale);
-            const __m128 s = _mm_mul_ps(pg_dot4_avx2(query_row[r], k, head_dim), _mm_loadu_ps(scale));
-            if (valid == 4) {
-                _mm_storeu_ps(scores + r * stride + j, s);
-            } else {
-                _mm_storeu_ps(out, s);
-                memcpy(scores + r * stride + j, out, sizeof(float) * valid);
-            }
-        }
+/* y[i] += w[0] v[0][i] + ... + w[3] v[3][i] for i < n, each y[i] through four fused multiply-adds in key order. */
+PG_AVX2_INLINE void pg_axpy4_avx2(float *y, const float *w, const float *const *v, int n) {
+    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]), w2 = _mm256_set1_ps(w[2]);
+    const __m256 w3 = _mm256_set1_ps(w[3]);
+    for (int i = 0; i < n; i += 8) {
+        __m256 sum = _mm256_loadu_ps(y + i);
+        sum = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v[0] + i), sum);
+        sum = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v[1] + i), sum);
+        sum = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v[2] + i), sum);
+        sum = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v[3] + i), sum);
+        _mm256_storeu_ps(y + i, sum);
     }
 }
 
-PG_AVX2_INLINE void pg_accumulate_tile_avx2_of(const int format, const uint8_t *values, const int64_t *slot,
-                                               int num_keys, const float *weights, int stride,
-                                               const int64_t *head_offset, int rows, int head_dim, int ahead,
-                                               float *acc) {
-    const int64_t span = pg_span(head_offset, rows, pg_row_bytes(format, head_dim));
-    float tile[4 * PG_MAX_HEAD_DIM] __attribute__((aligned(32))), scale[4];
-    const float *v[4];
-    int64_t slots[4];
-    for (int j = 0; j < num_keys; j += 4) {
-        pg_prefetch_ahead(values, slot, j, ahead, head_offset[0], span);
-        pg_slots4(slot, j, num_keys, slots);
-        for (int r = 0; r < rows; r++) {
-            if (r == 0 || head_offset[r] != head_offset[r - 1])
-                pg_rows4_avx2(format, values + head_offset[r], slots, head_dim, tile, v, scale);
-            __m256 w[4];
-            for (int a = 0; a < 4; a++)
-                w[a] = _mm256_set1_ps(j + a < num_keys ? weights[r * stride + j + a] * scale[a] : 0.0f);
-            float *y = acc + r * head_dim;
-            for (int i = 0; i < head_dim; i += 8) {
-                __m256 sum = _mm256_loadu_ps(y + i);
-                sum = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(v[0] + i), sum);
-                sum = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v[1] + i), sum);
-                sum = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v[2] + i), sum);
-                sum = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v[3] + i), sum);
-                _mm256_storeu_ps(y + i, sum);
-            }
-        }
+#define PG_TILE_ISA avx2
+#define PG_TILE_TARGET PG_AVX2
+#define PG_TILE_DOT4 pg_dot4_avx2
+#define PG_TILE_AXPY4 pg_axpy4_avx2
+#include "cpu_tiles_isa.h"
+
+/* The same on 512-bit vectors (head_dim % 16 == 0): a score's lanes sum other products first than
+   pg_dot4_avx2's (its own bits, the same for every row); an accumulation's are pg_axpy4_avx2's. */
+#define PG_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
+#define PG_AVX512_INLINE PG_AVX512 static inline __attribute__((always_inline))
+
+static int pg_has_avx512(void) {
+    static int has = -1;  /* a benign race: every thread stores the same answer */
+    if (has < 0)
+        has = pg_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+              && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    return has;
+}
+
+PG_AVX512_INLINE __m128 pg_dot4_avx512(const float *q, const float *const *k, int n) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int i = 0; i < n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(q + i);
+        s0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[0] + i), s0);
+        s1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[1] + i), s1);
+        s2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[2] + i), s2);
+        s3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[3] + i), s3);
+    }
+    /* each key's two 256-bit halves added, then pg_dot4_avx2's sums across lanes */
+    const __m256 h0 = _mm256_add_ps(_mm512_castps512_ps256(s0), _mm512_extractf32x8_ps(s0, 1));
+    const __m256 h1 = _mm256_add_ps(_mm512_castps512_ps256(s1), _mm512_extractf32x8_ps(s1, 1));
+    const __m256 h2 = _mm256_add_ps(_mm512_castps512_ps256(s2), _mm512_extractf32x8_ps(s2, 1));
+    const __m256 h3 = _mm256_add_ps(_mm512_castps512_ps256(s3), _mm512_extractf32x8_ps(s3, 1));
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+PG_AVX512_INLINE void pg_axpy4_avx512(float *y, const float *w, const float *const *v, int n) {
+    const __m512 w0 = _mm512_set1_ps(w[0]), w1 = _mm512_set1_ps(w[1]), w2 = _mm512_set1_ps(w[2]);
+    const __m512 w3 = _mm512_set1_ps(w[3]);
+    for (int i = 0; i < n; i += 16) {
+        __m512 sum = _mm512_loadu_ps(y + i);
+        sum = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[0] + i), sum);
+        sum = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[1] + i), sum);
+        sum = _mm512_fmadd_ps(w2, _mm512_loadu_ps(v[2] + i), sum);
+        sum = _mm512_fmadd_ps(w3, _mm512_loadu_ps(v[3] + i), sum);
+        _mm512_storeu_ps(y + i, sum);
     }
 }
 
-/* One function per format, each with its conversion inlined. */
-#define PG_AVX2_TILES(NAME, FORMAT)                                                                           \
-PG_AVX2 static void pg_avx2_score_tile_##NAME(const uint8_t *keys, const int64_t *slot, int num_keys,         \
-                                              const float **query_row, const int64_t *head_offset, int rows,  \
-                                              int head_dim, int ahead, float *scores, int stride) {           \
-    pg_score_tile_avx2_of(FORMAT, keys, slot, num_keys, query_row, head_offset, rows, head_dim, ahead,        \
-                          scores, stride);                                                                    \
-}                                                                                                             \
-PG_AVX2 static void pg_avx2_accumulate_tile_##NAME(const uint8_t *values, const int64_t *slot, int num_keys,  \
-                                                   const float *weights, int stride,                          \
-                                                   const int64_t *head_offset, int rows, int head_dim,        \
-                                                   int ahead, float *acc) {                                   \
-    pg_accumulate_tile_avx2_of(FORMAT, values, slot, num_keys, weights, stride, head_offset, rows, head_dim,  \
-                               ahead, acc);                                                                   \
-}
-PG_AVX2_TILES(f32, PG_F32)
-PG_AVX2_TILES(f16, PG_F16)
-PG_AVX2_TILES(bf16, PG_BF16)
-PG_AVX2_TILES(i8, PG_I8)
-PG_AVX2_TILES(e4m3, PG_E4M3)
-PG_AVX2_TILES(e5m2, PG_E5M2)
-PG_AVX2_TILES(i4, PG_I4)
+#define PG_TILE_ISA avx512
+#define PG_TILE_TARGET PG_AVX512
+#define PG_TILE_DOT4 pg_dot4_avx512
+#define PG_TILE_AXPY4 pg_axpy4_avx512
+#include "cpu_tiles_isa.h"
 
 /* exp(x) for x >= -87.3 (0 below): Cephes' expf, a degree-6 polynomial on [-ln2/2, ln2/2] after taking out
    n ln2, within 2 ulp of libm's. x <= 88 (the callers keep it there). */
