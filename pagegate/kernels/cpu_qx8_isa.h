@@ -88,7 +88,8 @@ PGQ_TARGET PGQ_INLINE void PGQ_XFN(pgq_x8_k4_rows)(const int base, const uint8_t
     for (int r = 0; r < R; r++) f[r] = PGQ_XZEROF();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *g = group + sb * PGQ_X8_ROWS * bytes;
-        if (r0 == 0 && R > 1) PGQ_XFN(pgq_x8_prefetch)(g, PGQ_X8_ROWS * bytes, next);  /* one row: the prefetcher keeps up */
+        if (r0 == 0 && R > 1)  /* one row: the prefetcher keeps up */
+            PGQ_XFN(pgq_x8_prefetch)(g, PGQ_X8_ROWS * bytes, next);
         const PGQ_XF d = PGQ_XHALVES(g, next);
         const PGQ_XF minus_min = PGQ_XNEG(PGQ_XHALVES(g + 16, next));
         /* the 12 scale bytes of each row as three dwords (pgq_scale_min_k4): sub-blocks 0-3, then 4-7 */

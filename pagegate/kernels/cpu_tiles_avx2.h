@@ -71,44 +71,22 @@ static inline void pg_slots4(const int64_t *slot, int j, int num_keys, int64_t *
     for (int a = 0; a < 4; a++) out[a] = slot[j + a < num_keys ? j + a : num_keys - 1];
 }
 
-PG_AVX2_INLINE __m128 pg_dot4_avx2(const float *q, const float *const *k, int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(q + i);
-        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + i), s0);
-        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + i), s1);
-        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + i), s2);
-        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + i), s3);
-    }
-    /* lanes (s0..s3 halves) -> [s0 s1 s2 s3] low and high, then the halves added */
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-/* y[i] += w[0] v[0][i] + ... + w[3] v[3][i] for i < n, each y[i] through four fused multiply-adds in key order. */
-PG_AVX2_INLINE void pg_axpy4_avx2(float *y, const float *w, const float *const *v, int n) {
-    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]), w2 = _mm256_set1_ps(w[2]);
-    const __m256 w3 = _mm256_set1_ps(w[3]);
-    for (int i = 0; i < n; i += 8) {
-        __m256 sum = _mm256_loadu_ps(y + i);
-        sum = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v[0] + i), sum);
-        sum = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v[1] + i), sum);
-        sum = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v[2] + i), sum);
-        sum = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v[3] + i), sum);
-        _mm256_storeu_ps(y + i, sum);
-    }
-}
-
 #define PG_TILE_ISA avx2
 #define PG_TILE_TARGET PG_AVX2
-#define PG_TILE_DOT4 pg_dot4_avx2
-#define PG_TILE_AXPY4 pg_axpy4_avx2
+#define PG_TV __m256
+#define PG_TW 8
+#define PG_TLOAD(p) _mm256_loadu_ps(p)
+#define PG_TSTORE(p, v) _mm256_storeu_ps(p, v)
+#define PG_TSET1(f) _mm256_set1_ps(f)
+#define PG_TZERO() _mm256_setzero_ps()
+#define PG_TFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define PG_TFOLD(v) (v)
 #include "cpu_tiles_isa.h"
 
-/* The same on 512-bit vectors (head_dim % 16 == 0): a score's lanes sum other products first than
-   pg_dot4_avx2's (its own bits, the same for every row); an accumulation's are pg_axpy4_avx2's. */
+/* The same on 512-bit vectors (head_dim % 16 == 0): a score's lanes sum other products first than the 256-bit
+   tiles' (its own bits, the same for every row: each key's two halves are added, then summed across lanes as
+   there); an accumulation's are the 256-bit tiles'. */
 #define PG_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
-#define PG_AVX512_INLINE PG_AVX512 static inline __attribute__((always_inline))
 
 static int pg_has_avx512(void) {
     static int has = -1;  /* a benign race: every thread stores the same answer */
@@ -118,41 +96,16 @@ static int pg_has_avx512(void) {
     return has;
 }
 
-PG_AVX512_INLINE __m128 pg_dot4_avx512(const float *q, const float *const *k, int n) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(q + i);
-        s0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[0] + i), s0);
-        s1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[1] + i), s1);
-        s2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[2] + i), s2);
-        s3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[3] + i), s3);
-    }
-    /* each key's two 256-bit halves added, then pg_dot4_avx2's sums across lanes */
-    const __m256 h0 = _mm256_add_ps(_mm512_castps512_ps256(s0), _mm512_extractf32x8_ps(s0, 1));
-    const __m256 h1 = _mm256_add_ps(_mm512_castps512_ps256(s1), _mm512_extractf32x8_ps(s1, 1));
-    const __m256 h2 = _mm256_add_ps(_mm512_castps512_ps256(s2), _mm512_extractf32x8_ps(s2, 1));
-    const __m256 h3 = _mm256_add_ps(_mm512_castps512_ps256(s3), _mm512_extractf32x8_ps(s3, 1));
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-PG_AVX512_INLINE void pg_axpy4_avx512(float *y, const float *w, const float *const *v, int n) {
-    const __m512 w0 = _mm512_set1_ps(w[0]), w1 = _mm512_set1_ps(w[1]), w2 = _mm512_set1_ps(w[2]);
-    const __m512 w3 = _mm512_set1_ps(w[3]);
-    for (int i = 0; i < n; i += 16) {
-        __m512 sum = _mm512_loadu_ps(y + i);
-        sum = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[0] + i), sum);
-        sum = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[1] + i), sum);
-        sum = _mm512_fmadd_ps(w2, _mm512_loadu_ps(v[2] + i), sum);
-        sum = _mm512_fmadd_ps(w3, _mm512_loadu_ps(v[3] + i), sum);
-        _mm512_storeu_ps(y + i, sum);
-    }
-}
-
 #define PG_TILE_ISA avx512
 #define PG_TILE_TARGET PG_AVX512
-#define PG_TILE_DOT4 pg_dot4_avx512
-#define PG_TILE_AXPY4 pg_axpy4_avx512
+#define PG_TV __m512
+#define PG_TW 16
+#define PG_TLOAD(p) _mm512_loadu_ps(p)
+#define PG_TSTORE(p, v) _mm512_storeu_ps(p, v)
+#define PG_TSET1(f) _mm512_set1_ps(f)
+#define PG_TZERO() _mm512_setzero_ps()
+#define PG_TFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PG_TFOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
 #include "cpu_tiles_isa.h"
 
 /* exp(x) for x >= -87.3 (0 below): Cephes' expf, a degree-6 polynomial on [-ln2/2, ln2/2] after taking out
