@@ -45,8 +45,10 @@ def make_model(family: str) -> tuple[Path, Path, Path]:
         if family == "smolvlm":
             save_smolvlm(folder)
             fit_for_llama_cpp(folder)
+        elif family == "gemma3-4b":
+            save_gemma3_vision(folder, shape=GEMMA3_4B)
         else:
-            save_gemma3_vision(folder, shape=GEMMA3_4B) if family == "gemma3-4b" else save_gemma3_vision(folder)
+            save_gemma3_vision(folder)
     text = llamacpp.convert(folder, work / "text-f32.gguf", "f32")
     mmproj = llamacpp.convert(folder, work / "mmproj-f32.gguf", "f32", extra_args=("--mmproj",))
     return folder, text, mmproj
@@ -103,8 +105,8 @@ def pagegate_run(llm: LLM, prompt: str, png: bytes, tokens: int) -> Run:
 
 # each family's placeholder, and what llama.cpp's prompt holds for it (tools/mtmd/mtmd.cpp puts Gemma 3's image between
 # <start_of_image> and <end_of_image>, and transformers' processor writes blank lines around those)
-MARKERS = {"smolvlm": ("<image>", "{}"), "gemma3": ("<start_of_image>", "\n\n{}\n\n"),
-           "gemma3-4b": ("<start_of_image>", "\n\n{}\n\n")}
+MARKERS = {"smolvlm": ("<image>", "{}"), "gemma3": ("<start_of_image>", "\n\n{}\n\n")}
+MARKERS["gemma3-4b"] = MARKERS["gemma3"]
 
 
 def llama_run(base: str, family: str, prompt: str, png: bytes, tokens: int) -> Run:

@@ -138,6 +138,7 @@ PGQ_TARGET PGQ_INLINE void PGQ_FN(pgq_qdot_k_body)(const int qtype, const uint8_
     }
 }
 
+/* the interleaved kernels on this set, one group (eight rows) a 256-bit vector */
 #define PGQ_X_GROUPS 1
 #include "cpu_qx8_isa.h"
 

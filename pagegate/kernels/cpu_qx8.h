@@ -5,7 +5,7 @@
    super-block, the very bytes the file has, each field of the block (a scale, the packed values) stored unit by
    unit with the eight rows side by side: unit u of row i at the field's start + (8 u + i) * unit bytes. One 32-byte
    load then holds the same four bytes of all eight rows, a vector lane a row, so the integer dot products land per
-   row in the lanes without horizontal adds, and the scales of eight rows are one vector (cpu_qdot_isa.h's
+   row in the lanes without horizontal adds, and the scales of eight rows are one vector (cpu_qx8_isa.h's
    pgq_x8_dot). A matrix of N rows keeps N / 8 groups, then its last N % 8 rows as the file has them, each at its
    own offset; it is as large as the file's (a permutation of its bytes, Q8_0's values flipped).
 
@@ -19,7 +19,7 @@
 
 enum { PGQ_X8 = 100, PGQ_X8_ROWS = 8 };
 #ifndef PGQ_X8_AHEAD
-#define PGQ_X8_AHEAD 2  /* super-blocks ahead a decode step prefetches (cpu_qdot_isa.h) */
+#define PGQ_X8_AHEAD 2  /* super-blocks ahead a kernel's first pass prefetches (cpu_qx8_isa.h) */
 #endif
 
 typedef struct {
