@@ -346,14 +346,17 @@ static int pgq_set_isa(const char *name) {
     if ((avx512 || !strcmp(name, "vnni")) && pgq_has_vnni()) {
         pgq_qdot = pgq_qdot_vnni, pgq_x8_dot = pgq_x8_dot_vnni, pgq_isa = avx512 ? "avx512" : "vnni";
         pgq_x8_pair_dot = avx512 ? pgq_x8_dot_vnni_pair : NULL;
+        pgq_panels_isa = pgq_has_avx512vl() ? 2 : 1;
         return 1;
     }
     if (!strcmp(name, "avx2") && pgq_has_avx2()) {
         pgq_qdot = pgq_qdot_avx2, pgq_x8_dot = pgq_x8_dot_avx2, pgq_isa = "avx2", pgq_x8_pair_dot = NULL;
+        pgq_panels_isa = 1;
         return 1;
     }
     if (!strcmp(name, "portable")) {
         pgq_qdot = pgq_qdot_plain, pgq_x8_dot = pgq_x8_dot_plain, pgq_isa = "portable", pgq_x8_pair_dot = NULL;
+        pgq_panels_isa = 0;
         return 1;
     }
     return 0;

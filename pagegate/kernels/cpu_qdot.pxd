@@ -35,3 +35,10 @@ cdef extern from "cpu_qdot.h":
     int pgq_x8_span() noexcept nogil
     void pgq_x8_dot_groups(int base, const uint8_t *group, int64_t row_bytes, int64_t groups, const pgq_act *a,
                            float *out, int64_t out_stride) noexcept nogil
+    enum:
+        PGQ_F32_PANELS  # float32 rows 32 at a time, each panel k-major (cpu_panels.h)
+        PGQ_PANEL  # rows a panel
+    void pgq_panels_pack(const float *rows, int64_t n, int64_t k, float *out) noexcept nogil
+    void pgq_panels_matmul(const float *w, int64_t n, int64_t k, int64_t p0, int64_t p1, const float *x,
+                           int tokens, float *out, int64_t out_stride, const float *bias,
+                           int accumulate) noexcept nogil

@@ -411,6 +411,8 @@ static void pgq_init_float(void) {
     }
 }
 
+#include "cpu_panels.h"
+
 /* pgq_row and pgq_dequantize_row for row r of an N-row matrix in any layout (an interleaved one: cpu_qx8.h). */
 static void pgq_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, const float *x, int rows, float *out,
                        int64_t out_stride) {
@@ -419,6 +421,10 @@ static void pgq_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k,
     pgq_row(pgq_base_type(qtype), pgq_row_at(qtype, w, n, row_bytes, r, buf), k, x, rows, out, out_stride);
 }
 static void pgq_dequantize_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, float *out) {
+    if (qtype == PGQ_F32_PANELS) {
+        pgq_panels_row((const float *)w, n, k, r, out);
+        return;
+    }
     const int64_t row_bytes = (int64_t)k / pgq_block_elems(qtype) * pgq_block_bytes(qtype);
     uint8_t buf[pgq_is_x8(qtype) ? row_bytes : 1];
     pgq_dequantize_row(pgq_base_type(qtype), pgq_row_at(qtype, w, n, row_bytes, r, buf), k, out);

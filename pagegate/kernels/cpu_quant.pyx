@@ -16,8 +16,9 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_GROUP, PGQ_MAX_M, PGQ_SUMS, PGQ_X8, pgq_act, pgq_base_type, pgq_dequantize_row_of,
-                                        pgq_init, pgq_is_x8, pgq_isa, pgq_qdot, pgq_quantize_row,
+from pagegate.kernels.cpu_qdot cimport (PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
+                                        pgq_base_type, pgq_dequantize_row_of, pgq_init, pgq_is_x8, pgq_isa,
+                                        pgq_panels_matmul, pgq_panels_pack, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot_groups, pgq_x8_pack,
                                         pgq_x8_span)
 
@@ -33,6 +34,8 @@ X8 = PGQ_X8  # such a type's id plus this: its rows interleaved eight at a time 
 BLOCK_BYTES.update({t + X8: BLOCK_BYTES[t] for t in INTERLEAVED})
 BLOCK_ELEMS = {t: 256 if t % X8 in K_QUANTS else 32 for t in BLOCK_BYTES}
 INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
+F32_PANELS = PGQ_F32_PANELS  # float32 rows in panels (panels(); cpu_panels.h): rows of any length
+BLOCK_BYTES[F32_PANELS], BLOCK_ELEMS[F32_PANELS] = 4, 1
 pgq_init()
 
 
@@ -76,7 +79,11 @@ def matmul(x, blocks, int qtype):
     cdef const uint8_t *w = <const uint8_t *><size_t>blocks.data_ptr()
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
-    cdef int64_t row_bytes = blocks.shape[1]
+    cdef int64_t row_bytes = blocks.shape[1], p
+    if qtype == F32_PANELS:
+        for p in prange((n + PGQ_PANEL - 1) // PGQ_PANEL, nogil=True, schedule="static"):
+            pgq_panels_matmul(<const float *>w, n, k, p, p + 1, xp, m, op, n, NULL, 0)
+        return out
     for start in range(0, m, PGQ_MAX_M):
         rows = min(PGQ_MAX_M, m - start)
         for row in prange(n, nogil=True, schedule="static"):
@@ -119,6 +126,18 @@ def interleaved(blocks, int qtype):
     for g in prange(groups, nogil=True, schedule="static"):
         pgq_x8_pack(qtype, w + g * 8 * row_bytes, row_bytes, o + g * 8 * row_bytes)
     return out, qtype + X8
+
+
+def panels(weight):
+    """A float32 matrix W [N, K] as the native step reads it: its rows in panels of 32, each k-major (cpu_panels.h;
+    the same floats, permuted), as bytes [N, 4 K] of type F32_PANELS."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError("weight must be a float32 [N, K] matrix")
+    weight = weight.detach().contiguous()
+    out = torch.empty((weight.shape[0], 4 * weight.shape[1]), dtype=torch.uint8)
+    pgq_panels_pack(<const float *><size_t>weight.data_ptr(), weight.shape[0], weight.shape[1],
+                    <float *><size_t>out.data_ptr())
+    return out
 
 
 def matmul_q8(x, blocks, int qtype):

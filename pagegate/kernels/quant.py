@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pagegate.kernels.dispatch import quant_kernel
 
 F32 = 0  # ggml's type id of plain float32 rows
+F32_PANELS = 99  # pagegate's id of float32 rows in panels (panels(); cpu_panels.h), never in a file
 FUSED_MAX_ROWS = 8  # up to this many input rows decode each block once for all of them
 TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used by one GEMM while in cache
 
@@ -20,7 +21,7 @@ TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used 
 def block_types() -> frozenset[int]:
     """The ggml type ids worth keeping in blocks (none when the extension is not built)."""
     kernel = quant_kernel()
-    return frozenset(kernel.BLOCK_BYTES) - {F32} if kernel is not None else frozenset()
+    return frozenset(kernel.BLOCK_BYTES) - {F32, F32_PANELS} if kernel is not None else frozenset()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +50,7 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch
         out = kernel.matmul(x32, blocks, qtype)
     else:
         k = x32.shape[1]
-        rows = max(8, TILE_BYTES // (4 * k) // 8 * 8)  # whole groups of interleaved rows (cpu_qx8.h) a tile
+        rows = max(32, TILE_BYTES // (4 * k) // 32 * 32)  # whole groups (cpu_qx8.h) or panels (cpu_panels.h) a tile
         out = torch.cat([x32 @ kernel.dequantize(blocks[i:i + rows], qtype, k).t()
                          for i in range(0, blocks.shape[0], rows)], dim=1)
     return out.to(x.dtype)
@@ -60,6 +61,12 @@ def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Te
     rows interleaved eight at a time (cpu_qx8.h: the file's bytes, permuted) in a new tensor; any other matrix as it
     is (an array copied into a tensor). `blocks` may be a read-only array (a file's mapping)."""
     return _required_kernel().interleaved(blocks, qtype)
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 matrix [N, K] as the native step reads it, of type F32_PANELS: its rows in panels of 32, each
+    k-major (cpu_panels.h; the same floats, permuted) in a new tensor of bytes [N, 4 K]."""
+    return _required_kernel().panels(weight)
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:

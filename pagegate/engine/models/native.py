@@ -21,7 +21,7 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
-from pagegate.kernels.quant import F32
+from pagegate.kernels.quant import F32, F32_PANELS, panels
 
 # a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -39,6 +39,42 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
         return module.qtype, module.blocks, bias
     weight = cast(torch.Tensor, module.weight).detach()
     return F32, weight.view(torch.uint8), None if bias is None else bias.detach()
+
+
+def _paneled(module: nn.Module) -> nn.Module | None:
+    """A float32 nn.Linear or nn.Embedding with its weight in panels (F32_PANELS: the same floats, permuted, as the
+    native step reads them); None for any other module (one in blocks already)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, nn.Linear | nn.Embedding) or weight is None or weight.dtype != torch.float32:
+        return None
+    blocks = panels(weight)
+    if isinstance(module, nn.Embedding):
+        return QuantEmbedding(blocks, F32_PANELS, module.embedding_dim, torch.float32)
+    paneled = QuantLinear(blocks, F32_PANELS, module.in_features, torch.float32, getattr(module, "shard_names", ()),
+                          getattr(module, "shard_sizes", ()), bias=module.bias is not None)
+    if module.bias is not None:
+        paneled.bias.data.copy_(module.bias.detach())
+    return paneled
+
+
+def _to_panels(model: CausalLM) -> list[tuple[str, nn.Module]]:
+    """Puts the decoder's float32 matrices in panels, module by module (a tied head shares its embedding's); the
+    modules replaced, by path, to put back."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model.lm_head, "weight") else False
+    layer_paths = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    paths = ["model.embed_tokens", *([] if tied else ["lm_head"]),
+             *(f"model.layers.{i}.{path}" for i in range(len(model.model.layers)) for path in layer_paths)]
+    replaced = []
+    for path in paths:
+        module = model.get_submodule(path)
+        paneled = _paneled(module)
+        if paneled is not None:
+            model.set_submodule(path, paneled)
+            replaced.append((path, module))
+    if tied and replaced and replaced[0][0] == "model.embed_tokens":
+        replaced.append(("lm_head", model.lm_head))
+        model.lm_head = cast(QuantEmbedding, model.model.embed_tokens).as_linear()
+    return replaced
 
 
 def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
@@ -102,9 +138,12 @@ class NativeDecoder:
                 or not _llama_shaped(model.config)
                 or not all(type(layer) in (DecoderLayer, GemmaDecoderLayer) for layer in model.model.layers)):
             return None
+        replaced = _to_panels(model)
         try:
             return cls(model, kv_cache)
         except ValueError:  # a shape the C does not take (head size, group, odd widths): torch runs it
+            for path, module in replaced:
+                model.set_submodule(path, module)
             return None
 
     def takes(self, step: StepInputs) -> bool:
