@@ -150,8 +150,6 @@ static void pgd_group_dot(const pgd_model *m, const pgd_linear *l, int64_t first
             pgq_row_of(l->qtype, l->data, l->n, first + i, (int)l->k, x + t0 * l->k, count, part + i, PGQ_GROUP);
     } else if (count == 1 && rows == PGQ_GROUP) {
         pgd_rows4_one(l, w, x + t0 * l->k, part);
-    } else if (l->qtype == PGQ_F32 && rows == PGQ_GROUP && l->k % 32 == 0 && pgq_f32_tokens) {
-        pgq_rows4_f32_tokens(w, l->row_bytes, (int)l->k, x + t0 * l->k, count, part, PGQ_GROUP);
     } else {
         for (int i = 0; i < rows; i++) pgd_row(l, w + i * l->row_bytes, x + t0 * l->k, count, part + i, PGQ_GROUP);
     }

@@ -288,82 +288,13 @@ PGQ_AVX2 static inline __attribute__((always_inline)) void pgq_rows4_one_body(co
         out[r] = _mm_cvtss_f32(h);
     }
 }
-/* One F32 row's dot product in pgq_row_avx2's order. NOTE: F32 rows are read one after the other, not four side by
-   side as pgq_rows4_one_body does: one sequential stream a thread reads memory ~1.6x as fast as four streams 3 KB
-   apart on Zen 4 (a 98 MB matvec on 2 threads: 60-68 against 37 GB/s). */
-PGQ_AVX2 static inline float pgq_row1_f32(const float *w, int k, const float *x) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 32) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), acc1);
-    }
-    const __m256 v = _mm256_add_ps(acc0, acc1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x,
                                         float *out) {
-    if (qtype == PGQ_F32)
-        for (int r = 0; r < 4; r++) out[r] = pgq_row1_f32((const float *)(w + r * row_bytes), k, x);
-    else
-        pgq_rows4_one_body(qtype, w, row_bytes, k, x, out);
+    pgq_rows4_one_body(qtype, w, row_bytes, k, x, out);
 }
 
-/* Many tokens' float matmul: out[t * out_stride + i] = x_t . row i for four F32 rows of k (whole blocks) and
-   `tokens` activation rows, up to six tokens a pass so that each weight vector loaded serves them all: 24 zmm
-   accumulators of AVX-512's 32 registers. Lanes 0-7 of (row, token)'s accumulator sum the first halves of the
-   16-float chunks and lanes 8-15 the second halves: pgq_row_avx2's two accumulators side by side, so its bits. */
 static int pgq_has_avx2(void);
-#define PGQ_F32_PASS 6
 #define PGQ_AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
-PGQ_AVX512 static inline __attribute__((always_inline)) void pgq_rows4_f32_pass(
-        const uint8_t *w, int64_t row_bytes, int k, const float *x, const int tokens, float *out, int64_t out_stride) {
-    const float *w0 = (const float *)w, *w1 = (const float *)(w + row_bytes);
-    const float *w2 = (const float *)(w + 2 * row_bytes), *w3 = (const float *)(w + 3 * row_bytes);
-    __m512 acc[4][PGQ_F32_PASS];
-    for (int r = 0; r < 4; r++)
-        for (int t = 0; t < tokens; t++) acc[r][t] = _mm512_setzero_ps();
-    #pragma GCC unroll 2  /* two iterations' loads in flight: ~1.2x on Zen 5 */
-    for (int64_t i = 0; i < k; i += 16) {
-        const __m512 v0 = _mm512_loadu_ps(w0 + i), v1 = _mm512_loadu_ps(w1 + i);
-        const __m512 v2 = _mm512_loadu_ps(w2 + i), v3 = _mm512_loadu_ps(w3 + i);
-        for (int t = 0; t < tokens; t++) {
-            const __m512 xv = _mm512_loadu_ps(x + (int64_t)t * k + i);
-            acc[0][t] = _mm512_fmadd_ps(v0, xv, acc[0][t]);
-            acc[1][t] = _mm512_fmadd_ps(v1, xv, acc[1][t]);
-            acc[2][t] = _mm512_fmadd_ps(v2, xv, acc[2][t]);
-            acc[3][t] = _mm512_fmadd_ps(v3, xv, acc[3][t]);
-        }
-    }
-    for (int t = 0; t < tokens; t++)
-        for (int r = 0; r < 4; r++) {
-            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1));
-            const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), high);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            out[t * out_stride + r] = _mm_cvtss_f32(h);
-        }
-}
-PGQ_AVX512 static void pgq_rows4_f32_tokens(const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens,
-                                            float *out, int64_t out_stride) {
-    for (int t0 = 0; t0 < tokens; t0 += PGQ_F32_PASS) {
-        const float *xt = x + (int64_t)t0 * k;
-        float *o = out + t0 * out_stride;
-        switch (tokens - t0 < PGQ_F32_PASS ? tokens - t0 : PGQ_F32_PASS) {  /* a constant count: registers */
-            case 1: pgq_rows4_f32_pass(w, row_bytes, k, xt, 1, o, out_stride); break;
-            case 2: pgq_rows4_f32_pass(w, row_bytes, k, xt, 2, o, out_stride); break;
-            case 3: pgq_rows4_f32_pass(w, row_bytes, k, xt, 3, o, out_stride); break;
-            case 4: pgq_rows4_f32_pass(w, row_bytes, k, xt, 4, o, out_stride); break;
-            case 5: pgq_rows4_f32_pass(w, row_bytes, k, xt, 5, o, out_stride); break;
-            default: pgq_rows4_f32_pass(w, row_bytes, k, xt, PGQ_F32_PASS, o, out_stride);
-        }
-    }
-}
 static int pgq_has_avx512vl(void) {
     return pgq_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
 }
@@ -383,8 +314,6 @@ static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const float *x, i
                          int64_t out_stride) {}
 static void pgq_dequantize_row_avx2(int qtype, const uint8_t *row, int k, float *out) {}
 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x, float *out) {}
-static void pgq_rows4_f32_tokens(const uint8_t *w, int64_t row_bytes, int k, const float *x, int tokens, float *out,
-                                 int64_t out_stride) {}
 static int pgq_has_avx2(void) { return 0; }
 static int pgq_has_avx512vl(void) { return 0; }
 #endif
@@ -400,14 +329,12 @@ static void pgq_rows4_one_plain(int qtype, const uint8_t *w, int64_t row_bytes, 
 }
 static pgq_dequantize_fn pgq_dequantize_row = pgq_dequantize_row_plain;
 static pgq_rows4_one_fn pgq_rows4_one = pgq_rows4_one_plain;
-static int pgq_f32_tokens = 0;  /* pgq_rows4_f32_tokens runs here */
 static void pgq_init_float(void) {
     for (uint32_t h = 0; h < 65536; h++) pgq_half_table[h] = pgq_half_to_float((uint16_t)h);
     if (pgq_has_avx2()) {
         pgq_row = pgq_row_avx2;
         pgq_dequantize_row = pgq_dequantize_row_avx2;
         pgq_rows4_one = pgq_rows4_one_avx2;
-        pgq_f32_tokens = pgq_has_avx512vl();
     }
 }
 
