@@ -52,7 +52,7 @@ def _paneled(module: nn.Module) -> nn.Module | None:
         return QuantEmbedding(blocks, F32_PANELS, module.embedding_dim, torch.float32)
     paneled = QuantLinear(blocks, F32_PANELS, module.in_features, torch.float32, getattr(module, "shard_names", ()),
                           getattr(module, "shard_sizes", ()), bias=module.bias is not None)
-    if module.bias is not None:
+    if module.bias is not None and paneled.bias is not None:
         paneled.bias.data.copy_(module.bias.detach())
     return paneled
 
@@ -60,7 +60,7 @@ def _paneled(module: nn.Module) -> nn.Module | None:
 def _to_panels(model: CausalLM) -> list[tuple[str, nn.Module]]:
     """Puts the decoder's float32 matrices in panels, module by module (a tied head shares its embedding's); the
     modules replaced, by path, to put back."""
-    tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model.lm_head, "weight") else False
+    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     layer_paths = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     paths = ["model.embed_tokens", *([] if tied else ["lm_head"]),
              *(f"model.layers.{i}.{path}" for i in range(len(model.model.layers)) for path in layer_paths)]

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.models.native import NativeDecoder
-from pagegate.kernels import cpu_decode
+from pagegate.kernels import cpu_decode, quant
 
 from ..conftest import SavedModel, hf, save_hf_model
 from ..loading.gguf_files import write_gguf
@@ -46,6 +46,27 @@ def test_float32_models_decode_token_for_token(fixture: str, request: pytest.Fix
     """Biases, a head size that is not hidden / heads, a sliding window, tied embeddings."""
     path = request.getfixturevalue(fixture).path
     assert greedy(path, "q8", monkeypatch, 20) == greedy(path, "torch", monkeypatch, 20)
+
+
+def test_float32_matrices_are_read_in_panels_in_place_of_their_weights(qwen2_model: SavedModel,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native decoder puts each float32 matrix in panels (cpu_panels.h: the same floats, permuted, in place of
+    the torch weight), a bias kept and a tied head sharing its embedding's panels."""
+    native = LLM(str(qwen2_model.path), device="cpu", num_kv_blocks=PAGES).engine.runner.model
+    with monkeypatch.context() as patch:
+        patch.setenv("PAGEGATE_KERNEL_BACKEND", "reference")
+        plain = LLM(str(qwen2_model.path), device="cpu", num_kv_blocks=PAGES).engine.runner.model
+    pairs = [(native.model.embed_tokens, plain.model.embed_tokens)]
+    for layer, plain_layer in zip(native.model.layers, plain.model.layers, strict=True):
+        pairs += [(layer.get_submodule(path), plain_layer.get_submodule(path))
+                  for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    for module, weights in pairs:
+        assert module.qtype == quant.F32_PANELS
+        assert torch.equal(quant.dequantize_rows(module.blocks, quant.F32_PANELS, weights.weight.shape[1],
+                                                 torch.arange(weights.weight.shape[0])), weights.weight)
+        if getattr(weights, "bias", None) is not None:
+            assert torch.equal(module.bias, weights.bias)
+    assert native.lm_head.blocks is native.model.embed_tokens.blocks
 
 
 @pytest.fixture(scope="module")
