@@ -261,9 +261,8 @@ PGQ_AVX2 static void pgq_row_avx2(int qtype, const uint8_t *row, int k, const fl
    row's two accumulators in registers (pgq_row_avx2's order of addition: rows = 1 gives its bits) and every
    F16 row prefetched PGQ_FLOAT_PREFETCH bytes ahead (rows are contiguous, so this runs on into the next rows). */
 #define PGQ_FLOAT_PREFETCH 1024
-PGQ_AVX2 static inline __attribute__((always_inline)) void pgq_rows4_one_body(const int qtype, const uint8_t *w,
-                                                                               int64_t row_bytes, int k, const float *x,
-                                                                               float *out) {
+PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x,
+                                        float *out) {
     __m256 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 32; b++) {
@@ -288,11 +287,6 @@ PGQ_AVX2 static inline __attribute__((always_inline)) void pgq_rows4_one_body(co
         out[r] = _mm_cvtss_f32(h);
     }
 }
-PGQ_AVX2 static void pgq_rows4_one_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int k, const float *x,
-                                        float *out) {
-    pgq_rows4_one_body(qtype, w, row_bytes, k, x, out);
-}
-
 static int pgq_has_avx2(void);
 #define PGQ_AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
 static int pgq_has_avx512vl(void) {
