@@ -98,7 +98,7 @@ typedef struct {
 
 /* Whether l takes its input in Q8: integer blocks, unless the model runs exact. */
 static inline int pgd_q8(const pgd_model *m, const pgd_linear *l) {
-    return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16 && l->qtype != PGQ_F32_PANELS;
+    return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16 && !pgq_is_panels(l->qtype);
 }
 
 /* Whether some part of l takes its input in Q8. */
@@ -217,10 +217,10 @@ static void pgd_matmul_part(const pgd_model *m, const pgd_linear *l, const float
         pgd_matmul_x8(m, l, act, tokens, out, out_stride, accumulate);
         return;
     }
-    if (l->qtype == PGQ_F32_PANELS) {  /* whole panels a thread, each against every token (cpu_panels.h) */
+    if (pgq_is_panels(l->qtype)) {  /* whole panels a thread, each against every token (cpu_panels.h) */
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < (l->n + PGQ_PANEL - 1) / PGQ_PANEL; p++)
-            pgq_panels_matmul((const float *)l->data, l->n, l->k, p, p + 1, x, tokens, out, out_stride, l->bias,
+            pgq_panels_matmul(l->qtype, l->data, l->n, l->k, p, p + 1, x, tokens, out, out_stride, l->bias,
                               accumulate);
         return;
     }

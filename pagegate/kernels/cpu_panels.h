@@ -1,8 +1,9 @@
-/* Float32 weights in panels: the layout the native step reads F32 matrices in.
+/* Float weights in panels: the layout the native step reads F32 and F16 matrices in.
 
    A matrix W [N, K] keeps its rows 32 at a time, each such panel k-major: element (r, k) of panel p = r / 32 lies at
-   32 p K + k width + r % 32, width = min(32, N - 32 p) (only the last panel is narrower). The same floats as the
-   row-major matrix, permuted; the type id PGQ_F32_PANELS says so (an id of pagegate's, never in a file).
+   32 p K + k width + r % 32, width = min(32, N - 32 p) (only the last panel is narrower). The same values as the
+   row-major matrix, permuted; the type ids PGQ_F32_PANELS and PGQ_F16_PANELS say so (pagegate's, never in a file).
+   F16 values widen to float32 exactly as they are loaded (F16C), so both run the same float32 arithmetic.
 
    Every output is one chain of fused multiply-adds over k in order (w[r][0] x[0] first, from +0): a vector holds
    16 (or 8) outputs' weights of one k, each token's x[k] is broadcast, and no sum crosses lanes. So AVX-512, AVX2
@@ -16,7 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 
-enum { PGQ_F32_PANELS = 99, PGQ_PANEL = 32 };
+enum { PGQ_F16_PANELS = 98, PGQ_F32_PANELS = 99, PGQ_PANEL = 32 };
 #define PGQ_PANEL_TOKENS 12  /* tokens an AVX-512 pass takes: 2 x 12 accumulators of 32 registers */
 
 static int pgq_panels_isa = 0;  /* 2: AVX-512, 1: AVX2, 0: plain C (the same bits) */
@@ -25,22 +26,30 @@ static inline int64_t pgq_panel_width(int64_t n, int64_t p) {
     return n - p * PGQ_PANEL < PGQ_PANEL ? n - p * PGQ_PANEL : PGQ_PANEL;
 }
 
-/* W [n, k] row-major -> panels (out holds n * k floats). */
-static void pgq_panels_pack(const float *rows, int64_t n, int64_t k, float *out) {
+static inline int pgq_is_panels(int qtype) { return qtype == PGQ_F32_PANELS || qtype == PGQ_F16_PANELS; }
+
+/* W [n, k] row-major -> panels, values of `bytes` (4: F32, 2: F16) copied as they are. */
+static void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes, uint8_t *out) {
     for (int64_t p = 0; p * PGQ_PANEL < n; p++) {
         const int64_t width = pgq_panel_width(n, p);
-        const float *src = rows + p * PGQ_PANEL * k;
-        float *dst = out + p * PGQ_PANEL * k;
+        const uint8_t *src = rows + p * PGQ_PANEL * k * bytes;
+        uint8_t *dst = out + p * PGQ_PANEL * k * bytes;
         for (int64_t i = 0; i < k; i++)
-            for (int64_t r = 0; r < width; r++) dst[i * width + r] = src[r * k + i];
+            for (int64_t r = 0; r < width; r++) memcpy(dst + (i * width + r) * bytes, src + (r * k + i) * bytes, bytes);
     }
 }
 
+/* Value (c, i) of a panel of `width` in type `qtype`, as float32. */
+static inline float pgq_panel_value(int qtype, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
+    if (qtype == PGQ_F16_PANELS) return pgq_half(panel + (i * width + c) * 2);
+    return ((const float *)panel)[i * width + c];
+}
+
 /* Row r of panels w [n, k] (an embedding lookup). */
-static void pgq_panels_row(const float *w, int64_t n, int64_t k, int64_t r, float *out) {
-    const int64_t width = pgq_panel_width(n, r / PGQ_PANEL);
-    const float *src = w + r / PGQ_PANEL * PGQ_PANEL * k + r % PGQ_PANEL;
-    for (int64_t i = 0; i < k; i++) out[i] = src[i * width];
+static void pgq_panels_row(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t r, float *out) {
+    const int bytes = qtype == PGQ_F16_PANELS ? 2 : 4;
+    const uint8_t *panel = w + r / PGQ_PANEL * PGQ_PANEL * k * bytes;
+    for (int64_t i = 0; i < k; i++) out[i] = pgq_panel_value(qtype, panel, pgq_panel_width(n, r / PGQ_PANEL), i, r % PGQ_PANEL);
 }
 
 /* out (+)= value + bias, in the order every kernel here stores in. */
@@ -50,28 +59,35 @@ static inline float pgq_panel_out(float out, float value, const float *bias, int
 }
 
 /* Columns c0..c1 of one panel against `tokens` activation rows, one output at a time. */
-static void pgq_panel_plain(const float *panel, int64_t width, int64_t k, int64_t c0, int64_t c1, const float *x,
-                            int tokens, float *out, int64_t out_stride, const float *bias, int accumulate) {
+static void pgq_panel_plain(int qtype, const uint8_t *panel, int64_t width, int64_t k, int64_t c0, int64_t c1,
+                            const float *x, int tokens, float *out, int64_t out_stride, const float *bias,
+                            int accumulate) {
     for (int t = 0; t < tokens; t++)
         for (int64_t c = c0; c < c1; c++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc = fmaf(panel[i * width + c], x[t * k + i], acc);
+            for (int64_t i = 0; i < k; i++) acc = fmaf(pgq_panel_value(qtype, panel, width, i, c), x[t * k + i], acc);
             float *o = out + t * out_stride + c;
             *o = pgq_panel_out(*o, acc, bias ? bias + c : NULL, accumulate);
         }
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
+#define PGQ_INLINE static inline __attribute__((always_inline))
+/* 8 values of row i from column c of a panel: F32, or F16 widened (`half`, a constant where it is inlined). */
+PGQ_AVX2 PGQ_INLINE __m256 pgq_panel_load8(const int half, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(panel + (i * width + c) * 2)));
+    return _mm256_loadu_ps((const float *)panel + i * width + c);
+}
 /* 8 or 16 columns from c (`strips` of 8) against up to six tokens, in 12 ymm accumulators. */
-PGQ_AVX2 static inline __attribute__((always_inline)) void pgq_panel_avx2_pass(
-        const float *panel, int64_t width, int64_t k, int64_t c, const int strips, const float *x, const int tokens,
-        float *out, int64_t out_stride, const float *bias, int accumulate) {
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int half, const uint8_t *panel, int64_t width, int64_t k, int64_t c,
+                                             const int strips, const float *x, const int tokens, float *out,
+                                             int64_t out_stride, const float *bias, int accumulate) {
     __m256 acc[2][6];
     for (int s = 0; s < strips; s++)
         for (int t = 0; t < tokens; t++) acc[s][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const float *w = panel + i * width + c;
-        const __m256 w0 = _mm256_loadu_ps(w), w1 = strips > 1 ? _mm256_loadu_ps(w + 8) : w0;
+        const __m256 w0 = pgq_panel_load8(half, panel, width, i, c);
+        const __m256 w1 = strips > 1 ? pgq_panel_load8(half, panel, width, i, c + 8) : w0;
         for (int t = 0; t < tokens; t++) {
             const __m256 xt = _mm256_broadcast_ss(x + t * k + i);
             acc[0][t] = _mm256_fmadd_ps(w0, xt, acc[0][t]);
@@ -86,15 +102,16 @@ PGQ_AVX2 static inline __attribute__((always_inline)) void pgq_panel_avx2_pass(
             _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
         }
 }
-#define PGQ_PANEL_AVX2(S, T) pgq_panel_avx2_pass(panel, width, k, c, S, xt, T, o, out_stride, bias, accumulate)
-PGQ_AVX2 static void pgq_panel_avx2(const float *panel, int64_t width, int64_t k, const float *x, int tokens,
-                                    float *out, int64_t out_stride, const float *bias, int accumulate) {
+#define PGQ_PANEL_AVX2(S, T) \
+    pgq_panel_avx2_pass(half, panel, width, k, c, S, xt, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int half, const uint8_t *panel, int64_t width, int64_t k,
+                                           const float *x, int tokens, float *out, int64_t out_stride,
+                                           const float *bias, int accumulate) {
     int64_t c = 0;
     for (; c + 8 <= width; c += c + 16 <= width ? 16 : 8) {
         const int strips = c + 16 <= width ? 2 : 1;
         for (int t0 = 0; t0 < tokens; t0 += 6) {
             const float *xt = x + t0 * k;
-            float *o = out + t0 * out_stride;
             switch ((tokens - t0 < 6 ? tokens - t0 : 6) * 2 + strips - 1) {  /* constant counts: registers */
                 case 2: PGQ_PANEL_AVX2(1, 1); break;
                 case 3: PGQ_PANEL_AVX2(2, 1); break;
@@ -111,17 +128,28 @@ PGQ_AVX2 static void pgq_panel_avx2(const float *panel, int64_t width, int64_t k
             }
         }
     }
-    pgq_panel_plain(panel, width, k, c, width, x, tokens, out, out_stride, bias, accumulate);
+    pgq_panel_plain(half ? PGQ_F16_PANELS : PGQ_F32_PANELS, panel, width, k, c, width, x, tokens, out, out_stride,
+                    bias, accumulate);
+}
+PGQ_AVX2 static void pgq_panel_avx2(int qtype, const uint8_t *panel, int64_t width, int64_t k, const float *x,
+                                    int tokens, float *out, int64_t out_stride, const float *bias, int accumulate) {
+    if (qtype == PGQ_F16_PANELS) pgq_panel_avx2_of(1, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
+    else pgq_panel_avx2_of(0, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
 }
 
+/* 16 values of row i of a whole panel from column c: F32, or F16 widened. */
+PGQ_AVX512 PGQ_INLINE __m512 pgq_panel_load16(const int half, const uint8_t *panel, int64_t i, int c) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(panel + (i * PGQ_PANEL + c) * 2)));
+    return _mm512_loadu_ps((const float *)panel + i * PGQ_PANEL + c);
+}
 /* A whole panel (32 columns) against up to PGQ_PANEL_TOKENS tokens, in 24 zmm accumulators. */
-PGQ_AVX512 static inline __attribute__((always_inline)) void pgq_panel_avx512_pass(
-        const float *panel, int64_t k, const float *x, const int tokens, float *out, int64_t out_stride,
-        const float *bias, int accumulate) {
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int half, const uint8_t *panel, int64_t k, const float *x,
+                                                 const int tokens, float *out, int64_t out_stride, const float *bias,
+                                                 int accumulate) {
     __m512 acc[2][PGQ_PANEL_TOKENS];
     for (int t = 0; t < tokens; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const __m512 w0 = _mm512_loadu_ps(panel + i * PGQ_PANEL), w1 = _mm512_loadu_ps(panel + i * PGQ_PANEL + 16);
+        const __m512 w0 = pgq_panel_load16(half, panel, i, 0), w1 = pgq_panel_load16(half, panel, i, 16);
         for (int t = 0; t < tokens; t++) {
             const __m512 xt = _mm512_set1_ps(x[t * k + i]);
             acc[0][t] = _mm512_fmadd_ps(w0, xt, acc[0][t]);
@@ -136,12 +164,12 @@ PGQ_AVX512 static inline __attribute__((always_inline)) void pgq_panel_avx512_pa
             _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
         }
 }
-#define PGQ_PANEL_AVX512(T) pgq_panel_avx512_pass(panel, k, xt, T, o, out_stride, bias, accumulate)
-PGQ_AVX512 static void pgq_panel_avx512(const float *panel, int64_t k, const float *x, int tokens, float *out,
-                                        int64_t out_stride, const float *bias, int accumulate) {
+#define PGQ_PANEL_AVX512(T) \
+    pgq_panel_avx512_pass(half, panel, k, x + t0 * k, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int half, const uint8_t *panel, int64_t k, const float *x,
+                                               int tokens, float *out, int64_t out_stride, const float *bias,
+                                               int accumulate) {
     for (int t0 = 0; t0 < tokens; t0 += PGQ_PANEL_TOKENS) {
-        const float *xt = x + t0 * k;
-        float *o = out + t0 * out_stride;
         switch (tokens - t0 < PGQ_PANEL_TOKENS ? tokens - t0 : PGQ_PANEL_TOKENS) {  /* a constant count: registers */
             case 1: PGQ_PANEL_AVX512(1); break;
             case 2: PGQ_PANEL_AVX512(2); break;
@@ -158,27 +186,35 @@ PGQ_AVX512 static void pgq_panel_avx512(const float *panel, int64_t k, const flo
         }
     }
 }
+PGQ_AVX512 static void pgq_panel_avx512(int qtype, const uint8_t *panel, int64_t k, const float *x, int tokens,
+                                        float *out, int64_t out_stride, const float *bias, int accumulate) {
+    if (qtype == PGQ_F16_PANELS) pgq_panel_avx512_of(1, panel, k, x, tokens, out, out_stride, bias, accumulate);
+    else pgq_panel_avx512_of(0, panel, k, x, tokens, out, out_stride, bias, accumulate);
+}
 #else
-static void pgq_panel_avx2(const float *panel, int64_t width, int64_t k, const float *x, int tokens, float *out,
-                           int64_t out_stride, const float *bias, int accumulate) {}
-static void pgq_panel_avx512(const float *panel, int64_t k, const float *x, int tokens, float *out,
+static void pgq_panel_avx2(int qtype, const uint8_t *panel, int64_t width, int64_t k, const float *x, int tokens,
+                           float *out, int64_t out_stride, const float *bias, int accumulate) {}
+static void pgq_panel_avx512(int qtype, const uint8_t *panel, int64_t k, const float *x, int tokens, float *out,
                              int64_t out_stride, const float *bias, int accumulate) {}
 #endif
 
-/* out[t * out_stride + 32 p + c] (+)= x_t . row (32 p + c) + bias for panels p0..p1 of w [n, k] and `tokens` rows
-   of x [tokens, k]; bias (NULL: none) and out start at output 0. */
-static void pgq_panels_matmul(const float *w, int64_t n, int64_t k, int64_t p0, int64_t p1, const float *x,
-                              int tokens, float *out, int64_t out_stride, const float *bias, int accumulate) {
+/* out[t * out_stride + 32 p + c] (+)= x_t . row (32 p + c) + bias for panels p0..p1 of w [n, k] in `qtype` (F32 or
+   F16 panels) and `tokens` rows of x [tokens, k]; bias (NULL: none) and out start at output 0. */
+static void pgq_panels_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t p0, int64_t p1,
+                              const float *x, int tokens, float *out, int64_t out_stride, const float *bias,
+                              int accumulate) {
+    const int bytes = qtype == PGQ_F16_PANELS ? 2 : 4;
     for (int64_t p = p0; p < p1; p++) {
-        const float *panel = w + p * PGQ_PANEL * k, *b = bias ? bias + p * PGQ_PANEL : NULL;
+        const uint8_t *panel = w + p * PGQ_PANEL * k * bytes;
+        const float *b = bias ? bias + p * PGQ_PANEL : NULL;
         const int64_t width = pgq_panel_width(n, p);
         float *o = out + p * PGQ_PANEL;
         if (pgq_panels_isa == 2 && width == PGQ_PANEL)
-            pgq_panel_avx512(panel, k, x, tokens, o, out_stride, b, accumulate);
+            pgq_panel_avx512(qtype, panel, k, x, tokens, o, out_stride, b, accumulate);
         else if (pgq_panels_isa >= 1)
-            pgq_panel_avx2(panel, width, k, x, tokens, o, out_stride, b, accumulate);
+            pgq_panel_avx2(qtype, panel, width, k, x, tokens, o, out_stride, b, accumulate);
         else
-            pgq_panel_plain(panel, width, k, 0, width, x, tokens, o, out_stride, b, accumulate);
+            pgq_panel_plain(qtype, panel, width, k, 0, width, x, tokens, o, out_stride, b, accumulate);
     }
 }
 

@@ -37,8 +37,9 @@ cdef extern from "cpu_qdot.h":
                            float *out, int64_t out_stride) noexcept nogil
     enum:
         PGQ_F32_PANELS  # float32 rows 32 at a time, each panel k-major (cpu_panels.h)
+        PGQ_F16_PANELS  # the same of float16 rows
         PGQ_PANEL  # rows a panel
-    void pgq_panels_pack(const float *rows, int64_t n, int64_t k, float *out) noexcept nogil
-    void pgq_panels_matmul(const float *w, int64_t n, int64_t k, int64_t p0, int64_t p1, const float *x,
+    void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes, uint8_t *out) noexcept nogil
+    void pgq_panels_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t p0, int64_t p1, const float *x,
                            int tokens, float *out, int64_t out_stride, const float *bias,
                            int accumulate) noexcept nogil

@@ -342,8 +342,8 @@ static void pgq_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k,
     pgq_row(pgq_base_type(qtype), pgq_row_at(qtype, w, n, row_bytes, r, buf), k, x, rows, out, out_stride);
 }
 static void pgq_dequantize_row_of(int qtype, const uint8_t *w, int64_t n, int64_t r, int k, float *out) {
-    if (qtype == PGQ_F32_PANELS) {
-        pgq_panels_row((const float *)w, n, k, r, out);
+    if (pgq_is_panels(qtype)) {
+        pgq_panels_row(qtype, w, n, k, r, out);
         return;
     }
     const int64_t row_bytes = (int64_t)k / pgq_block_elems(qtype) * pgq_block_bytes(qtype);

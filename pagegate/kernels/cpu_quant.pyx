@@ -16,7 +16,7 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
+from pagegate.kernels.cpu_qdot cimport (PGQ_F16_PANELS, PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
                                         pgq_base_type, pgq_dequantize_row_of, pgq_init, pgq_is_x8, pgq_isa,
                                         pgq_panels_matmul, pgq_panels_pack, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot_groups, pgq_x8_pack,
@@ -34,8 +34,10 @@ X8 = PGQ_X8  # such a type's id plus this: its rows interleaved eight at a time 
 BLOCK_BYTES.update({t + X8: BLOCK_BYTES[t] for t in INTERLEAVED})
 BLOCK_ELEMS = {t: 256 if t % X8 in K_QUANTS else 32 for t in BLOCK_BYTES}
 INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
-F32_PANELS = PGQ_F32_PANELS  # float32 rows in panels (panels(); cpu_panels.h): rows of any length
-BLOCK_BYTES[F32_PANELS], BLOCK_ELEMS[F32_PANELS] = 4, 1
+F32_PANELS, F16_PANELS = PGQ_F32_PANELS, PGQ_F16_PANELS  # float rows in panels (panels(); cpu_panels.h), any length
+PANELS = {F32: F32_PANELS, F16: F16_PANELS}  # a float type's id -> its panels'
+BLOCK_BYTES.update({F32_PANELS: 4, F16_PANELS: 2})
+BLOCK_ELEMS.update({F32_PANELS: 1, F16_PANELS: 1})
 pgq_init()
 
 
@@ -80,9 +82,9 @@ def matmul(x, blocks, int qtype):
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
     cdef int64_t row_bytes = blocks.shape[1], p
-    if qtype == F32_PANELS:
+    if qtype == F32_PANELS or qtype == F16_PANELS:
         for p in prange((n + PGQ_PANEL - 1) // PGQ_PANEL, nogil=True, schedule="static"):
-            pgq_panels_matmul(<const float *>w, n, k, p, p + 1, xp, m, op, n, NULL, 0)
+            pgq_panels_matmul(qtype, w, n, k, p, p + 1, xp, m, op, n, NULL, 0)
         return out
     for start in range(0, m, PGQ_MAX_M):
         rows = min(PGQ_MAX_M, m - start)
@@ -128,16 +130,20 @@ def interleaved(blocks, int qtype):
     return out, qtype + X8
 
 
-def panels(weight):
-    """A float32 matrix W [N, K] as the native step reads it: its rows in panels of 32, each k-major (cpu_panels.h;
-    the same floats, permuted), as bytes [N, 4 K] of type F32_PANELS."""
-    if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError("weight must be a float32 [N, K] matrix")
-    weight = weight.detach().contiguous()
-    out = torch.empty((weight.shape[0], 4 * weight.shape[1]), dtype=torch.uint8)
-    pgq_panels_pack(<const float *><size_t>weight.data_ptr(), weight.shape[0], weight.shape[1],
-                    <float *><size_t>out.data_ptr())
-    return out
+def panels(blocks, int qtype):
+    """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32 or F16 (blocks: its bytes
+    [N, K * value bytes]) in panels of 32, each k-major (cpu_panels.h; the same values, permuted) in a new tensor,
+    its type id F32_PANELS or F16_PANELS."""
+    if qtype not in PANELS or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError("blocks must be the uint8 [N, row bytes] of an F32 or F16 matrix")
+    cdef int bytes = 4 if qtype == F32 else 2
+    if blocks.shape[1] % bytes:
+        raise ValueError(f"rows of {blocks.shape[1]} bytes are no whole number of values")
+    blocks = blocks.contiguous()
+    out = torch.empty(tuple(blocks.shape), dtype=torch.uint8)
+    pgq_panels_pack(<const uint8_t *><size_t>blocks.data_ptr(), blocks.shape[0], blocks.shape[1] // bytes, bytes,
+                    <uint8_t *><size_t>out.data_ptr())
+    return out, PANELS[qtype]
 
 
 def matmul_q8(x, blocks, int qtype):

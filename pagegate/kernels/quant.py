@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from pagegate.kernels.dispatch import quant_kernel
 
 F32 = 0  # ggml's type id of plain float32 rows
-F32_PANELS = 99  # pagegate's id of float32 rows in panels (panels(); cpu_panels.h), never in a file
+F16 = 1  # ggml's type id of float16 rows
+F16_PANELS, F32_PANELS = 98, 99  # pagegate's ids of float16 / float32 rows in panels (panels(); cpu_panels.h)
 FUSED_MAX_ROWS = 8  # up to this many input rows decode each block once for all of them
 TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used by one GEMM while in cache
 
@@ -21,7 +22,7 @@ TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used 
 def block_types() -> frozenset[int]:
     """The ggml type ids worth keeping in blocks (none when the extension is not built)."""
     kernel = quant_kernel()
-    return frozenset(kernel.BLOCK_BYTES) - {F32, F32_PANELS} if kernel is not None else frozenset()
+    return frozenset(kernel.BLOCK_BYTES) - {F32, F16_PANELS, F32_PANELS} if kernel is not None else frozenset()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,10 +64,10 @@ def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Te
     return _required_kernel().interleaved(blocks, qtype)
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 matrix [N, K] as the native step reads it, of type F32_PANELS: its rows in panels of 32, each
-    k-major (cpu_panels.h; the same floats, permuted) in a new tensor of bytes [N, 4 K]."""
-    return _required_kernel().panels(weight)
+def panels(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """An F32 or F16 matrix (its bytes [N, row bytes]) as the native step reads it, and its type id (F32_PANELS,
+    F16_PANELS): rows in panels of 32, each k-major (cpu_panels.h; the same values, permuted), in a new tensor."""
+    return _required_kernel().panels(blocks, qtype)
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:

@@ -153,25 +153,30 @@ def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatc
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 30), n=st.integers(1, 100), k=st.integers(1, 90), seed=st.integers(0, 2**16))
-def test_float_panels_are_the_weights_permuted_and_each_output_one_order(m: int, n: int, k: int, seed: int) -> None:
-    """Float32 weights in panels (cpu_panels.h): the same floats, permuted, read back exactly (the whole, an
+@given(qtype=st.sampled_from([quant.F32, quant.F16]), m=st.integers(1, 30), n=st.integers(1, 100),
+       k=st.integers(1, 90), seed=st.integers(0, 2**16))
+def test_float_panels_are_the_weights_permuted_and_each_output_one_order(qtype: int, m: int, n: int, k: int,
+                                                                         seed: int) -> None:
+    """F32 and F16 weights in panels (cpu_panels.h): the same values, permuted, read back exactly (the whole, an
     embedding lookup); every output one chain of multiply-adds over k, so the same bits alone, in a batch and on
     every instruction set, and the product of the weights."""
     generator = torch.Generator().manual_seed(seed)
     weights, x = torch.randn(n, k, generator=generator), torch.randn(m, k, generator=generator)
-    paneled = quant.panels(weights)
-    assert paneled.shape == (n, 4 * k)
-    assert torch.equal(paneled.view(torch.float32).flatten().sort().values, weights.flatten().sort().values)
-    assert torch.equal(cpu_quant.dequantize(paneled, quant.F32_PANELS, k), weights)
+    stored = weights if qtype == quant.F32 else weights.half()
+    weights = stored.float()
+    paneled, kind = quant.panels(stored.view(torch.uint8), qtype)
+    assert kind == (quant.F32_PANELS if qtype == quant.F32 else quant.F16_PANELS)
+    assert paneled.shape == (n, k * stored.element_size())
+    assert torch.equal(paneled.view(stored.dtype).flatten().sort().values, stored.flatten().sort().values)
+    assert torch.equal(cpu_quant.dequantize(paneled, kind, k), weights)
     rows = torch.randint(0, n, (5,), generator=generator)
-    assert torch.equal(cpu_quant.dequantize(paneled, quant.F32_PANELS, k, rows), weights[rows])
+    assert torch.equal(cpu_quant.dequantize(paneled, kind, k, rows), weights[rows])
     try:
         results = []
         for isa in ISAS:
             assert dispatch.set_integer_isa(isa)
-            results.append(cpu_quant.matmul(x, paneled, quant.F32_PANELS))
-            results.append(torch.cat([cpu_quant.matmul(x[i:i + 1], paneled, quant.F32_PANELS) for i in range(m)]))
+            results.append(cpu_quant.matmul(x, paneled, kind))
+            results.append(torch.cat([cpu_quant.matmul(x[i:i + 1], paneled, kind) for i in range(m)]))
     finally:
         dispatch.set_integer_isa(ISAS[0])
     for other in results[1:]:
@@ -184,7 +189,8 @@ def test_float_panels_serve_the_torch_path_tile_by_tile(monkeypatch: pytest.Monk
     weights = torch.randn(70, 48, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(quant, "TILE_BYTES", 4 * 48 * 3)  # three rows a tile, were it not held to a panel
     x = torch.randn(FUSED_MAX_ROWS + 3, 48, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(quantized_matmul(x, quant.panels(weights), quant.F32_PANELS), x @ weights.t())
+    paneled, kind = quant.panels(weights.view(torch.uint8), quant.F32)
+    torch.testing.assert_close(quantized_matmul(x, paneled, kind), x @ weights.t())
 
 
 def test_the_fastest_instruction_set_is_chosen() -> None:

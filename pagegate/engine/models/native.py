@@ -21,7 +21,7 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
-from pagegate.kernels.quant import F32, F32_PANELS, panels
+from pagegate.kernels.quant import F16, F32, panels
 
 # a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -42,25 +42,31 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
 
 
 def _paneled(module: nn.Module) -> nn.Module | None:
-    """A float32 nn.Linear or nn.Embedding with its weight in panels (F32_PANELS: the same floats, permuted, as the
-    native step reads them); None for any other module (one in blocks already)."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(module, nn.Linear | nn.Embedding) or weight is None or weight.dtype != torch.float32:
+    """A float32 nn.Linear or nn.Embedding, or an F16 one in blocks, with its weight in panels (the same values,
+    permuted, as the native step reads them); None for any other module."""
+    if isinstance(module, QuantLinear | QuantEmbedding) and module.qtype == F16:
+        blocks, dtype = module.blocks, module.dtype
+    elif isinstance(module, nn.Linear | nn.Embedding) and module.weight.dtype == torch.float32:
+        blocks, dtype = module.weight.detach().view(torch.uint8), torch.float32
+    else:
         return None
-    blocks = panels(weight)
-    if isinstance(module, nn.Embedding):
-        return QuantEmbedding(blocks, F32_PANELS, module.embedding_dim, torch.float32)
-    paneled = QuantLinear(blocks, F32_PANELS, module.in_features, torch.float32, getattr(module, "shard_names", ()),
-                          getattr(module, "shard_sizes", ()), bias=module.bias is not None)
-    if module.bias is not None and paneled.bias is not None:
-        paneled.bias.data.copy_(module.bias.detach())
+    rows, qtype = panels(blocks, F16 if isinstance(module, QuantLinear | QuantEmbedding) else F32)
+    if isinstance(module, nn.Embedding | QuantEmbedding):
+        return QuantEmbedding(rows, qtype, module.embedding_dim, dtype)
+    bias = module.bias
+    paneled = QuantLinear(rows, qtype, module.in_features, dtype, getattr(module, "shard_names", ()),
+                          getattr(module, "shard_sizes", ()), bias=bias is not None)
+    if bias is not None and paneled.bias is not None:
+        paneled.bias.data.copy_(bias.detach())
     return paneled
 
 
 def _to_panels(model: CausalLM) -> list[tuple[str, nn.Module]]:
-    """Puts the decoder's float32 matrices in panels, module by module (a tied head shares its embedding's); the
+    """Puts the decoder's float matrices in panels, module by module (a tied head shares its embedding's); the
     modules replaced, by path, to put back."""
-    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
+    head, embedding = model.lm_head, model.model.embed_tokens
+    tied = getattr(head, "blocks", getattr(head, "weight", None)) is getattr(embedding, "blocks",
+                                                                         getattr(embedding, "weight", False))
     layer_paths = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     paths = ["model.embed_tokens", *([] if tied else ["lm_head"]),
              *(f"model.layers.{i}.{path}" for i in range(len(model.model.layers)) for path in layer_paths)]

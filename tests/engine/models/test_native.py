@@ -82,6 +82,17 @@ def test_block_types_decode_token_for_token_in_exact_mode(qtype: Q, wide_model: 
     assert greedy(path, "exact", monkeypatch) == greedy(path, "torch", monkeypatch)
 
 
+def test_float16_matrices_of_a_gguf_file_are_read_in_panels(wide_model: SavedModel, tmp_path: Path) -> None:
+    """An F16 file's matrices go into F16 panels (the same halves, permuted), each read back as the file has it."""
+    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: Q.F16)
+    model = LLM(str(path), device="cpu", num_kv_blocks=PAGES).engine.runner.model
+    down = model.model.layers[0].mlp.down_proj
+    assert down.qtype == quant.F16_PANELS and model.lm_head.qtype == quant.F16_PANELS
+    expected = wide_model.hf_model.model.layers[0].mlp.down_proj.weight.detach().half().float()
+    rows = torch.arange(expected.shape[0])
+    assert torch.equal(quant.dequantize_rows(down.blocks, down.qtype, expected.shape[1], rows), expected)
+
+
 def native_logprobs(model: str | Path, max_tokens: int, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:
     """Greedy logprobs of every prompt in one batch, the native decoder taking at most `max_tokens` a call."""
     llm = LLM(str(model), device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
