@@ -98,7 +98,7 @@ typedef struct {
 
 /* Whether l takes its input in Q8: integer blocks, unless the model runs exact. */
 static inline int pgd_q8(const pgd_model *m, const pgd_linear *l) {
-    return !m->exact && l->qtype != PGQ_F32 && l->qtype != PGQ_F16 && !pgq_is_panels(l->qtype);
+    return !m->exact && !pgq_is_float(l->qtype) && !pgq_is_panels(l->qtype);
 }
 
 /* Whether some part of l takes its input in Q8. */

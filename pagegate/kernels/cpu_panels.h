@@ -1,9 +1,10 @@
-/* Float weights in panels: the layout the native step reads F32 and F16 matrices in.
+/* Float weights in panels: the layout the native step reads F32, F16 and BF16 matrices in.
 
    A matrix W [N, K] keeps its rows 32 at a time, each such panel k-major: element (r, k) of panel p = r / 32 lies at
    32 p K + k width + r % 32, width = min(32, N - 32 p) (only the last panel is narrower). The same values as the
-   row-major matrix, permuted; the type ids PGQ_F32_PANELS and PGQ_F16_PANELS say so (pagegate's, never in a file).
-   F16 values widen to float32 exactly as they are loaded (F16C), so both run the same float32 arithmetic.
+   row-major matrix, permuted; the type ids PGQ_F32_PANELS, PGQ_F16_PANELS and PGQ_BF16_PANELS say so (pagegate's,
+   never in a file). Half values widen to float32 exactly as they are loaded (F16C; BF16 a shift), so all three run
+   the same float32 arithmetic.
 
    Every output is one chain of fused multiply-adds over k in order (w[r][0] x[0] first, from +0): a vector holds
    16 (or 8) outputs' weights of one k, each token's x[k] is broadcast, and no sum crosses lanes. So AVX-512, AVX2
@@ -17,7 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
-enum { PGQ_F16_PANELS = 98, PGQ_F32_PANELS = 99, PGQ_PANEL = 32 };
+enum { PGQ_BF16_PANELS = 97, PGQ_F16_PANELS = 98, PGQ_F32_PANELS = 99, PGQ_PANEL = 32 };
 #define PGQ_PANEL_TOKENS 12  /* tokens an AVX-512 pass takes: 2 x 12 accumulators of 32 registers */
 
 static int pgq_panels_isa = 0;  /* 2: AVX-512, 1: AVX2, 0: plain C (the same bits) */
@@ -26,9 +27,10 @@ static inline int64_t pgq_panel_width(int64_t n, int64_t p) {
     return n - p * PGQ_PANEL < PGQ_PANEL ? n - p * PGQ_PANEL : PGQ_PANEL;
 }
 
-static inline int pgq_is_panels(int qtype) { return qtype == PGQ_F32_PANELS || qtype == PGQ_F16_PANELS; }
+static inline int pgq_is_panels(int qtype) { return qtype >= PGQ_BF16_PANELS && qtype <= PGQ_F32_PANELS; }
+static inline int pgq_panel_bytes(int qtype) { return qtype == PGQ_F32_PANELS ? 4 : 2; }
 
-/* W [n, k] row-major -> panels, values of `bytes` (4: F32, 2: F16) copied as they are. */
+/* W [n, k] row-major -> panels, values of `bytes` (4: F32, 2: F16 or BF16) copied as they are. */
 static void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes, uint8_t *out) {
     for (int64_t p = 0; p * PGQ_PANEL < n; p++) {
         const int64_t width = pgq_panel_width(n, p);
@@ -42,13 +44,13 @@ static void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes
 /* Value (c, i) of a panel of `width` in type `qtype`, as float32. */
 static inline float pgq_panel_value(int qtype, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
     if (qtype == PGQ_F16_PANELS) return pgq_half(panel + (i * width + c) * 2);
+    if (qtype == PGQ_BF16_PANELS) return pgq_bf16(panel + (i * width + c) * 2);
     return ((const float *)panel)[i * width + c];
 }
 
 /* Row r of panels w [n, k] (an embedding lookup). */
 static void pgq_panels_row(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t r, float *out) {
-    const int bytes = qtype == PGQ_F16_PANELS ? 2 : 4;
-    const uint8_t *panel = w + r / PGQ_PANEL * PGQ_PANEL * k * bytes;
+    const uint8_t *panel = w + r / PGQ_PANEL * PGQ_PANEL * k * pgq_panel_bytes(qtype);
     for (int64_t i = 0; i < k; i++) out[i] = pgq_panel_value(qtype, panel, pgq_panel_width(n, r / PGQ_PANEL), i, r % PGQ_PANEL);
 }
 
@@ -73,21 +75,23 @@ static void pgq_panel_plain(int qtype, const uint8_t *panel, int64_t width, int6
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define PGQ_INLINE static inline __attribute__((always_inline))
-/* 8 values of row i from column c of a panel: F32, or F16 widened (`half`, a constant where it is inlined). */
-PGQ_AVX2 PGQ_INLINE __m256 pgq_panel_load8(const int half, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(panel + (i * width + c) * 2)));
-    return _mm256_loadu_ps((const float *)panel + i * width + c);
+/* 8 values of row i from column c of a panel of `kind` (0: F32, 1: F16, 2: BF16; a constant where it is inlined). */
+PGQ_AVX2 PGQ_INLINE __m256 pgq_panel_load8(const int kind, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)panel + i * width + c);
+    const __m128i halves = _mm_loadu_si128((const __m128i *)(panel + (i * width + c) * 2));
+    if (kind == 1) return _mm256_cvtph_ps(halves);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 /* 8 or 16 columns from c (`strips` of 8) against up to six tokens, in 12 ymm accumulators. */
-PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int half, const uint8_t *panel, int64_t width, int64_t k, int64_t c,
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int kind, const uint8_t *panel, int64_t width, int64_t k, int64_t c,
                                              const int strips, const float *x, const int tokens, float *out,
                                              int64_t out_stride, const float *bias, int accumulate) {
     __m256 acc[2][6];
     for (int s = 0; s < strips; s++)
         for (int t = 0; t < tokens; t++) acc[s][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const __m256 w0 = pgq_panel_load8(half, panel, width, i, c);
-        const __m256 w1 = strips > 1 ? pgq_panel_load8(half, panel, width, i, c + 8) : w0;
+        const __m256 w0 = pgq_panel_load8(kind, panel, width, i, c);
+        const __m256 w1 = strips > 1 ? pgq_panel_load8(kind, panel, width, i, c + 8) : w0;
         for (int t = 0; t < tokens; t++) {
             const __m256 xt = _mm256_broadcast_ss(x + t * k + i);
             acc[0][t] = _mm256_fmadd_ps(w0, xt, acc[0][t]);
@@ -103,8 +107,8 @@ PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int half, const uint8_t *pane
         }
 }
 #define PGQ_PANEL_AVX2(S, T) \
-    pgq_panel_avx2_pass(half, panel, width, k, c, S, xt, T, out + t0 * out_stride, out_stride, bias, accumulate)
-PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int half, const uint8_t *panel, int64_t width, int64_t k,
+    pgq_panel_avx2_pass(kind, panel, width, k, c, S, xt, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int kind, const uint8_t *panel, int64_t width, int64_t k,
                                            const float *x, int tokens, float *out, int64_t out_stride,
                                            const float *bias, int accumulate) {
     int64_t c = 0;
@@ -128,28 +132,31 @@ PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int half, const uint8_t *panel,
             }
         }
     }
-    pgq_panel_plain(half ? PGQ_F16_PANELS : PGQ_F32_PANELS, panel, width, k, c, width, x, tokens, out, out_stride,
+    pgq_panel_plain(kind == 0 ? PGQ_F32_PANELS : kind == 1 ? PGQ_F16_PANELS : PGQ_BF16_PANELS, panel, width, k, c, width, x, tokens, out, out_stride,
                     bias, accumulate);
 }
 PGQ_AVX2 static void pgq_panel_avx2(int qtype, const uint8_t *panel, int64_t width, int64_t k, const float *x,
                                     int tokens, float *out, int64_t out_stride, const float *bias, int accumulate) {
     if (qtype == PGQ_F16_PANELS) pgq_panel_avx2_of(1, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
+    else if (qtype == PGQ_BF16_PANELS) pgq_panel_avx2_of(2, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
     else pgq_panel_avx2_of(0, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
 }
 
-/* 16 values of row i of a whole panel from column c: F32, or F16 widened. */
-PGQ_AVX512 PGQ_INLINE __m512 pgq_panel_load16(const int half, const uint8_t *panel, int64_t i, int c) {
-    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(panel + (i * PGQ_PANEL + c) * 2)));
-    return _mm512_loadu_ps((const float *)panel + i * PGQ_PANEL + c);
+/* 16 values of row i of a whole panel from column c, of `kind` as pgq_panel_load8's. */
+PGQ_AVX512 PGQ_INLINE __m512 pgq_panel_load16(const int kind, const uint8_t *panel, int64_t i, int c) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)panel + i * PGQ_PANEL + c);
+    const __m256i halves = _mm256_loadu_si256((const __m256i *)(panel + (i * PGQ_PANEL + c) * 2));
+    if (kind == 1) return _mm512_cvtph_ps(halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 /* A whole panel (32 columns) against up to PGQ_PANEL_TOKENS tokens, in 24 zmm accumulators. */
-PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int half, const uint8_t *panel, int64_t k, const float *x,
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int kind, const uint8_t *panel, int64_t k, const float *x,
                                                  const int tokens, float *out, int64_t out_stride, const float *bias,
                                                  int accumulate) {
     __m512 acc[2][PGQ_PANEL_TOKENS];
     for (int t = 0; t < tokens; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const __m512 w0 = pgq_panel_load16(half, panel, i, 0), w1 = pgq_panel_load16(half, panel, i, 16);
+        const __m512 w0 = pgq_panel_load16(kind, panel, i, 0), w1 = pgq_panel_load16(kind, panel, i, 16);
         for (int t = 0; t < tokens; t++) {
             const __m512 xt = _mm512_set1_ps(x[t * k + i]);
             acc[0][t] = _mm512_fmadd_ps(w0, xt, acc[0][t]);
@@ -165,8 +172,8 @@ PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int half, const uint8_t *
         }
 }
 #define PGQ_PANEL_AVX512(T) \
-    pgq_panel_avx512_pass(half, panel, k, x + t0 * k, T, out + t0 * out_stride, out_stride, bias, accumulate)
-PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int half, const uint8_t *panel, int64_t k, const float *x,
+    pgq_panel_avx512_pass(kind, panel, k, x + t0 * k, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int kind, const uint8_t *panel, int64_t k, const float *x,
                                                int tokens, float *out, int64_t out_stride, const float *bias,
                                                int accumulate) {
     for (int t0 = 0; t0 < tokens; t0 += PGQ_PANEL_TOKENS) {
@@ -189,6 +196,7 @@ PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int half, const uint8_t *pa
 PGQ_AVX512 static void pgq_panel_avx512(int qtype, const uint8_t *panel, int64_t k, const float *x, int tokens,
                                         float *out, int64_t out_stride, const float *bias, int accumulate) {
     if (qtype == PGQ_F16_PANELS) pgq_panel_avx512_of(1, panel, k, x, tokens, out, out_stride, bias, accumulate);
+    else if (qtype == PGQ_BF16_PANELS) pgq_panel_avx512_of(2, panel, k, x, tokens, out, out_stride, bias, accumulate);
     else pgq_panel_avx512_of(0, panel, k, x, tokens, out, out_stride, bias, accumulate);
 }
 #else
@@ -198,14 +206,13 @@ static void pgq_panel_avx512(int qtype, const uint8_t *panel, int64_t k, const f
                              int64_t out_stride, const float *bias, int accumulate) {}
 #endif
 
-/* out[t * out_stride + 32 p + c] (+)= x_t . row (32 p + c) + bias for panels p0..p1 of w [n, k] in `qtype` (F32 or
-   F16 panels) and `tokens` rows of x [tokens, k]; bias (NULL: none) and out start at output 0. */
+/* out[t * out_stride + 32 p + c] (+)= x_t . row (32 p + c) + bias for panels p0..p1 of w [n, k] in `qtype` (F32, F16
+   or BF16 panels) and `tokens` rows of x [tokens, k]; bias (NULL: none) and out start at output 0. */
 static void pgq_panels_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t p0, int64_t p1,
                               const float *x, int tokens, float *out, int64_t out_stride, const float *bias,
                               int accumulate) {
-    const int bytes = qtype == PGQ_F16_PANELS ? 2 : 4;
     for (int64_t p = p0; p < p1; p++) {
-        const uint8_t *panel = w + p * PGQ_PANEL * k * bytes;
+        const uint8_t *panel = w + p * PGQ_PANEL * k * pgq_panel_bytes(qtype);
         const float *b = bias ? bias + p * PGQ_PANEL : NULL;
         const int64_t width = pgq_panel_width(n, p);
         float *o = out + p * PGQ_PANEL;

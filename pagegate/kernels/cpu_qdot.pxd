@@ -38,6 +38,7 @@ cdef extern from "cpu_qdot.h":
     enum:
         PGQ_F32_PANELS  # float32 rows 32 at a time, each panel k-major (cpu_panels.h)
         PGQ_F16_PANELS  # the same of float16 rows
+        PGQ_BF16_PANELS  # and of bfloat16 rows
         PGQ_PANEL  # rows a panel
     void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes, uint8_t *out) noexcept nogil
     void pgq_panels_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t p0, int64_t p1, const float *x,

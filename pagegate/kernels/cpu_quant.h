@@ -9,14 +9,19 @@
 /* ggml's type ids. A row of K weights is K / 32 sub-blocks of 32; the K-quants group 8 of them
    into a 256-weight super-block that shares one header. */
 enum { PGQ_F32 = 0, PGQ_F16 = 1, PGQ_Q4_0 = 2, PGQ_Q4_1 = 3, PGQ_Q5_0 = 6, PGQ_Q5_1 = 7, PGQ_Q8_0 = 8,
-       PGQ_Q4_K = 12, PGQ_Q5_K = 13, PGQ_Q6_K = 14 };
+       PGQ_Q4_K = 12, PGQ_Q5_K = 13, PGQ_Q6_K = 14, PGQ_BF16 = 30 };
 
-static inline int pgq_is_k_quant(int qtype) { return (qtype > 100 ? qtype - 100 : qtype) >= PGQ_Q4_K; }
+static inline int pgq_is_k_quant(int qtype) {
+    const int base = qtype > 100 ? qtype - 100 : qtype;
+    return base >= PGQ_Q4_K && base <= PGQ_Q6_K;
+}
+static inline int pgq_is_float(int qtype) { return qtype == PGQ_F32 || qtype == PGQ_F16 || qtype == PGQ_BF16; }
 static inline int pgq_block_elems(int qtype) { return pgq_is_k_quant(qtype) ? 256 : 32; }
 static inline int pgq_block_bytes(int qtype) {
     switch (qtype) {
         case PGQ_F32: return 128;
         case PGQ_F16: return 64;
+        case PGQ_BF16: return 64;
         case PGQ_Q4_0: return 18;
         case PGQ_Q4_1: return 20;
         case PGQ_Q5_0: return 22;
@@ -46,6 +51,16 @@ static float pgq_half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+/* bfloat16 bits -> float32: the top half of its bits, exactly. */
+static inline float pgq_bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static inline float pgq_half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -133,6 +148,8 @@ static void pgq_decode(int qtype, const uint8_t *row, int64_t b, float *w) {
         memcpy(w, blk, 128);
     } else if (qtype == PGQ_F16) {
         for (int l = 0; l < 32; l++) w[l] = pgq_half(blk + 2 * l);
+    } else if (qtype == PGQ_BF16) {
+        for (int l = 0; l < 32; l++) w[l] = pgq_bf16(blk + 2 * l);
     } else {
         uint8_t u[32];
         float d[2], c[2];
@@ -185,6 +202,10 @@ PGQ_AVX2 static inline void pgq_decode_avx2(int qtype, const uint8_t *row, int64
         for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)blk + 8 * i);
     } else if (qtype == PGQ_F16) {
         for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * i)));
+    } else if (qtype == PGQ_BF16) {
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * i))), 16));
     } else if (qtype == PGQ_Q8_0) {
         const __m256 d = _mm256_set1_ps(pgq_half_f16c(blk));
         for (int i = 0; i < 4; i++)

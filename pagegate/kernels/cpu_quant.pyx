@@ -3,7 +3,7 @@
 
 A weight [N, K] is N rows of K / 32 sub-blocks of 32 weights in ggml's layouts: Q8_0, Q4_0, Q4_1,
 Q5_0 and Q5_1 (one block per 32 weights), Q4_K, Q5_K and Q6_K (a 256-weight super-block with its
-sub-blocks' scales), and the float rows F32 and F16. A sub-block decodes to exactly the float32
+sub-blocks' scales), and the float rows F32, F16 and BF16. A sub-block decodes to exactly the float32
 values gguf's dequantize gives.
 
 `matmul` decodes each sub-block once per call and folds it into every input row in float32: the
@@ -16,7 +16,7 @@ when many rows share the weights.
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, int64_t, uint8_t
 
-from pagegate.kernels.cpu_qdot cimport (PGQ_F16_PANELS, PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
+from pagegate.kernels.cpu_qdot cimport (PGQ_BF16_PANELS, PGQ_F16_PANELS, PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
                                         pgq_base_type, pgq_dequantize_row_of, pgq_init, pgq_is_x8, pgq_isa,
                                         pgq_panels_matmul, pgq_panels_pack, pgq_qdot, pgq_quantize_row,
                                         pgq_row_of, pgq_set_isa, pgq_x8_dot_groups, pgq_x8_pack,
@@ -25,19 +25,19 @@ from pagegate.kernels.cpu_qdot cimport (PGQ_F16_PANELS, PGQ_F32_PANELS, PGQ_GROU
 import numpy as np
 import torch
 
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14  # ggml's type ids
-BLOCK_BYTES = {F32: 128, F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30  # ggml's ids
+BLOCK_BYTES = {F32: 128, F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
                Q6_K: 210}
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
 INTERLEAVED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, *K_QUANTS)  # the types interleaved() repacks
 X8 = PGQ_X8  # such a type's id plus this: its rows interleaved eight at a time (interleaved(); cpu_qx8.h)
 BLOCK_BYTES.update({t + X8: BLOCK_BYTES[t] for t in INTERLEAVED})
 BLOCK_ELEMS = {t: 256 if t % X8 in K_QUANTS else 32 for t in BLOCK_BYTES}
-INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16}  # what matmul_q8 takes
-F32_PANELS, F16_PANELS = PGQ_F32_PANELS, PGQ_F16_PANELS  # float rows in panels (panels(); cpu_panels.h), any length
-PANELS = {F32: F32_PANELS, F16: F16_PANELS}  # a float type's id -> its panels'
-BLOCK_BYTES.update({F32_PANELS: 4, F16_PANELS: 2})
-BLOCK_ELEMS.update({F32_PANELS: 1, F16_PANELS: 1})
+INTEGER_TYPES = frozenset(BLOCK_BYTES) - {F32, F16, BF16}  # what matmul_q8 takes
+F32_PANELS, F16_PANELS, BF16_PANELS = PGQ_F32_PANELS, PGQ_F16_PANELS, PGQ_BF16_PANELS  # float rows in panels
+PANELS = {F32: F32_PANELS, F16: F16_PANELS, BF16: BF16_PANELS}  # a float type's id -> its panels' (panels())
+BLOCK_BYTES.update({F32_PANELS: 4, F16_PANELS: 2, BF16_PANELS: 2})  # rows of any length
+BLOCK_ELEMS.update({F32_PANELS: 1, F16_PANELS: 1, BF16_PANELS: 1})
 pgq_init()
 
 
@@ -53,7 +53,7 @@ def _set_isa(name: str) -> bool:
 
 def _check(blocks, int qtype, int k):
     if qtype not in BLOCK_BYTES:
-        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, "
+        raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
                          "Q8_0, Q4_K, Q5_K, Q6_K")
     if k % BLOCK_ELEMS[qtype] or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
         raise ValueError(f"blocks must be a contiguous uint8 [N, K / {BLOCK_ELEMS[qtype]} * block bytes] tensor, "
@@ -82,7 +82,7 @@ def matmul(x, blocks, int qtype):
     cdef const float *xp = <const float *><size_t>x.data_ptr()
     cdef float *op = <float *><size_t>out.data_ptr()
     cdef int64_t row_bytes = blocks.shape[1], p
-    if qtype == F32_PANELS or qtype == F16_PANELS:
+    if qtype in PANELS.values():
         for p in prange((n + PGQ_PANEL - 1) // PGQ_PANEL, nogil=True, schedule="static"):
             pgq_panels_matmul(qtype, w, n, k, p, p + 1, xp, m, op, n, NULL, 0)
         return out
@@ -131,11 +131,11 @@ def interleaved(blocks, int qtype):
 
 
 def panels(blocks, int qtype):
-    """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32 or F16 (blocks: its bytes
+    """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32, F16 or BF16 (blocks: its bytes
     [N, K * value bytes]) in panels of 32, each k-major (cpu_panels.h; the same values, permuted) in a new tensor,
-    its type id F32_PANELS or F16_PANELS."""
+    its type id PANELS[qtype]."""
     if qtype not in PANELS or blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        raise ValueError("blocks must be the uint8 [N, row bytes] of an F32 or F16 matrix")
+        raise ValueError("blocks must be the uint8 [N, row bytes] of an F32, F16 or BF16 matrix")
     cdef int bytes = 4 if qtype == F32 else 2
     if blocks.shape[1] % bytes:
         raise ValueError(f"rows of {blocks.shape[1]} bytes are no whole number of values")

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from pagegate.kernels.dispatch import quant_kernel
 
 F32 = 0  # ggml's type id of plain float32 rows
-F16 = 1  # ggml's type id of float16 rows
-F16_PANELS, F32_PANELS = 98, 99  # pagegate's ids of float16 / float32 rows in panels (panels(); cpu_panels.h)
+F16, BF16 = 1, 30  # ggml's type ids of float16 and bfloat16 rows
+BF16_PANELS, F16_PANELS, F32_PANELS = 97, 98, 99  # pagegate's ids of such rows in panels (panels(); cpu_panels.h)
+PANELS = {F32: F32_PANELS, F16: F16_PANELS, BF16: BF16_PANELS}
 FUSED_MAX_ROWS = 8  # up to this many input rows decode each block once for all of them
 TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used by one GEMM while in cache
 
@@ -22,7 +23,7 @@ TILE_BYTES = 1 << 21  # beyond, float32 tiles of the weight this big, each used 
 def block_types() -> frozenset[int]:
     """The ggml type ids worth keeping in blocks (none when the extension is not built)."""
     kernel = quant_kernel()
-    return frozenset(kernel.BLOCK_BYTES) - {F32, F16_PANELS, F32_PANELS} if kernel is not None else frozenset()
+    return frozenset(kernel.BLOCK_BYTES) - {F32, *PANELS.values()} if kernel is not None else frozenset()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,8 +66,9 @@ def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Te
 
 
 def panels(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
-    """An F32 or F16 matrix (its bytes [N, row bytes]) as the native step reads it, and its type id (F32_PANELS,
-    F16_PANELS): rows in panels of 32, each k-major (cpu_panels.h; the same values, permuted), in a new tensor."""
+    """An F32, F16 or BF16 matrix (its bytes [N, row bytes]) as the native step reads it, and its type id
+    (PANELS[qtype]): rows in panels of 32, each k-major (cpu_panels.h; the same values, permuted), in a new
+    tensor."""
     return _required_kernel().panels(blocks, qtype)
 
 

@@ -15,7 +15,7 @@ from pagegate.kernels.quant import FUSED_MAX_ROWS, linear, quantized_matmul
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256 weights a super-block; gguf-py decodes them but cannot encode
 INTEGER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS]
-TYPES = [Q.F32, Q.F16, *INTEGER]
+TYPES = [Q.F32, Q.F16, Q.BF16, *INTEGER]
 HALF_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a super-block's float16 scales
 ISAS = dispatch.integer_isas()
 
@@ -153,19 +153,19 @@ def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatc
 
 
 @settings(max_examples=40, deadline=None)
-@given(qtype=st.sampled_from([quant.F32, quant.F16]), m=st.integers(1, 30), n=st.integers(1, 100),
+@given(qtype=st.sampled_from([quant.F32, quant.F16, quant.BF16]), m=st.integers(1, 30), n=st.integers(1, 100),
        k=st.integers(1, 90), seed=st.integers(0, 2**16))
 def test_float_panels_are_the_weights_permuted_and_each_output_one_order(qtype: int, m: int, n: int, k: int,
                                                                          seed: int) -> None:
-    """F32 and F16 weights in panels (cpu_panels.h): the same values, permuted, read back exactly (the whole, an
+    """F32, F16 and BF16 weights in panels (cpu_panels.h): the same values, permuted, read back exactly (the whole, an
     embedding lookup); every output one chain of multiply-adds over k, so the same bits alone, in a batch and on
     every instruction set, and the product of the weights."""
     generator = torch.Generator().manual_seed(seed)
     weights, x = torch.randn(n, k, generator=generator), torch.randn(m, k, generator=generator)
-    stored = weights if qtype == quant.F32 else weights.half()
+    stored = weights.to({quant.F32: torch.float32, quant.F16: torch.float16, quant.BF16: torch.bfloat16}[qtype])
     weights = stored.float()
     paneled, kind = quant.panels(stored.view(torch.uint8), qtype)
-    assert kind == (quant.F32_PANELS if qtype == quant.F32 else quant.F16_PANELS)
+    assert kind == {quant.F32: quant.F32_PANELS, quant.F16: quant.F16_PANELS, quant.BF16: quant.BF16_PANELS}[qtype]
     assert paneled.shape == (n, k * stored.element_size())
     assert torch.equal(paneled.view(stored.dtype).flatten().sort().values, stored.flatten().sort().values)
     assert torch.equal(cpu_quant.dequantize(paneled, kind, k), weights)

@@ -21,7 +21,7 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
-from pagegate.kernels.quant import F16, F32, panels
+from pagegate.kernels.quant import BF16, F16, F32, panels
 
 # a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -42,15 +42,15 @@ def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | 
 
 
 def _paneled(module: nn.Module) -> nn.Module | None:
-    """A float32 nn.Linear or nn.Embedding, or an F16 one in blocks, with its weight in panels (the same values,
-    permuted, as the native step reads them); None for any other module."""
-    if isinstance(module, QuantLinear | QuantEmbedding) and module.qtype == F16:
-        blocks, dtype = module.blocks, module.dtype
+    """A float32 nn.Linear or nn.Embedding, or an F16 or BF16 one in blocks, with its weight in panels (the same
+    values, permuted, as the native step reads them); None for any other module."""
+    if isinstance(module, QuantLinear | QuantEmbedding) and module.qtype in (F16, BF16):
+        blocks, kind, dtype = module.blocks, module.qtype, module.dtype
     elif isinstance(module, nn.Linear | nn.Embedding) and module.weight.dtype == torch.float32:
-        blocks, dtype = module.weight.detach().view(torch.uint8), torch.float32
+        blocks, kind, dtype = module.weight.detach().view(torch.uint8), F32, torch.float32
     else:
         return None
-    rows, qtype = panels(blocks, F16 if isinstance(module, QuantLinear | QuantEmbedding) else F32)
+    rows, qtype = panels(blocks, kind)
     if isinstance(module, nn.Embedding | QuantEmbedding):
         return QuantEmbedding(rows, qtype, module.embedding_dim, dtype)
     bias = module.bias

@@ -74,7 +74,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
     return save_hf_model(tmp_path_factory.mktemp("wide"), hf().LlamaConfig(**WIDE), seed=21)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
                          ids=lambda q: q.name)
 def test_block_types_decode_token_for_token_in_exact_mode(qtype: Q, wide_model: SavedModel, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,13 +82,16 @@ def test_block_types_decode_token_for_token_in_exact_mode(qtype: Q, wide_model: 
     assert greedy(path, "exact", monkeypatch) == greedy(path, "torch", monkeypatch)
 
 
-def test_float16_matrices_of_a_gguf_file_are_read_in_panels(wide_model: SavedModel, tmp_path: Path) -> None:
-    """An F16 file's matrices go into F16 panels (the same halves, permuted), each read back as the file has it."""
-    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: Q.F16)
+@pytest.mark.parametrize("qtype, dtype", [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)], ids=["F16", "BF16"])
+def test_half_matrices_of_a_gguf_file_are_read_in_panels(qtype: Q, dtype: torch.dtype, wide_model: SavedModel,
+                                                         tmp_path: Path) -> None:
+    """An F16 or BF16 file's matrices stay in their halves, in panels (the same values, permuted), each read back as
+    the file has it."""
+    path = write_gguf(tmp_path / "model.gguf", wide_model.hf_model, quant=lambda name, values: qtype)
     model = LLM(str(path), device="cpu", num_kv_blocks=PAGES).engine.runner.model
     down = model.model.layers[0].mlp.down_proj
-    assert down.qtype == quant.F16_PANELS and model.lm_head.qtype == quant.F16_PANELS
-    expected = wide_model.hf_model.model.layers[0].mlp.down_proj.weight.detach().half().float()
+    assert down.qtype == model.lm_head.qtype == quant.PANELS[int(qtype)]
+    expected = wide_model.hf_model.model.layers[0].mlp.down_proj.weight.detach().to(dtype).float()
     rows = torch.arange(expected.shape[0])
     assert torch.equal(quant.dequantize_rows(down.blocks, down.qtype, expected.shape[1], rows), expected)
 
