@@ -33,15 +33,17 @@ static inline int pgq_panel_bytes(int qtype) { return qtype == PGQ_F32_PANELS ? 
 /* W [n, k] row-major -> panels, values of `bytes` (4: F32, 2: F16 or BF16) copied as they are. */
 static void pgq_panels_pack(const uint8_t *rows, int64_t n, int64_t k, int bytes, uint8_t *out) {
     for (int64_t p = 0; p * PGQ_PANEL < n; p++) {
-        const int64_t width = pgq_panel_width(n, p);
-        const uint8_t *src = rows + p * PGQ_PANEL * k * bytes;
-        uint8_t *dst = out + p * PGQ_PANEL * k * bytes;
+        const int64_t width = pgq_panel_width(n, p), first = p * PGQ_PANEL * k;
         for (int64_t i = 0; i < k; i++)
-            for (int64_t r = 0; r < width; r++) memcpy(dst + (i * width + r) * bytes, src + (r * k + i) * bytes, bytes);
+            for (int64_t r = 0; r < width; r++) {
+                const int64_t to = first + i * width + r, from = first + r * k + i;
+                if (bytes == 4) ((uint32_t *)out)[to] = ((const uint32_t *)rows)[from];
+                else ((uint16_t *)out)[to] = ((const uint16_t *)rows)[from];
+            }
     }
 }
 
-/* Value (c, i) of a panel of `width` in type `qtype`, as float32. */
+/* Row c's value at k = i in a panel of `width` of `qtype`, as float32. */
 static inline float pgq_panel_value(int qtype, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
     if (qtype == PGQ_F16_PANELS) return pgq_half(panel + (i * width + c) * 2);
     if (qtype == PGQ_BF16_PANELS) return pgq_bf16(panel + (i * width + c) * 2);
@@ -51,7 +53,8 @@ static inline float pgq_panel_value(int qtype, const uint8_t *panel, int64_t wid
 /* Row r of panels w [n, k] (an embedding lookup). */
 static void pgq_panels_row(int qtype, const uint8_t *w, int64_t n, int64_t k, int64_t r, float *out) {
     const uint8_t *panel = w + r / PGQ_PANEL * PGQ_PANEL * k * pgq_panel_bytes(qtype);
-    for (int64_t i = 0; i < k; i++) out[i] = pgq_panel_value(qtype, panel, pgq_panel_width(n, r / PGQ_PANEL), i, r % PGQ_PANEL);
+    const int64_t width = pgq_panel_width(n, r / PGQ_PANEL);
+    for (int64_t i = 0; i < k; i++) out[i] = pgq_panel_value(qtype, panel, width, i, r % PGQ_PANEL);
 }
 
 /* out (+)= value + bias, in the order every kernel here stores in. */
