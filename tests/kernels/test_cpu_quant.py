@@ -2,6 +2,8 @@
 exact one (`matmul`) and llama.cpp's arithmetic (`matmul_q8`: activations in Q8, integer dot products) on
 every instruction set this CPU has, the portable C included."""
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -33,6 +35,21 @@ def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
         blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     dequantized = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
     return torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)), dequantized
+
+
+def on_every_isa_alone_and_batched(matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], x: torch.Tensor,
+                                   layouts: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """matmul(x, weights, kind) of each layout on every instruction set, the whole batch and row by row."""
+    results = []
+    try:
+        for isa in ISAS:
+            assert dispatch.set_integer_isa(isa)
+            for weights, kind in layouts:
+                results.append(matmul(x, weights, kind))
+                results.append(torch.cat([matmul(x[i:i + 1], weights, kind) for i in range(len(x))]))
+    finally:
+        dispatch.set_integer_isa(ISAS[0])
+    return results
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
@@ -106,15 +123,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
     blocks, _ = quantized(qtype, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
     layouts = [(blocks, int(qtype)), cpu_quant.interleaved(blocks, int(qtype))]  # rows eight at a time too
-    try:
-        results = []
-        for isa in ISAS:
-            assert dispatch.set_integer_isa(isa)
-            for weights, kind in layouts:
-                results.append(cpu_quant.matmul_q8(x, weights, kind))
-                results.append(torch.cat([cpu_quant.matmul_q8(x[i:i + 1], weights, kind) for i in range(m)]))
-    finally:
-        dispatch.set_integer_isa(ISAS[0])
+    results = on_every_isa_alone_and_batched(cpu_quant.matmul_q8, x, layouts)
     for other in results[1:]:
         assert torch.equal(other, results[0])
 
@@ -171,14 +180,7 @@ def test_float_panels_are_the_weights_permuted_and_each_output_one_order(qtype: 
     assert torch.equal(cpu_quant.dequantize(paneled, kind, k), weights)
     rows = torch.randint(0, n, (5,), generator=generator)
     assert torch.equal(cpu_quant.dequantize(paneled, kind, k, rows), weights[rows])
-    try:
-        results = []
-        for isa in ISAS:
-            assert dispatch.set_integer_isa(isa)
-            results.append(cpu_quant.matmul(x, paneled, kind))
-            results.append(torch.cat([cpu_quant.matmul(x[i:i + 1], paneled, kind) for i in range(m)]))
-    finally:
-        dispatch.set_integer_isa(ISAS[0])
+    results = on_every_isa_alone_and_batched(cpu_quant.matmul, x, [(paneled, kind)])
     for other in results[1:]:
         assert torch.equal(other, results[0])
     torch.testing.assert_close(results[0], (x.double() @ weights.double().t()).float(), rtol=1e-4, atol=1e-4)
