@@ -26,13 +26,14 @@ extensions = [
         extra_compile_args=["-O3", "-fopenmp", *flags],
         extra_link_args=["-fopenmp"],
     )
-    for name, headers, flags in (("cpu_paged", ("cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa"), ()),
-                                 ("cpu_quant", ("cpu_quant", "cpu_qx8", "cpu_qdot", "cpu_qdot_isa", "cpu_qx8_isa"),
-                                  ("-ffp-contract=off",)),
-                                 ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa", "cpu_quant",
-                                                 "cpu_qdot", "cpu_qx8", "cpu_qdot_isa", "cpu_qx8_isa", "cpu_lora"),
-                                  ("-ffp-contract=off",)),
-                                 ("cpu_sample", ("cpu_sample", "cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa"), ()))
+    for name, headers, flags in (
+        ("cpu_paged", ("cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa"), ()),
+        ("cpu_quant", ("cpu_quant", "cpu_qx8", "cpu_panels", "cpu_qdot", "cpu_qdot_isa", "cpu_qx8_isa"),
+         ("-ffp-contract=off",)),
+        ("cpu_decode", ("cpu_decode", "cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa", "cpu_quant",
+                        "cpu_qdot", "cpu_qx8", "cpu_panels", "cpu_qdot_isa", "cpu_qx8_isa", "cpu_lora"),
+         ("-ffp-contract=off",)),
+        ("cpu_sample", ("cpu_sample", "cpu_paged", "cpu_page_rows", "cpu_tiles_avx2", "cpu_tiles_isa"), ()))
 ]
 
 setup(

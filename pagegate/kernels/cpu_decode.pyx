@@ -158,8 +158,8 @@ cdef size_t _address(t, dtype, shape, what) except? 0:
 
 
 cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
-    """(qtype, rows, bias): rows uint8 [n, row bytes], float rows (F32, F16) viewed as bytes or blocks;
-    F32 rows may be of any length, the others are whole blocks."""
+    """(qtype, rows, bias): rows uint8 [n, row bytes], float rows (F32, F16, BF16, or any of them in panels) viewed
+    as bytes or blocks; F32 rows and panels may be of any length, the others are whole blocks."""
     qtype, rows, bias = spec
     if qtype not in BLOCK_BYTES or (qtype != 0 and k % BLOCK_ELEMS[qtype]):
         raise ValueError(f"{what}: ggml type {qtype} does not fit rows of {k}")
