@@ -25,6 +25,8 @@ from pagegate.kernels.cpu_qdot cimport (PGQ_BF16_PANELS, PGQ_F16_PANELS, PGQ_F32
 import numpy as np
 import torch
 
+from pagegate.kernels import huge_pages
+
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30  # ggml's ids
 BLOCK_BYTES = {F32: 128, F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
                Q6_K: 210}
@@ -121,7 +123,7 @@ def interleaved(blocks, int qtype):
         raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrix")
     cdef const uint8_t[:, ::1] rows = np.ascontiguousarray(source)
     cdef int64_t row_bytes = rows.shape[1], g, groups = rows.shape[0] // 8
-    out = torch.empty(tuple(source.shape), dtype=torch.uint8)
+    out = huge_pages.empty(tuple(source.shape))
     out.numpy()[groups * 8:] = source[groups * 8:]  # the last N % 8 rows stay as they are
     cdef const uint8_t *w = &rows[0, 0]
     cdef uint8_t *o = <uint8_t *><size_t>out.data_ptr()
@@ -140,7 +142,7 @@ def panels(blocks, int qtype):
     if blocks.shape[1] % bytes:
         raise ValueError(f"rows of {blocks.shape[1]} bytes are no whole number of values")
     blocks = blocks.contiguous()
-    out = torch.empty(tuple(blocks.shape), dtype=torch.uint8)
+    out = huge_pages.empty(tuple(blocks.shape))
     pgq_panels_pack(<const uint8_t *><size_t>blocks.data_ptr(), blocks.shape[0], blocks.shape[1] // bytes, bytes,
                     <uint8_t *><size_t>out.data_ptr())
     return out, PANELS[qtype]

@@ -1,0 +1,61 @@
+"""Weight buffers on transparent huge pages: the mapping asks for them, its partly used tail does not."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagegate.kernels import cpu_quant, huge_pages
+from pagegate.kernels.huge_pages import HUGE_PAGE
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                                reason="madvise(MADV_HUGEPAGE) is Linux's")
+
+
+def mapping_flags(address: int) -> set[str] | None:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps), None if none does."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return None
+
+
+def test_small_tensors_are_torchs_own() -> None:
+    tensor = huge_pages.empty((3, 1000), torch.float32)
+    assert tensor.shape == (3, 1000) and tensor.dtype == torch.float32
+    assert "hg" not in (mapping_flags(tensor.data_ptr()) or set())
+
+
+@pytest.mark.parametrize("nbytes", [HUGE_PAGE, 5 * HUGE_PAGE // 2])
+def test_a_large_tensor_asks_for_huge_pages_but_its_partial_tail(nbytes: int) -> None:
+    tensor = huge_pages.empty((nbytes // 2, 2))
+    assert tensor.shape == (nbytes // 2, 2) and tensor.dtype == torch.uint8 and tensor.is_contiguous()
+    tensor.fill_(7)
+    assert int(tensor.sum()) == 7 * nbytes
+    first, last = tensor.data_ptr(), tensor.data_ptr() + nbytes - 1
+    assert "hg" in mapping_flags(first)
+    assert ("nh" in mapping_flags(last)) == (nbytes % HUGE_PAGE != 0)
+    del tensor
+    gc.collect()
+    assert mapping_flags(first) is None  # unmapped with the tensor
+
+
+def test_repacked_weights_live_on_huge_pages() -> None:
+    rows, blocks_per_row = 8 * 1024, 16  # 8,192 rows of 512 Q8_0 weights: 4.4 MB
+    blocks = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (rows, blocks_per_row * 34), dtype=np.uint8))
+    repacked, _ = cpu_quant.interleaved(blocks, int(Q.Q8_0))
+    assert "hg" in mapping_flags(repacked.data_ptr())
+    panels, _ = cpu_quant.panels(torch.zeros(1024, 4096, dtype=torch.uint8), int(Q.F32))
+    assert "hg" in mapping_flags(panels.data_ptr())
