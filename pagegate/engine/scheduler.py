@@ -58,6 +58,7 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 POOLING_SHARE = 0.5
 POOLING_SLICE_S = 0.25
 POOLING_SLICE_MIN = 64  # tokens: fewer would pay a step's fixed cost for too little work
+OWED_FRACTION = 0.5  # a key holding under this part of its weighted share of the running pages is owed a step
 POOLING_WINDOW_MAX_S = 5.0  # the longest run of generation-only steps one slice earns
 NEAR_SCAN = 64  # waiting sequences looked up in the prefix cache each step for _nearly_cached
 DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
@@ -136,6 +137,7 @@ class Scheduler:
         self.whole_images = False  # the model reads an image's tokens bidirectionally: a chunk never ends inside one
         self._near: set[Sequence] = set()  # this step's nearly cached waiting sequences
         self._others_left = 0  # tokens other prompts may still take in a step with nearly cached ones
+        self._owed_last = False  # the last step held only prompts of owed keys (_fill_owed)
         self.num_preemptions = self.num_swap_outs = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.prefix_queries = self.prefix_hits = 0
         self.pages_short = 0  # pages admission or a running sequence lacked since take_pages_short (elastic pools)
@@ -311,12 +313,13 @@ class Scheduler:
         batch = ScheduledBatch()
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
-        if self.speculator is not None:
-            self.speculator.propose(self.running)
-        pooling = self._pooling_budget(now)
-        self._fill(batch, pooling, now)
-        if not batch.seqs and not batch.preempted and pooling == 0 and self.pooling:
-            self._fill(batch, self._slice_tokens(), now)  # nothing else could run: the engine does not idle
+        if not self._fill_owed(batch, now):
+            if self.speculator is not None:
+                self.speculator.propose(self.running)
+            pooling = self._pooling_budget(now)
+            self._fill(batch, pooling, now)
+            if not batch.seqs and not batch.preempted and pooling == 0 and self.pooling:
+                self._fill(batch, self._slice_tokens(), now)  # nothing else could run: the engine does not idle
         self._slice_seqs = [seq for seq in batch.seqs if seq.pools]
         self._slice_began = now if self._slice_seqs else None
         batch.copies = self.tables.take_cow_pairs()
@@ -351,6 +354,40 @@ class Scheduler:
                 budget = min(budget, self.config.batch_step_tokens)
             budget, placed = self._fill_lane(lane, batch, budget, now, may_add=placed)
             self._lanes_in_order(lane)
+
+    def _fill_owed(self, batch: ScheduledBatch, now: float) -> bool:
+        """A step of owed prompts alone: whether `batch` is one. Owed are the waiting online prompts of API keys that
+        hold under OWED_FRACTION of their weighted share of the running sequences' pages, where two or more keys are
+        at work; never two such steps in a row.
+
+        NOTE: fair admission (_admission_order) puts a light key's prompt first, but in a step beside every running
+        decode of a heavy key: with 64 of them that step is several times its prompt's own, and its first token
+        waits for it. Alone, the prompt's step is its own length; the running decodes lose one short step, and
+        the next step is an ordinary one, so they never wait for two."""
+        owed = [] if self._owed_last else self._owed_prompts()
+        self._owed_last = False
+        if not owed:
+            return False
+        self._near, self._pooling_left = set(), 0
+        self._admit(ONLINE, batch, self.config.step_tokens, now, among=owed)
+        self._lanes_in_order(ONLINE)
+        self._owed_last = bool(batch.seqs)
+        return self._owed_last
+
+    def _owed_prompts(self) -> list[Sequence]:
+        """The waiting online generation prompts of keys owed a step (_fill_owed)."""
+        waiting = [seq for seq in self.waiting if seq.request.lane == ONLINE and not seq.pools
+                   and seq.request.key is not None]
+        if not waiting:
+            return []
+        self.key_pages.recount(self.running, self.tables)
+        weights = {seq.request.key.name: seq.request.key.weight for seq in [*self.running, *waiting]
+                   if seq.request.key is not None}
+        held = sum(self.key_pages.held.values())
+        if len(weights) < 2 or held == 0:
+            return []
+        fair = held / sum(weights.values())  # pages per unit of weight
+        return [seq for seq in waiting if self.key_pages.share(seq) < OWED_FRACTION * fair]
 
     def _lanes_in_order(self, lane: Lane) -> None:
         """The running sequences `lane` just added (at the end) moved ahead of the lanes' below, whose turn is next:
@@ -665,11 +702,12 @@ class Scheduler:
             return 0
         return self.watermark_blocks + (self.batch_headroom_blocks if seq.request.lane == BATCH else 0)
 
-    def _admit(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float) -> tuple[int, bool]:
-        """Admit the lane's waiting sequences in _admission_order; the budget left, and whether none of them waits
-        for pages, the budget or a seat (those that wait for their key's quota or their prefix from disk do not
-        hold the line)."""
-        waiting = [seq for seq in self.waiting if seq.request.lane == lane]
+    def _admit(self, lane: Lane, batch: ScheduledBatch, budget: int, now: float,
+               among: list[Sequence] | None = None) -> tuple[int, bool]:
+        """Admit the lane's waiting sequences (those `among` them, when given) in _admission_order; the budget left,
+        and whether none of them waits for pages, the budget or a seat (those that wait for their key's quota or
+        their prefix from disk do not hold the line)."""
+        waiting = [seq for seq in (self.waiting if among is None else among) if seq.request.lane == lane]
         if not waiting:
             return budget, True  # the seat count walks the running sequences: not every decode step
         occupied = self._occupied_seats(lane)

@@ -127,3 +127,44 @@ def test_no_key_ever_holds_more_pages_than_its_quota(num_blocks, swap, keys, arr
         assert counted == {name: pages for name, pages in driver.sched.pages_by_key().items() if pages}
         assert steps < 2_000
     assert driver.sched.pool.num_free_blocks == num_blocks
+
+
+def heavy_decodes(driver: Driver, count: int = 4) -> list:
+    """`count` running sequences of alice's, past their prompts."""
+    heavy = [driver.add(2 * BLOCK - 1, key=A, max_tokens=50) for _ in range(count)]
+    driver.step()
+    assert all(seq.status is SeqStatus.RUNNING for seq in heavy)
+    return heavy
+
+
+def test_a_prompt_of_a_key_far_below_its_share_gets_a_step_of_its_own():
+    driver = Driver(scheduler(64))
+    heavy = heavy_decodes(driver)
+    light = driver.add(BLOCK, key=B, max_tokens=5)
+    owed = driver.step()
+    assert owed.seqs == [light]  # no decode of the heavy key beside it
+    normal = driver.step()
+    assert set(normal.seqs) == {*heavy, light}
+
+
+def test_never_two_owed_steps_in_a_row():
+    driver = Driver(scheduler(64))
+    heavy = heavy_decodes(driver)
+    first = driver.add(BLOCK, key=B, max_tokens=5)
+    driver.step()
+    second = driver.add(BLOCK, key=KeyShare("carol"), max_tokens=5)
+    batch = driver.step()
+    assert set(batch.seqs) == {*heavy, first, second}
+
+
+def test_no_owed_step_for_a_lone_key_nor_a_key_near_its_share():
+    driver = Driver(scheduler(64))
+    heavy = heavy_decodes(driver)
+    more = driver.add(BLOCK, key=A)
+    assert set(driver.step().seqs) == {*heavy, more}  # one key at work: nothing is owed
+    bobs = [driver.add(2 * BLOCK - 1, key=B, max_tokens=50) for _ in range(3)]
+    driver.step()
+    assert (driver.key_pages("alice"), driver.key_pages("bob")) == (9, 6)  # bob's share: 7.5; half of it, 3.75
+    later = driver.add(BLOCK, key=B)
+    batch = driver.step()
+    assert later in batch.seqs and set(heavy + bobs) <= set(batch.seqs)
