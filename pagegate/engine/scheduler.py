@@ -313,6 +313,7 @@ class Scheduler:
         batch = ScheduledBatch()
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
+        self.key_pages.recount(self.running, self.tables)  # kept current through the step from here
         if not self._fill_owed(batch, now):
             if self.speculator is not None:
                 self.speculator.propose(self.running)
@@ -343,7 +344,6 @@ class Scheduler:
         one."""
         budget = self.config.step_tokens - batch.num_batched_tokens
         self._pooling_left = pooling
-        self.key_pages.recount(self.running, self.tables)
         self._near = self._nearly_cached(budget)
         self._others_left = budget // 4  # other prompts' tokens in a step with nearly cached ones
         placed = True
@@ -380,7 +380,6 @@ class Scheduler:
                    and seq.request.key is not None]
         if not waiting:
             return []
-        self.key_pages.recount(self.running, self.tables)
         weights = {seq.request.key.name: seq.request.key.weight for seq in [*self.running, *waiting]
                    if seq.request.key is not None}
         held = sum(self.key_pages.held.values())

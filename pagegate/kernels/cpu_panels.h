@@ -78,23 +78,23 @@ static void pgq_panel_plain(int qtype, const uint8_t *panel, int64_t width, int6
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define PGQ_INLINE static inline __attribute__((always_inline))
-/* 8 values of row i from column c of a panel of `kind` (0: F32, 1: F16, 2: BF16; a constant where it is inlined). */
-PGQ_AVX2 PGQ_INLINE __m256 pgq_panel_load8(const int kind, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
-    if (kind == 0) return _mm256_loadu_ps((const float *)panel + i * width + c);
+/* 8 values of row i from column c of a panel of `qtype` (a constant where it is inlined). */
+PGQ_AVX2 PGQ_INLINE __m256 pgq_panel_load8(const int qtype, const uint8_t *panel, int64_t width, int64_t i, int64_t c) {
+    if (qtype == PGQ_F32_PANELS) return _mm256_loadu_ps((const float *)panel + i * width + c);
     const __m128i halves = _mm_loadu_si128((const __m128i *)(panel + (i * width + c) * 2));
-    if (kind == 1) return _mm256_cvtph_ps(halves);
+    if (qtype == PGQ_F16_PANELS) return _mm256_cvtph_ps(halves);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 /* 8 or 16 columns from c (`strips` of 8) against up to six tokens, in 12 ymm accumulators. */
-PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int kind, const uint8_t *panel, int64_t width, int64_t k, int64_t c,
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int qtype, const uint8_t *panel, int64_t width, int64_t k, int64_t c,
                                              const int strips, const float *x, const int tokens, float *out,
                                              int64_t out_stride, const float *bias, int accumulate) {
     __m256 acc[2][6];
     for (int s = 0; s < strips; s++)
         for (int t = 0; t < tokens; t++) acc[s][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const __m256 w0 = pgq_panel_load8(kind, panel, width, i, c);
-        const __m256 w1 = strips > 1 ? pgq_panel_load8(kind, panel, width, i, c + 8) : w0;
+        const __m256 w0 = pgq_panel_load8(qtype, panel, width, i, c);
+        const __m256 w1 = strips > 1 ? pgq_panel_load8(qtype, panel, width, i, c + 8) : w0;
         for (int t = 0; t < tokens; t++) {
             const __m256 xt = _mm256_broadcast_ss(x + t * k + i);
             acc[0][t] = _mm256_fmadd_ps(w0, xt, acc[0][t]);
@@ -110,8 +110,8 @@ PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_pass(const int kind, const uint8_t *pane
         }
 }
 #define PGQ_PANEL_AVX2(S, T) \
-    pgq_panel_avx2_pass(kind, panel, width, k, c, S, xt, T, out + t0 * out_stride, out_stride, bias, accumulate)
-PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int kind, const uint8_t *panel, int64_t width, int64_t k,
+    pgq_panel_avx2_pass(qtype, panel, width, k, c, S, xt, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int qtype, const uint8_t *panel, int64_t width, int64_t k,
                                            const float *x, int tokens, float *out, int64_t out_stride,
                                            const float *bias, int accumulate) {
     int64_t c = 0;
@@ -135,31 +135,31 @@ PGQ_AVX2 PGQ_INLINE void pgq_panel_avx2_of(const int kind, const uint8_t *panel,
             }
         }
     }
-    pgq_panel_plain(kind == 0 ? PGQ_F32_PANELS : kind == 1 ? PGQ_F16_PANELS : PGQ_BF16_PANELS, panel, width, k, c, width, x, tokens, out, out_stride,
-                    bias, accumulate);
+    pgq_panel_plain(qtype, panel, width, k, c, width, x, tokens, out, out_stride, bias, accumulate);
 }
 PGQ_AVX2 static void pgq_panel_avx2(int qtype, const uint8_t *panel, int64_t width, int64_t k, const float *x,
                                     int tokens, float *out, int64_t out_stride, const float *bias, int accumulate) {
-    if (qtype == PGQ_F16_PANELS) pgq_panel_avx2_of(1, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
-    else if (qtype == PGQ_BF16_PANELS) pgq_panel_avx2_of(2, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
-    else pgq_panel_avx2_of(0, panel, width, k, x, tokens, out, out_stride, bias, accumulate);
+    #define PGQ_PANEL_AVX2_OF(Q) pgq_panel_avx2_of(Q, panel, width, k, x, tokens, out, out_stride, bias, accumulate)
+    if (qtype == PGQ_F16_PANELS) PGQ_PANEL_AVX2_OF(PGQ_F16_PANELS);  /* constant types: one body each */
+    else if (qtype == PGQ_BF16_PANELS) PGQ_PANEL_AVX2_OF(PGQ_BF16_PANELS);
+    else PGQ_PANEL_AVX2_OF(PGQ_F32_PANELS);
 }
 
-/* 16 values of row i of a whole panel from column c, of `kind` as pgq_panel_load8's. */
-PGQ_AVX512 PGQ_INLINE __m512 pgq_panel_load16(const int kind, const uint8_t *panel, int64_t i, int c) {
-    if (kind == 0) return _mm512_loadu_ps((const float *)panel + i * PGQ_PANEL + c);
+/* 16 values of row i of a whole panel from column c, of `qtype` as pgq_panel_load8's. */
+PGQ_AVX512 PGQ_INLINE __m512 pgq_panel_load16(const int qtype, const uint8_t *panel, int64_t i, int c) {
+    if (qtype == PGQ_F32_PANELS) return _mm512_loadu_ps((const float *)panel + i * PGQ_PANEL + c);
     const __m256i halves = _mm256_loadu_si256((const __m256i *)(panel + (i * PGQ_PANEL + c) * 2));
-    if (kind == 1) return _mm512_cvtph_ps(halves);
+    if (qtype == PGQ_F16_PANELS) return _mm512_cvtph_ps(halves);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 /* A whole panel (32 columns) against up to PGQ_PANEL_TOKENS tokens, in 24 zmm accumulators. */
-PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int kind, const uint8_t *panel, int64_t k, const float *x,
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int qtype, const uint8_t *panel, int64_t k, const float *x,
                                                  const int tokens, float *out, int64_t out_stride, const float *bias,
                                                  int accumulate) {
     __m512 acc[2][PGQ_PANEL_TOKENS];
     for (int t = 0; t < tokens; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        const __m512 w0 = pgq_panel_load16(kind, panel, i, 0), w1 = pgq_panel_load16(kind, panel, i, 16);
+        const __m512 w0 = pgq_panel_load16(qtype, panel, i, 0), w1 = pgq_panel_load16(qtype, panel, i, 16);
         for (int t = 0; t < tokens; t++) {
             const __m512 xt = _mm512_set1_ps(x[t * k + i]);
             acc[0][t] = _mm512_fmadd_ps(w0, xt, acc[0][t]);
@@ -175,8 +175,8 @@ PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_pass(const int kind, const uint8_t *
         }
 }
 #define PGQ_PANEL_AVX512(T) \
-    pgq_panel_avx512_pass(kind, panel, k, x + t0 * k, T, out + t0 * out_stride, out_stride, bias, accumulate)
-PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int kind, const uint8_t *panel, int64_t k, const float *x,
+    pgq_panel_avx512_pass(qtype, panel, k, x + t0 * k, T, out + t0 * out_stride, out_stride, bias, accumulate)
+PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int qtype, const uint8_t *panel, int64_t k, const float *x,
                                                int tokens, float *out, int64_t out_stride, const float *bias,
                                                int accumulate) {
     for (int t0 = 0; t0 < tokens; t0 += PGQ_PANEL_TOKENS) {
@@ -198,9 +198,10 @@ PGQ_AVX512 PGQ_INLINE void pgq_panel_avx512_of(const int kind, const uint8_t *pa
 }
 PGQ_AVX512 static void pgq_panel_avx512(int qtype, const uint8_t *panel, int64_t k, const float *x, int tokens,
                                         float *out, int64_t out_stride, const float *bias, int accumulate) {
-    if (qtype == PGQ_F16_PANELS) pgq_panel_avx512_of(1, panel, k, x, tokens, out, out_stride, bias, accumulate);
-    else if (qtype == PGQ_BF16_PANELS) pgq_panel_avx512_of(2, panel, k, x, tokens, out, out_stride, bias, accumulate);
-    else pgq_panel_avx512_of(0, panel, k, x, tokens, out, out_stride, bias, accumulate);
+    #define PGQ_PANEL_AVX512_OF(Q) pgq_panel_avx512_of(Q, panel, k, x, tokens, out, out_stride, bias, accumulate)
+    if (qtype == PGQ_F16_PANELS) PGQ_PANEL_AVX512_OF(PGQ_F16_PANELS);  /* constant types: one body each */
+    else if (qtype == PGQ_BF16_PANELS) PGQ_PANEL_AVX512_OF(PGQ_BF16_PANELS);
+    else PGQ_PANEL_AVX512_OF(PGQ_F32_PANELS);
 }
 #else
 static void pgq_panel_avx2(int qtype, const uint8_t *panel, int64_t width, int64_t k, const float *x, int tokens,
