@@ -20,11 +20,12 @@ from libc.string cimport memset
 
 from pagegate.kernels.cpu_qdot cimport PGQ_SUMS, pgq_act, pgq_init, pgq_isa, pgq_set_isa
 
-import torch
+import os
 
-from pagegate.kernels.cpu_paged import FORMAT_CODES
+import numpy as np
+
 from pagegate.kernels.cpu_quant import BLOCK_BYTES, BLOCK_ELEMS
-from pagegate.kernels.kv_format import format_of
+from pagegate.kernels.page_codes import FORMAT_CODES
 
 cdef extern from "cpu_paged.h":
     int64_t pg_row_bytes(int format, int head_dim) noexcept nogil
@@ -150,11 +151,29 @@ def set_lora_isa(name: str) -> bool:
     return bool(pgl_set_isa(name == "portable"))
 
 
-cdef size_t _address(t, dtype, shape, what) except? 0:
-    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{what} must be a contiguous CPU {dtype} tensor of shape {tuple(shape)}, "
-                         f"not {t.dtype} {tuple(t.shape)}")
-    return <size_t>t.data_ptr()
+def default_threads() -> int:
+    """The CPUs this process may run on: the threads a step takes unless told otherwise."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+cdef size_t _address(t, str dtype, shape, what) except? 0:
+    """The data of `t`, a contiguous CPU array of `dtype` ("float32", "uint8", ...) and `shape`: a numpy array or a
+    torch tensor (duck-typed: nothing here imports torch)."""
+    cdef bint torch_tensor = hasattr(t, "data_ptr")
+    name = str(t.dtype).removeprefix("torch.")
+    contiguous = t.is_contiguous() and t.device.type == "cpu" if torch_tensor else t.flags.c_contiguous
+    if name != dtype or tuple(t.shape) != tuple(shape) or not contiguous:
+        raise ValueError(f"{what} must be a contiguous CPU {dtype} array of shape {tuple(shape)}, "
+                         f"not {name} {tuple(t.shape)}")
+    return <size_t>(t.data_ptr() if torch_tensor else t.ctypes.data)
+
+
+cdef size_t _cache_address(t, shape, what) except? 0:
+    """A KV cache's data: any one format's array [pages, block, kv_heads, row] whose rows are `shape`[-1] bytes."""
+    itemsize = t.element_size() if hasattr(t, "data_ptr") else t.itemsize
+    if len(t.shape) != 4 or tuple(t.shape[:3]) != tuple(shape[:3]) or t.shape[3] * itemsize != shape[3]:
+        raise ValueError(f"{what} must be [pages, block, kv_heads, row] of {tuple(shape)} bytes, not {tuple(t.shape)}")
+    return _address(t, str(t.dtype).removeprefix("torch."), tuple(t.shape), what)
 
 
 cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
@@ -166,8 +185,8 @@ cdef pgd_linear _linear(spec, int64_t k, int64_t n, what) except *:
     cdef pgd_linear l
     l.qtype, l.n, l.k, l.rest = qtype, n, k, NULL
     l.row_bytes = k * BLOCK_BYTES[qtype] // BLOCK_ELEMS[qtype]
-    l.data = <const uint8_t *>_address(rows, torch.uint8, (n, l.row_bytes), f"{what} weight")
-    l.bias = NULL if bias is None else <const float *>_address(bias, torch.float32, (n,), f"{what} bias")
+    l.data = <const uint8_t *>_address(rows, "uint8", (n, l.row_bytes), f"{what} weight")
+    l.bias = NULL if bias is None else <const float *>_address(bias, "float32", (n,), f"{what} bias")
     return l
 
 
@@ -190,7 +209,7 @@ cdef pgd_linear _linear_parts(spec, int64_t k, int64_t n, what, pgd_linear *rest
 
 cdef const float *_optional(t, int64_t n, what) except? NULL:
     """The float32 [n] vector t, or NULL for None."""
-    return NULL if t is None else <const float *>_address(t, torch.float32, (n,), what)
+    return NULL if t is None else <const float *>_address(t, "float32", (n,), what)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's projections that take adapters, in the table's order
@@ -208,6 +227,7 @@ cdef class LoRATable:
 
     cdef pgl_table table
     cdef list shapes
+    cdef public int threads  # the threads `add` takes (default_threads(); the torch forward sets torch's)
     cdef list keep  # per slot: {(layer, projection): the tensors its update points into}
 
     def __cinit__(self):
@@ -222,6 +242,7 @@ cdef class LoRATable:
         if self.table.updates == NULL:
             raise MemoryError()
         self.keep = [{} for _ in range(slots)]
+        self.threads = default_threads()
 
     def __dealloc__(self):
         free(self.table.updates)
@@ -248,21 +269,21 @@ cdef class LoRATable:
         (first column, first rank, expand [ranks, cols]) inside the projection's output and the shrink's ranks."""
         cdef pgl_update *update = self._update(slot, layer, proj)
         k, n = self.shapes[layer][proj]
-        rank = shrink.shape[0] if shrink.dim() == 2 else 0
+        rank = shrink.shape[0] if len(shrink.shape) == 2 else 0
         if not 1 <= rank <= self.table.max_rank or not 1 <= len(shards) <= PGL_MAX_SHARDS:
             raise ValueError(f"a LoRA update takes a shrink of rank 1 to {self.table.max_rank} and 1 to "
                              f"{PGL_MAX_SHARDS} shards, not {tuple(shrink.shape)} and {len(shards)}")
         cdef pgl_update made
         memset(&made, 0, sizeof(pgl_update))
-        made.shrink = <const float *>_address(shrink, torch.float32, (rank, k), "LoRA shrink")
+        made.shrink = <const float *>_address(shrink, "float32", (rank, k), "LoRA shrink")
         made.rank, made.shards = rank, len(shards)
         for i, (first_col, first_rank, expand) in enumerate(shards):
-            ranks, cols = expand.shape if expand.dim() == 2 else (0, 0)
+            ranks, cols = expand.shape if len(expand.shape) == 2 else (0, 0)
             if not (0 <= first_col and 1 <= cols and first_col + cols <= n and 0 <= first_rank and 1 <= ranks
                     and first_rank + ranks <= rank):
                 raise ValueError(f"a LoRA expand {tuple(expand.shape)} at column {first_col}, rank {first_rank} "
                                  f"does not fit a projection of {n} outputs and a shrink of rank {rank}")
-            made.shard[i].expand = <const float *>_address(expand, torch.float32, (ranks, cols), "LoRA expand")
+            made.shard[i].expand = <const float *>_address(expand, "float32", (ranks, cols), "LoRA expand")
             made.shard[i].first_col, made.shard[i].cols = first_col, cols
             made.shard[i].first_rank, made.shard[i].ranks = first_rank, ranks
         spans = sorted((made.shard[i].first_col, made.shard[i].cols) for i in range(made.shards))
@@ -306,13 +327,13 @@ cdef class LoRATable:
         self._update(0, layer, proj)
         cdef int64_t k = self.shapes[layer][proj][0], n = self.shapes[layer][proj][1]
         cdef int64_t tokens = x.shape[0]
-        cdef const float *xs = <const float *>_address(x, torch.float32, (tokens, k), "LoRA input")
-        cdef float *o = <float *>_address(out, torch.float32, (tokens, n), "LoRA output")
+        cdef const float *xs = <const float *>_address(x, "float32", (tokens, k), "LoRA input")
+        cdef float *o = <float *>_address(out, "float32", (tokens, n), "LoRA output")
         cdef pgl_groups g
         self._groups(groups, tokens, &g)
         if not g.count:
             return
-        cdef int threads = torch.get_num_threads()
+        cdef int threads = self.threads
         g.shrunk = <float *>malloc(tokens * self.table.max_rank * sizeof(float))
         if g.shrunk == NULL:
             raise MemoryError()
@@ -328,7 +349,8 @@ cdef class DecodeModel:
     (qtype, rows, bias) triples, rows the weight's bytes [N, row bytes] (a layer's projection whose rows come in
     parts of different types: a list of triples, part after part); each layer is (attn_norm, ffn_norm,
     qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm, post_attn_norm, post_ffn_norm, local_rope,
-    softcap) with caches [pages, block_size, kv_heads, row] of a page format each (kv_format.py): ffn_norm the norm before the MLP;
+    softcap, page_format) with caches [pages, block_size, kv_heads, row] of a page format each (its name, kv_format.py):
+    ffn_norm the norm before the MLP;
     q_norm and k_norm [head_dim] (QK-norm) and the post-norms [hidden] (Gemma) None where the layer has
     none; local_rope True for a layer on `local_cos_sin` rather than `cos_sin`; softcap the attention
     score cap (None or 0: none). `activation` is "silu" (SwiGLU) or "gelu_tanh" (GeGLU), `embed_scale`
@@ -342,13 +364,14 @@ cdef class DecodeModel:
     cdef int64_t num_pages, max_positions
     cdef object keep  # every tensor the pointers point into
     cdef object lora_checked  # the last LoRA table found to fit this model's projections
+    cdef public int threads  # the threads a step takes (default_threads(); the torch path sets torch's)
 
     def __cinit__(self):
         self.layers = NULL
         self.parts = NULL
 
     def __init__(self, dims, cos_sin, final_norm, embed, lm_head, layers, exact=False, *, local_cos_sin=None,
-                 activation="silu", embed_scale=None, final_softcap=None):
+                 activation="silu", embed_scale=None, final_softcap=None, threads=None):
         hidden, heads, kv_heads, head_dim, intermediate, eps, scale = dims
         if not layers or heads % kv_heads or heads // kv_heads > PGD_MAX_GROUP or head_dim > PGD_MAX_HEAD_DIM \
                 or head_dim % 2:
@@ -369,13 +392,13 @@ cdef class DecodeModel:
         m.embed_scale = embed_scale or 0.0
         m.final_softcap = final_softcap or 0.0
         self.max_positions = cos_sin.shape[0]
-        cdef const float *table = <const float *>_address(cos_sin, torch.float32, (self.max_positions, 2 * head_dim),
+        cdef const float *table = <const float *>_address(cos_sin, "float32", (self.max_positions, 2 * head_dim),
                                                            "cos_sin")
         cdef const float *local_table = NULL
         if local_cos_sin is not None:
-            local_table = <const float *>_address(local_cos_sin, torch.float32, (self.max_positions, 2 * head_dim),
+            local_table = <const float *>_address(local_cos_sin, "float32", (self.max_positions, 2 * head_dim),
                                                   "local cos_sin")
-        m.final_norm = <const float *>_address(final_norm, torch.float32, (hidden,), "final norm")
+        m.final_norm = <const float *>_address(final_norm, "float32", (hidden,), "final norm")
         vocab = embed[1].shape[0]
         m.embed = _linear(embed, hidden, vocab, "embedding")
         m.lm_head = _linear(lm_head, hidden, lm_head[1].shape[0], "lm_head")
@@ -390,10 +413,10 @@ cdef class DecodeModel:
         first_cache = layers[0][6]
         self.num_pages, m.block_size = first_cache.shape[0], first_cache.shape[1]
         for i, (attn_norm, ffn_norm, qkv, o, gate_up, down, k_cache, v_cache, window, q_norm, k_norm,
-                post_attn_norm, post_ffn_norm, local_rope, softcap) in enumerate(layers):
+                post_attn_norm, post_ffn_norm, local_rope, softcap, page_format) in enumerate(layers):
             layer = &self.layers[i]
-            layer.attn_norm = <const float *>_address(attn_norm, torch.float32, (hidden,), "attention norm")
-            layer.ffn_norm = <const float *>_address(ffn_norm, torch.float32, (hidden,), "MLP norm")
+            layer.attn_norm = <const float *>_address(attn_norm, "float32", (hidden,), "attention norm")
+            layer.ffn_norm = <const float *>_address(ffn_norm, "float32", (hidden,), "MLP norm")
             layer.q_norm = _optional(q_norm, head_dim, f"layer {i} q norm")
             layer.k_norm = _optional(k_norm, head_dim, f"layer {i} k norm")
             layer.post_attn_norm = _optional(post_attn_norm, hidden, f"layer {i} post-attention norm")
@@ -408,26 +431,29 @@ cdef class DecodeModel:
                                                     (down, intermediate, hidden, "down_proj"))):
                 targets[j][0] = _linear_parts(spec, k, n, f"layer {i} {name}", rest)
                 rest += len(spec) - 1 if isinstance(spec, list) else 0
-            kv_format = format_of(k_cache)  # each layer's own: auto-4 mixes int8 and int4
-            layer.kv_format = FORMAT_CODES[kv_format.dtype]
+            if page_format not in FORMAT_CODES:  # each layer's own: auto-4 mixes int8 and int4
+                raise ValueError(f"layer {i}: no page format {page_format!r}")
+            layer.kv_format = FORMAT_CODES[page_format]
             layer.kv_row_bytes = pg_row_bytes(layer.kv_format, head_dim)
-            cache_shape = (self.num_pages, m.block_size, kv_heads, kv_format.row_width(head_dim))
-            layer.k_cache = <uint8_t *>_address(k_cache, kv_format.dtype, cache_shape, "k cache")
-            layer.v_cache = <uint8_t *>_address(v_cache, kv_format.dtype, cache_shape, "v cache")
+            cache_shape = (self.num_pages, m.block_size, kv_heads, layer.kv_row_bytes)
+            layer.k_cache = <uint8_t *>_cache_address(k_cache, cache_shape, "k cache")
+            layer.v_cache = <uint8_t *>_cache_address(v_cache, cache_shape, "v cache")
             layer.window = window or 0
         widest, t = max(hidden, intermediate, q), PGD_MAX_TOKENS
-        buffers = (torch.empty(t * widest), torch.empty(t * (q + 2 * kv)), torch.empty(t * 2 * intermediate),
-                   torch.empty(t * widest, dtype=torch.int8), torch.empty(t * widest // 32 * (1 + PGQ_SUMS)), torch.empty(t * hidden),
-                   torch.empty(PGD_SPLIT_STATES * (heads // kv_heads) * (head_dim + 2)))
-        self.buffers.normed = <float *><size_t>buffers[0].data_ptr()
-        self.buffers.qkv = <float *><size_t>buffers[1].data_ptr()
-        self.buffers.gate_up = <float *><size_t>buffers[2].data_ptr()
-        self.buffers.branch = <float *><size_t>buffers[5].data_ptr()
-        self.buffers.attn_parts = <float *><size_t>buffers[6].data_ptr()
-        self.buffers.act.q = <int8_t *><size_t>buffers[3].data_ptr()
-        self.buffers.act.d = <float *><size_t>buffers[4].data_ptr()
+        f32 = np.float32
+        buffers = (np.empty(t * widest, f32), np.empty(t * (q + 2 * kv), f32), np.empty(t * 2 * intermediate, f32),
+                   np.empty(t * widest, np.int8), np.empty(t * widest // 32 * (1 + PGQ_SUMS), f32),
+                   np.empty(t * hidden, f32), np.empty(PGD_SPLIT_STATES * (heads // kv_heads) * (head_dim + 2), f32))
+        self.buffers.normed = <float *><size_t>buffers[0].ctypes.data
+        self.buffers.qkv = <float *><size_t>buffers[1].ctypes.data
+        self.buffers.gate_up = <float *><size_t>buffers[2].ctypes.data
+        self.buffers.branch = <float *><size_t>buffers[5].ctypes.data
+        self.buffers.attn_parts = <float *><size_t>buffers[6].ctypes.data
+        self.buffers.act.q = <int8_t *><size_t>buffers[3].ctypes.data
+        self.buffers.act.d = <float *><size_t>buffers[4].ctypes.data
         self.buffers.act.s = self.buffers.act.d + t * widest // 32
         self.keep = (cos_sin, local_cos_sin, final_norm, embed, lm_head, layers, buffers)
+        self.threads = threads or default_threads()
 
     def __dealloc__(self):
         free(self.layers)
@@ -453,7 +479,7 @@ cdef class DecodeModel:
         cdef const float[:, ::1] given_rows
         s.num_given = 0
         if given is not None:
-            given_tokens, given_rows = given[0], given[1].numpy()
+            given_tokens, given_rows = given[0], np.asarray(given[1])
             if given_rows.shape[0] != given_tokens.shape[0] or given_rows.shape[1] != self.model.hidden \
                     or given_tokens.shape[0] > ids.shape[0] \
                     or any(not 0 <= t < ids.shape[0] for t in given_tokens):
@@ -476,9 +502,9 @@ cdef class DecodeModel:
             self._check_lora(lora)
             lora._groups(lora_groups, s.tokens, &s.lora_groups)
             s.lora = &lora.table
-        out = torch.empty((s.tokens, self.model.hidden))
-        cdef float *x = <float *><size_t>out.data_ptr()
-        cdef int threads = torch.get_num_threads()
+        out = np.empty((s.tokens, self.model.hidden), np.float32)
+        cdef float *x = <float *><size_t>out.ctypes.data
+        cdef int threads = self.threads
         if s.lora_groups.count:
             s.lora_groups.shrunk = <float *>malloc(s.tokens * lora.table.max_rank * sizeof(float))
             if s.lora_groups.shrunk == NULL:
@@ -503,14 +529,13 @@ cdef class DecodeModel:
 
     def logits(self, hidden):
         """Float32 logits [N, vocab] of final hidden states [N, hidden]."""
-        hidden = hidden.float().contiguous()
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         cdef int64_t n = hidden.shape[0], start
         cdef int rows
-        cdef int threads = torch.get_num_threads()
-        out = torch.empty((n, self.model.lm_head.n))
-        _address(hidden, torch.float32, (n, self.model.hidden), "hidden")
-        cdef const float *x = <const float *><size_t>hidden.data_ptr()
-        cdef float *o = <float *><size_t>out.data_ptr()
+        cdef int threads = self.threads
+        out = np.empty((n, self.model.lm_head.n), np.float32)
+        cdef const float *x = <const float *>_address(hidden, "float32", (n, self.model.hidden), "hidden")
+        cdef float *o = <float *><size_t>out.ctypes.data
         for start in range(0, n, PGD_MAX_TOKENS):
             rows = min(PGD_MAX_TOKENS, n - start)
             with nogil:

@@ -23,7 +23,6 @@ from pagegate.kernels.cpu_qdot cimport (PGQ_BF16_PANELS, PGQ_F16_PANELS, PGQ_F32
                                         pgq_x8_span)
 
 import numpy as np
-import torch
 
 from pagegate.kernels import huge_pages
 
@@ -54,6 +53,13 @@ def _set_isa(name: str) -> bool:
 
 
 def _check(blocks, int qtype, int k):
+    """`blocks` as a tensor (an array is shared, not copied), checked to be K-wide rows of `qtype`.
+
+    NOTE: torch is imported here, by the torch path's functions (matmul, dequantize, matmul_q8) only: the native
+    step's (interleaved, panels) take and return numpy arrays, so an engine core on it never imports torch."""
+    import torch
+    if isinstance(blocks, np.ndarray):
+        blocks = torch.from_numpy(blocks)
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"ggml type {qtype} has no CPU kernel; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
                          "Q8_0, Q4_K, Q5_K, Q6_K")
@@ -63,9 +69,11 @@ def _check(blocks, int qtype, int k):
     row_bytes = k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
     if blocks.shape[1] != row_bytes:
         raise ValueError(f"blocks have {blocks.shape[1]} bytes a row; K={k} needs {row_bytes}")
+    return blocks
 
 
 def _float_input(x):
+    import torch
     x = x.contiguous()
     if x.dtype != torch.float32:
         raise ValueError("x must be float32")
@@ -75,8 +83,9 @@ def _float_input(x):
 def matmul(x, blocks, int qtype):
     """x [M, K] float32 @ W.T for W [N, K] given as its blocks: [M, N] float32."""
     cdef int k = x.shape[1]
-    _check(blocks, qtype, k)
+    blocks = _check(blocks, qtype, k)
     x = _float_input(x)
+    import torch
     cdef int64_t n = blocks.shape[0], m = x.shape[0], start, row
     cdef int rows
     out = torch.empty((m, n), dtype=torch.float32)
@@ -97,7 +106,8 @@ def matmul(x, blocks, int qtype):
 
 def dequantize(blocks, int qtype, int k, rows=None):
     """W [N, K] float32 from its blocks; only the given row ids (e.g. an embedding lookup) if `rows`."""
-    _check(blocks, qtype, k)
+    blocks = _check(blocks, qtype, k)
+    import torch
     ids = torch.arange(blocks.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
     cdef int64_t count = ids.shape[0], i, num = blocks.shape[0]
     if count and (int(ids.min()) < 0 or int(ids.max()) >= num):
@@ -114,37 +124,37 @@ def dequantize(blocks, int qtype, int k, rows=None):
 def interleaved(blocks, int qtype):
     """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant repacked for the integer kernels:
     its rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted; Q8_0's values plus 128), its type id
-    qtype + X8; any other matrix as it is (an array copied into a tensor). `blocks` may be a uint8 tensor or array,
-    read-only (a file's mapping: the returned matrix is the one copy made of it)."""
-    if qtype not in INTERLEAVED or blocks.shape[0] < 8:
-        return (blocks if isinstance(blocks, torch.Tensor) else torch.from_numpy(np.array(blocks))), qtype
-    source = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+    qtype + X8; any other matrix as it is (copied). `blocks` may be a uint8 array or CPU tensor, read-only (a file's
+    mapping: the returned array is the one copy made of it)."""
+    source = np.asarray(blocks)
+    if qtype not in INTERLEAVED or source.shape[0] < 8:
+        return np.array(source), qtype
     if source.dtype != np.uint8 or source.ndim != 2 or source.shape[1] % BLOCK_BYTES[qtype]:
         raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrix")
     cdef const uint8_t[:, ::1] rows = np.ascontiguousarray(source)
     cdef int64_t row_bytes = rows.shape[1], g, groups = rows.shape[0] // 8
     out = huge_pages.empty(tuple(source.shape))
-    out.numpy()[groups * 8:] = source[groups * 8:]  # the last N % 8 rows stay as they are
+    out[groups * 8:] = source[groups * 8:]  # the last N % 8 rows stay as they are
     cdef const uint8_t *w = &rows[0, 0]
-    cdef uint8_t *o = <uint8_t *><size_t>out.data_ptr()
+    cdef uint8_t *o = <uint8_t *><size_t>out.ctypes.data
     for g in prange(groups, nogil=True, schedule="static"):
         pgq_x8_pack(qtype, w + g * 8 * row_bytes, row_bytes, o + g * 8 * row_bytes)
     return out, qtype + X8
 
 
 def panels(blocks, int qtype):
-    """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32, F16 or BF16 (blocks: its bytes
-    [N, K * value bytes]) in panels of 32, each k-major (cpu_panels.h; the same values, permuted) in a new tensor,
-    its type id PANELS[qtype]."""
-    if qtype not in PANELS or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+    """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32, F16 or BF16 (blocks: its
+    bytes [N, K * value bytes], an array or a CPU tensor) in panels of 32, each k-major (cpu_panels.h; the same
+    values, permuted) in a new array, its type id PANELS[qtype]."""
+    source = np.ascontiguousarray(blocks)
+    if qtype not in PANELS or source.dtype != np.uint8 or source.ndim != 2:
         raise ValueError("blocks must be the uint8 [N, row bytes] of an F32, F16 or BF16 matrix")
     cdef int bytes = 4 if qtype == F32 else 2
-    if blocks.shape[1] % bytes:
-        raise ValueError(f"rows of {blocks.shape[1]} bytes are no whole number of values")
-    blocks = blocks.contiguous()
-    out = huge_pages.empty(tuple(blocks.shape))
-    pgq_panels_pack(<const uint8_t *><size_t>blocks.data_ptr(), blocks.shape[0], blocks.shape[1] // bytes, bytes,
-                    <uint8_t *><size_t>out.data_ptr())
+    if source.shape[1] % bytes:
+        raise ValueError(f"rows of {source.shape[1]} bytes are no whole number of values")
+    out = huge_pages.empty(tuple(source.shape))
+    pgq_panels_pack(<const uint8_t *><size_t>source.ctypes.data, source.shape[0], source.shape[1] // bytes, bytes,
+                    <uint8_t *><size_t>out.ctypes.data)
     return out, PANELS[qtype]
 
 
@@ -152,10 +162,11 @@ def matmul_q8(x, blocks, int qtype):
     """x [M, K] float32 @ W.T as llama.cpp computes it: x in Q8, integer dot products; [M, N] float32. Interleaved
     rows (interleaved()) go eight at a time through their own kernel: the same bits (cpu_qdot.h)."""
     cdef int k = x.shape[1]
-    _check(blocks, qtype, k)
+    blocks = _check(blocks, qtype, k)
     if qtype not in INTEGER_TYPES:
         raise ValueError(f"ggml type {qtype} is a float format; use matmul")
     x = _float_input(x)
+    import torch
     cdef int64_t n = blocks.shape[0], m = x.shape[0], row_bytes = blocks.shape[1], r, g, nb = k // 32, stride = n
     out = torch.empty((m, n), dtype=torch.float32)
     q8 = torch.empty(max(m, 1) * k, dtype=torch.int8)

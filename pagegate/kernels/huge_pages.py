@@ -11,19 +11,19 @@ from __future__ import annotations
 import math
 import mmap
 
-import torch
+import numpy as np
 
 HUGE_PAGE = 2 << 20  # x86-64's PMD size
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialised CPU tensor on an anonymous mapping advised MADV_HUGEPAGE; torch.empty's where the tensor is
-    under a huge page or the platform has no such advice. The mapping is a whole number of huge pages (Linux aligns
-    such an anonymous mapping to one) and its last, partly used one is advised back to small pages, so the
-    tensor's resident size is its own (to 4 KiB) and no more."""
-    nbytes = math.prod(shape) * dtype.itemsize
+def empty(shape: tuple[int, ...], dtype: np.dtype | type = np.uint8) -> np.ndarray:
+    """An uninitialised array on an anonymous mapping advised MADV_HUGEPAGE; numpy.empty's where the array is under
+    a huge page or the platform has no such advice. The mapping is a whole number of huge pages (Linux aligns such
+    an anonymous mapping to one) and its last, partly used one is advised back to small pages, so the array's
+    resident size is its own (to 4 KiB) and no more. (torch.from_numpy shares it without a copy.)"""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
+        return np.empty(shape, dtype=dtype)
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
     region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -32,4 +32,4 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Ten
             region.madvise(mmap.MADV_NOHUGEPAGE, whole, len(region) - whole)
     except OSError:  # a kernel without THP: small pages, as torch.empty's
         pass
-    return torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
+    return np.frombuffer(region, dtype=dtype, count=math.prod(shape)).reshape(shape)

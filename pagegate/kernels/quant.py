@@ -62,14 +62,16 @@ def interleaved(blocks: torch.Tensor | np.ndarray, qtype: int) -> tuple[torch.Te
     """An integer-block matrix (Q4_0 ... Q8_0, K-quants) as the integer kernels read it best, and its type id: its
     rows interleaved eight at a time (cpu_qx8.h: the file's bytes, permuted) in a new tensor; any other matrix as it
     is (an array copied into a tensor). `blocks` may be a read-only array (a file's mapping)."""
-    return _required_kernel().interleaved(blocks, qtype)
+    kept, kind = _required_kernel().interleaved(blocks, qtype)
+    return torch.from_numpy(kept), kind
 
 
 def panels(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
     """An F32, F16 or BF16 matrix (its bytes [N, row bytes]) as the native step reads it, and its type id
     (PANELS[qtype]): rows in panels of 32, each k-major (cpu_panels.h; the same values, permuted), in a new
     tensor."""
-    return _required_kernel().panels(blocks, qtype)
+    rows, kind = _required_kernel().panels(blocks, qtype)
+    return torch.from_numpy(rows), kind
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_nor_the_kernel(qtype: Q
     k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, _ = quantized(qtype, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
-    layouts = [(blocks, int(qtype)), cpu_quant.interleaved(blocks, int(qtype))]  # rows eight at a time too
+    layouts = [(blocks, int(qtype)), quant.interleaved(blocks, int(qtype))]  # rows eight at a time too
     results = on_every_isa_alone_and_batched(cpu_quant.matmul_q8, x, layouts)
     for other in results[1:]:
         assert torch.equal(other, results[0])
@@ -136,7 +136,7 @@ def test_interleaved_rows_are_the_files_bytes_permuted(qtype: Q, n: int, blocks_
     (each row, the whole, an embedding lookup) as the very weights of the file's layout."""
     k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
     blocks, weights = quantized(qtype, n, k, seed)
-    repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
+    repacked, kind = quant.interleaved(blocks, int(qtype))
     assert kind == (int(qtype) + cpu_quant.X8 if n >= 8 else int(qtype))
     assert repacked.shape == blocks.shape
     assert torch.equal(repacked.flatten().sort().values, blocks.flatten().sort().values)
@@ -154,7 +154,7 @@ def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatc
     starts and ends on whole groups of eight, whatever its size asks for."""
     k = 256 if qtype in K_QUANTS else 64
     blocks, weights = quantized(qtype, 29, k)
-    repacked, kind = cpu_quant.interleaved(blocks, int(qtype))
+    repacked, kind = quant.interleaved(blocks, int(qtype))
     monkeypatch.setattr(quant, "TILE_BYTES", 4 * k * 3)  # three rows a tile, were it not held to eight
     x = torch.randn(FUSED_MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(0))
     expected = (x.double() @ weights.double().t()).float()  # float32 sums of 256 terms differ by order: ~1e-4 here

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagegate.kernels import cpu_quant, huge_pages
@@ -19,7 +18,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage")
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE") or not THP.is_dir(),
     reason="transparent huge pages (madvise MADV_HUGEPAGE, the VmFlags of /proc/self/smaps) exist only on a Linux "
-           "kernel built with them; elsewhere huge_pages.empty is torch.empty, which the other kernel tests cover")
+           "kernel built with them; elsewhere huge_pages.empty is numpy.empty, which the other kernel tests cover")
 
 
 def mapping_flags(address: int) -> set[str] | None:
@@ -36,19 +35,19 @@ def mapping_flags(address: int) -> set[str] | None:
     return None
 
 
-def test_small_tensors_are_torchs_own() -> None:
-    tensor = huge_pages.empty((3, 1000), torch.float32)
-    assert tensor.shape == (3, 1000) and tensor.dtype == torch.float32
-    assert "hg" not in (mapping_flags(tensor.data_ptr()) or set())
+def test_small_arrays_are_numpys_own() -> None:
+    array = huge_pages.empty((3, 1000), np.float32)
+    assert array.shape == (3, 1000) and array.dtype == np.float32
+    assert "hg" not in (mapping_flags(array.ctypes.data) or set())
 
 
 @pytest.mark.parametrize("nbytes", [HUGE_PAGE, 5 * HUGE_PAGE // 2])
 def test_a_large_tensor_asks_for_huge_pages_but_its_partial_tail(nbytes: int) -> None:
     tensor = huge_pages.empty((nbytes // 2, 2))
-    assert tensor.shape == (nbytes // 2, 2) and tensor.dtype == torch.uint8 and tensor.is_contiguous()
-    tensor.fill_(7)
-    assert int(tensor.sum()) == 7 * nbytes
-    first, last = tensor.data_ptr(), tensor.data_ptr() + nbytes - 1
+    assert tensor.shape == (nbytes // 2, 2) and tensor.dtype == np.uint8 and tensor.flags.c_contiguous
+    tensor.fill(7)
+    assert int(tensor.sum(dtype=np.int64)) == 7 * nbytes
+    first, last = tensor.ctypes.data, tensor.ctypes.data + nbytes - 1
     assert "hg" in mapping_flags(first)
     assert ("nh" in mapping_flags(last)) == (nbytes % HUGE_PAGE != 0)
     del tensor
@@ -58,8 +57,8 @@ def test_a_large_tensor_asks_for_huge_pages_but_its_partial_tail(nbytes: int) ->
 
 def test_repacked_weights_live_on_huge_pages() -> None:
     rows, blocks_per_row = 8 * 1024, 16  # 8,192 rows of 512 Q8_0 weights: 4.4 MB
-    blocks = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (rows, blocks_per_row * 34), dtype=np.uint8))
+    blocks = np.random.default_rng(0).integers(0, 256, (rows, blocks_per_row * 34), dtype=np.uint8)
     repacked, _ = cpu_quant.interleaved(blocks, int(Q.Q8_0))
-    assert "hg" in mapping_flags(repacked.data_ptr())
-    panels, _ = cpu_quant.panels(torch.zeros(1024, 4096, dtype=torch.uint8), int(Q.F32))
-    assert "hg" in mapping_flags(panels.data_ptr())
+    assert "hg" in mapping_flags(repacked.ctypes.data)
+    panels, _ = cpu_quant.panels(np.zeros((1024, 4096), np.uint8), int(Q.F32))
+    assert "hg" in mapping_flags(panels.ctypes.data)

@@ -232,7 +232,9 @@ def kernel_table(model: CausalLM, targets: dict[str, TargetModule], config: LoRA
     shapes = [[(modules[layer, path].in_features, modules[layer, path].shards[-1].columns.stop)
                for path in TARGET_PATHS] for layer in range(len(model.model.layers))]
     widest = max(len(t.shards) for t in modules.values())
-    return kernel.LoRATable(config.max_loras, shapes, widest * config.max_lora_rank)
+    table = kernel.LoRATable(config.max_loras, shapes, widest * config.max_lora_rank)
+    table.threads = torch.get_num_threads()
+    return table
 
 
 def fill_slot(table: Any, slot: int, weights: AdapterWeights) -> None:

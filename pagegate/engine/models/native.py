@@ -21,6 +21,7 @@ from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
+from pagegate.kernels.kv_format import format_of
 from pagegate.kernels.quant import BF16, F16, F32, panels
 
 # a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
@@ -100,7 +101,7 @@ def _layer(layer: DecoderLayer | GemmaDecoderLayer, k_cache: torch.Tensor, v_cac
     return (_weight(attn_norm), _weight(ffn_norm), _rows(attention.qkv_proj), _rows(attention.o_proj),
             _rows(mlp.gate_up_proj), _rows(mlp.down_proj), k_cache, v_cache, attention.attn.sliding_window,
             _weight(attention.q_norm), _weight(attention.k_norm), _weight(post_attn_norm), _weight(post_ffn_norm),
-            layer.local_rope, attention.attn.softcap)
+            layer.local_rope, attention.attn.softcap, format_of(k_cache).name)
 
 
 def _llama_shaped(config: ModelConfig) -> bool:
@@ -132,7 +133,8 @@ class NativeDecoder:
         self.kernel_model = kernel.DecodeModel(
             dims, decoder.rotary.cos_sin, decoder.norm.weight.detach(), _rows(decoder.embed_tokens),
             _rows(model.lm_head), layers, exact, local_cos_sin=None if local is None else local.cos_sin,
-            activation=config.hidden_act, embed_scale=decoder.embed_scale, final_softcap=config.final_logit_softcap)
+            activation=config.hidden_act, embed_scale=decoder.embed_scale, final_softcap=config.final_logit_softcap,
+            threads=torch.get_num_threads())
 
     @classmethod
     def build(cls, model: CausalLM, kv_cache: PagedKVCache) -> NativeDecoder | None:
@@ -171,17 +173,17 @@ class NativeDecoder:
         more than max_tokens runs as consecutive calls, each writing its K/V before the next attends to it."""
         table, groups = self.adapters or (None, None)
         if len(step.input_ids) <= self.max_tokens:
-            return self.kernel_model.forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                                             step.seq_lens, step.query_start_loc, lora=table, lora_groups=groups,
-                                             given=step.given, key_ends=step.key_ends)
-        return torch.cat([self.kernel_model.forward(
+            return torch.from_numpy(self.kernel_model.forward(
+                step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens,
+                step.query_start_loc, lora=table, lora_groups=groups, given=step.given, key_ends=step.key_ends))
+        return torch.from_numpy(np.concatenate([self.kernel_model.forward(
             *part, lora=table, lora_groups=part_groups, given=_given_part(step.given, t0, len(part[0])),
             key_ends=None if step.key_ends is None else step.key_ends[t0:t0 + len(part[0])])
-            for (part, part_groups), t0 in _cut(step, groups, self.max_tokens)])
+            for (part, part_groups), t0 in _cut(step, groups, self.max_tokens)]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of any number of rows on the kernel, each row's as it would be alone."""
-        return self.kernel_model.logits(hidden)
+        return torch.from_numpy(self.kernel_model.logits(hidden))
 
 
 def _cut(step: StepInputs, groups: Groups | None,
