@@ -24,7 +24,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "pagegate.clients": ("pagegate.gateway.proto",),
     "pagegate.deploy": ("pagegate.config", "pagegate.gateway"),
     "pagegate.testing": ("pagegate.config", "pagegate.core"),
-    "pagegate.__main__": ("pagegate.gateway", "pagegate.core"),  # the command line: serve, simulate
+    # the command line: serve (its first engine core started before the gateway's imports), simulate
+    "pagegate.__main__": ("pagegate.gateway", "pagegate.core", "pagegate.engine.serving.spare_core"),
 }
 # The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
 ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models",

@@ -21,9 +21,9 @@ from pagegate.engine.loading.encoder_loader import load_encoder
 from pagegate.engine.loading.loader import GenerationDefaults, model_path, resolve_device
 from pagegate.engine.models.bert import token_mask
 from pagegate.engine.models.config import ModelConfig, RopeConfig
-from pagegate.engine.pooling import Serves
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.sequence import Sequence
+from pagegate.engine.serves import Serves
 
 if TYPE_CHECKING:
     from pagegate.engine.draft import DraftModel

@@ -9,9 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagegate.config import EngineConfig
 from pagegate.engine.intake import RequestIntake
@@ -120,7 +118,7 @@ class Engine:
         self.refresh_stats(now, batch.seqs)
         return failed + moved
 
-    def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float) -> tuple[list[Request], int]:
+    def _sample(self, sampling: list[Sequence], logits: Any, now: float) -> tuple[list[Request], int]:
         """Sample every running choice (forking n > 1 prompts first), position by position through the tokens
         guessed for it: the next position counts while the sample equals the guess (speculation.py)."""
         members, row = [], 0

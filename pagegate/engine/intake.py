@@ -5,9 +5,9 @@ engine's side of every rule in `limits.py` is checked here, once, for every requ
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from llguidance import LLMatcher
 
 from pagegate.config import SchedulerConfig
@@ -22,16 +22,20 @@ from pagegate.engine.limits import (
     check_token_ids,
 )
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from pagegate.engine.lora.model import Registered
 from pagegate.engine.media.prompt_images import ImageInput, VisionSpec
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.pins import Pin
-from pagegate.engine.pooling import Serves
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
 from pagegate.engine.sequence import Request, Sequence
+from pagegate.engine.serves import Serves
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagegate.engine.lora.model import Registered
 
 
 class RequestIntake:

@@ -11,23 +11,11 @@ keeps it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagegate.engine.sequence import Sequence
-
-GENERATIVE_POOLING = ("last", "mean")  # --pooling: the last prompt token's hidden state, or the mean of all
-
-
-@dataclass(frozen=True)
-class Serves:
-    """What a runner's model answers: generations, embeddings (pooled how; None: none), or both."""
-
-    generate: bool = True
-    pooling: str | None = None
 
 
 def pool_step(seqs: list[Sequence], counts: list[int], starts: np.ndarray, hidden: torch.Tensor, mode: str) -> None:

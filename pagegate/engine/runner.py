@@ -31,10 +31,11 @@ from pagegate.engine.models.gemma3_vision import Gemma3Vision, load_gemma3_visio
 from pagegate.engine.models.idefics3_vision import Idefics3Vision, load_idefics3_vision
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.parallel import SINGLE, StepInputs
-from pagegate.engine.pooling import GENERATIVE_POOLING, Serves, pool_step
+from pagegate.engine.pooling import pool_step
 from pagegate.engine.prefix_tiers import keep_asleep, move_tier_pages, write_down
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
+from pagegate.engine.serves import GENERATIVE_POOLING, Serves
 from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import AUTO_4, LayerFormats, resolve_format

@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from llguidance import LLMatcher
 
 from pagegate.core import NO_PAGES
@@ -16,9 +15,13 @@ from pagegate.engine.media.prompt_images import ImageInput
 from pagegate.engine.observe.timeline import Timeline
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagegate.engine.pins import Pin
+from pagegate.engine.sampling.draws import Draws
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias
 from pagegate.engine.tenants import LANE_RANK, ONLINE, KeyShare, Lane
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SeqStatus(enum.Enum):
@@ -36,7 +39,7 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    generator: torch.Generator | None = None
+    generator: Draws | None = None
     handle: int = NO_PAGES  # BlockTables handle while the sequence holds pages
     num_computed: int = 0  # tokens whose KV is (or is being) written
     status: SeqStatus = SeqStatus.WAITING

@@ -22,7 +22,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.observe.stats import EngineStats
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import sum_stats
-from pagegate.engine.serving.spare_core import stop_spare_core
+from pagegate.engine.serving.spare_core import SPARE_CORES, stop_spare_core
 from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.admission import Admission
 from pagegate.gateway.engine_requests import EngineRequests
@@ -93,6 +93,7 @@ class EngineHost:
         """Load the default model; with several, the others load on their first request."""
         slot = self.slots[0]
         await self.lifecycle.load(slot)
+        await asyncio.to_thread(SPARE_CORES.drop_early)  # the first model's cores started: one not taken waits for none
         if slot.state == MODEL_FAILED and not self.several:
             self.state, self.reason = FAILED, slot.reason
             if self._on_fatal is not None:

@@ -11,8 +11,10 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BACKEND_ENV = "PAGEGATE_KERNEL_BACKEND"
 BACKENDS = ("auto", "reference", "triton")

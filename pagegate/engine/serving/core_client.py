@@ -119,7 +119,8 @@ class CoreClient:
 
     def _launch(self) -> CoreProcess:
         """A core process handed its spec: the server's spare where it keeps one (several models, and this core
-        runs in the gateway's environment: spare_core's NOTE), else a new process."""
+        runs in the gateway's environment: spare_core's NOTE), else the core `pagegate serve` started first (in
+        the gateway's environment too), else a new process."""
         keeps_spare = self._env is None and self.elastic is not None
         spare = SPARE_CORES.take(self) if keeps_spare else None
         if spare is not None:
@@ -128,7 +129,7 @@ class CoreClient:
                 return spare
             except OSError:  # it exited between the look and the write
                 spare.discard()
-        core = spawn_core(self._env)
+        core = (SPARE_CORES.take_early() if self._env is None else None) or spawn_core(self._env)
         if keeps_spare:
             SPARE_CORES.keep_one()
         core.hand(self._spec(core.core_fd))

@@ -10,6 +10,11 @@ share of one page budget), and only for a core of the gateway's own environment 
 and thread count are set in its environment before torch starts). The spare that replaces a taken one starts once
 every core has been idle for SPARE_IDLE_S: its imports take a CPU for seconds, and on a small machine they would
 slow the steps of the model just loaded, its warm-up and first tokens included.
+
+`pagegate serve` starts its first core before anything else (`start_early_core`, from pagegate/__main__.py): the
+core's imports (torch's ~1.2 s) then run beside the gateway's own (~0.5 s) on the other CPU, not after them, and
+the first core of the gateway's environment takes it (`take_early`). One not taken (a data-parallel core has an
+environment of its own; bad flags; --help) is ended at exit.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import subprocess
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagegate.engine.memory.page_ledger import send_ledger
-from pagegate.engine.serving.frames import CoreSpec
+
+if TYPE_CHECKING:
+    from pagegate.engine.serving.frames import CoreSpec
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -101,6 +108,7 @@ class SpareCores:
 
     def __init__(self) -> None:
         self.spare: CoreProcess | None = None
+        self.early: CoreProcess | None = None  # the first core, started before the gateway imported its app
         self.cores: weakref.WeakSet[Busy] = weakref.WeakSet()  # the cores that took (or asked for) a spare
         self._replacing: asyncio.Task[None] | None = None
         atexit.register(self.close_now)
@@ -115,6 +123,20 @@ class SpareCores:
         if spare is not None:
             self._replace_when_idle()
         return spare
+
+    def take_early(self) -> CoreProcess | None:
+        """The core `pagegate serve` started first (start_early_core), once, if it still runs."""
+        early, self.early = self.early, None
+        if early is not None and early.process.poll() is not None:
+            early.discard()
+            early = None
+        return early
+
+    def drop_early(self) -> None:
+        """End the early core if no core took it (the first model's cores have started)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.discard()
 
     def keep_one(self) -> None:
         """Start a spare now unless one waits or is due: after the server's first core started (its load runs
@@ -154,13 +176,22 @@ class SpareCores:
             await asyncio.to_thread(spare.discard)
 
     def close_now(self) -> None:
-        """The same at interpreter exit, for a gateway that never called close."""
+        """The same at interpreter exit, for a gateway that never called close (and an early core never taken)."""
         spare, self.spare = self.spare, None
         if spare is not None:
             spare.discard()
+        self.drop_early()
 
 
 SPARE_CORES = SpareCores()
+
+
+def start_early_core() -> None:
+    """Start the server's first core now, to import what it needs while the gateway imports its own (see above)."""
+    try:
+        SPARE_CORES.early = spawn_core()
+    except OSError as error:  # the gateway starts its core when it needs it, as it would have
+        log.warning("could not start the engine core early: %s", error)
 
 
 async def stop_spare_core() -> None:

@@ -10,16 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagegate.engine.errors import InvalidParamError
+from pagegate.engine.sampling.draws import Draws
 from pagegate.engine.sampling.params import SamplingParams
-from pagegate.engine.sampling.sampler import (
-    LogitBias,
-    Sampler,
-    SamplingRow,
-    apply_logit_bias,
-    apply_penalties,
-    choice_seed,
-    make_generator,
-)
+from pagegate.engine.sampling.processors import apply_logit_bias, apply_penalties
+from pagegate.engine.sampling.sampler import LogitBias, Sampler, SamplingRow, choice_seed, make_generator
 
 V = 64
 EOS = 3
@@ -32,7 +26,7 @@ def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
-def _row(prompt: list[int] = (), output: list[int] = (), generator: torch.Generator | None = None,
+def _row(prompt: list[int] = (), output: list[int] = (), generator: Draws | None = None,
          **params: object) -> SamplingRow:
     sampling = SamplingParams(**params)
     return SamplingRow(sampling, list(prompt), list(output), generator, LogitBias.of(sampling.logit_bias, V))

@@ -138,5 +138,28 @@ def test_a_one_model_server_keeps_no_spare() -> None:
         assert len(serving_cores(server)) == 1 and spares(server) == []
 
 
+def test_the_early_core_is_taken_once_and_one_not_taken_is_ended() -> None:
+    cores = SpareCores()
+    cores.early = spawn_core()
+    taken = cores.take_early()
+    assert taken is not None and taken.process.poll() is None
+    assert cores.take_early() is None  # once
+    taken.discard()
+    cores.early = spawn_core()
+    untaken = cores.early.process
+    cores.drop_early()
+    assert untaken.poll() is not None and cores.early is None
+
+
+def test_a_server_serves_from_its_early_core_and_keeps_no_other() -> None:
+    """`pagegate serve` starts a core before it imports its app and its one model's load takes it: one core serves,
+    and no other process (an early core not taken) is left beside it."""
+    with ServerProcess([*BASE_ARGS, "--model", DEFAULT_MODEL]) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        greedy(http, http.get("/v1/models").json()["data"][0]["id"])
+        assert server.process is not None
+        assert descendants(server.process.pid) == serving_cores(server) and len(serving_cores(server)) == 1
+
+
 def test_the_launcher_knows_a_taken_spare_by_its_name() -> None:
     assert launcher.CORE_PROCESS_NAME == spare_core.CORE_PROCESS_NAME  # core_pids counts taken spares by it
