@@ -3,7 +3,6 @@ and the attention metadata of a step over the paged KV cache."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -14,6 +13,7 @@ from torch import nn
 
 from pagegate import kernels
 from pagegate.engine.models.config import RopeConfig
+from pagegate.engine.models.rope_table import cos_sin_table, uses_long_factors
 from pagegate.engine.parallel import TensorParallel
 from pagegate.kernels.quant import linear
 
@@ -84,31 +84,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig, max_position_embeddings: int,
-                  long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with linear, llama3 or longrope scaling (`long`: its long factors)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if rope.type == "longrope":  # transformers' order of operations, for the same roundings
-        factors = rope.long_factor if long else rope.short_factor
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** exponents)
-    inv_freq = 1.0 / (rope.theta ** exponents)
-    if rope.freq_factors is not None:
-        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
-    if rope.type == "linear":
-        return inv_freq / rope.factor
-    if rope.type != "llama3":
-        return inv_freq
-    old_len = rope.original_max_position_embeddings or max_position_embeddings
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate_half, as HF Llama) with a cos/sin table for every position.
 
@@ -129,14 +104,8 @@ class RotaryEmbedding(nn.Module):
 
     def build_cache(self) -> None:
         """Fill the float32 [max_pos, 2 * head_dim] table: (cos, cos) then (-sin, sin) per position."""
-        inv_freq = rope_inv_freq(self.head_dim, self.rope, self.max_position_embeddings, self.long)
-        positions = torch.arange(self.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.rope.attention_factor != 1.0:
-            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
-        table = torch.cat([cos, cos, -sin, sin], dim=-1)
-        self.cos_sin = table.to(self.cos_sin.device)
+        table = cos_sin_table(self.head_dim, self.rope, self.max_position_embeddings, self.long)
+        self.cos_sin = torch.from_numpy(table).to(self.cos_sin.device)
 
     def fit_context(self, max_model_len: int) -> None:
         """LongRoPE's factors for a served context of `max_model_len`: the long ones beyond the original
@@ -149,8 +118,7 @@ class RotaryEmbedding(nn.Module):
             self.build_cache()
 
     def _long(self, max_model_len: int) -> bool:
-        original = self.rope.original_max_position_embeddings
-        return self.rope.type == "longrope" and original is not None and max_model_len > original
+        return uses_long_factors(self.rope, max_model_len)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [T, 1, head_dim] for the given positions."""
