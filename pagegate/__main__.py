@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 USAGE = """usage: pagegate <command> [options]
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command == "serve":
-        if not {"-h", "--help"} & set(rest):
+        if not {"-h", "--help"} & set(rest) and not os.environ.get("PAGEGATE_NO_EARLY_CORE"):
             from pagegate.engine.serving.spare_core import start_early_core
 
             start_early_core()  # its imports run beside the gateway's below

@@ -19,7 +19,7 @@ from pagegate.engine.forward import forward
 from pagegate.engine.image_step import ImageRows, encoder_dtype
 from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
 from pagegate.engine.kv_tiers import TierStack
-from pagegate.engine.loading.gguf_loader import is_gguf
+from pagegate.engine.loading.gguf_file import is_gguf
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
 from pagegate.engine.loading.mmproj import load_mmproj
 from pagegate.engine.lora.model import LoRAModel

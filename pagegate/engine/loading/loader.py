@@ -15,7 +15,9 @@ from safetensors import safe_open
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.gguf_loader import GGUFFile, is_gguf
+from pagegate.engine.loading.gguf_file import GGUFFile, is_gguf
+from pagegate.engine.loading.gguf_loader import keep_blocks
+from pagegate.engine.loading.gguf_loader import load_weights as load_gguf_weights
 from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.loading.layout import checkpoint_layout, copy_into
 from pagegate.engine.loading.tokenizer import Tokenizer
@@ -97,8 +99,8 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto", device:
         gguf = GGUFFile(path)
         model = build_empty_model(gguf.config, resolve_dtype(dtype, gguf.config, device), device, tp)
         if quantization != "none" and device.type == "cpu" and tp.size == 1:
-            gguf.keep_blocks(model, block_types())
-        gguf.load_weights(model)
+            keep_blocks(gguf, model, block_types())
+        load_gguf_weights(gguf, model)
         generation = GenerationDefaults(eos_token_ids=list(gguf.config.eos_token_ids))
         try:
             tokenizer = tokenizer_from_gguf(gguf.metadata)

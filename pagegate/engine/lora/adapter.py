@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from pagegate.engine.loading.gguf_loader import is_gguf
+from pagegate.engine.loading.gguf_file import is_gguf
 from pagegate.engine.lora.gguf_adapter import check_gguf_header, read_gguf_adapter
 from pagegate.engine.models.base import CausalLM
 

@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from pagegate.engine.loading.gguf_loader import hf_name
+from pagegate.engine.loading.gguf_file import hf_name
 
 _HALVES = {"lora_a": "lora_A", "lora_b": "lora_B"}
 # NOTE: llama.cpp's converter permutes Q and K rows for "llama" (each head's rotary halves interleaved), and a
@@ -141,7 +141,7 @@ def _array(path: Path, tensor: ReaderTensor) -> np.ndarray:
 
 
 def _unpermuted(name: str, values: np.ndarray, arch: str, heads: dict[str, int]) -> np.ndarray:
-    """A Q or K lora_B's rows back in the checkpoint's order (see gguf_loader.GGUFFile._unpermuted)."""
+    """A Q or K lora_B's rows back in the checkpoint's order (see gguf_file.GGUFFile.unpermuted)."""
     module = next((m for m in _PERMUTED.get(arch, ()) if name.endswith(f"{m}.lora_B.weight")), None)
     if module is None:
         return values

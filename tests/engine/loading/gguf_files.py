@@ -10,7 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-# Hugging Face name part -> llama.cpp's (the reverse of pagegate.engine.loading.gguf_loader's map)
+# Hugging Face name part -> llama.cpp's (the reverse of pagegate.engine.loading.gguf_file's map)
 _LAYER_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

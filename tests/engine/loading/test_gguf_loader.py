@@ -14,7 +14,7 @@ from gguf import GGUFReader
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.gguf_loader import GGUFFile
+from pagegate.engine.loading.gguf_file import GGUFFile
 from pagegate.engine.loading.loader import load_model, weight_bytes
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack

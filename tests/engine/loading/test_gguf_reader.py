@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GG
 from gguf.quants import quantize
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.gguf_loader import GGUFFile
+from pagegate.engine.loading.gguf_file import GGUFFile
 from pagegate.engine.loading.gguf_reader import MAX_ARRAY_VALUES, MAX_STRING_BYTES, GGUFContents
 
 VALUES: list[tuple[str, object, GGUFValueType, GGUFValueType | None]] = [

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagegate import LLM, SamplingParams
-from pagegate.engine.loading.gguf_loader import GGUFFile
+from pagegate.engine.loading.gguf_file import GGUFFile
 
 from ..conftest import SavedModel
 from ..family_models import ORIGINAL_CONTEXT, convert, save_family

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from pagegate.engine.loading.loader import load_model
 from pagegate.engine.models.config import ModelConfig, RopeConfig
 from pagegate.engine.models.layers import PagedAttention, RotaryEmbedding, apply_rope
-from pagegate.engine.models.rope_table import inv_freq
 from pagegate.engine.models.registry import build_empty_model
+from pagegate.engine.models.rope_table import inv_freq
 
 from ..conftest import TINY, PagedBatch, SavedModel
 
