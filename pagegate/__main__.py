@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 USAGE = """usage: pagegate <command> [options]
@@ -18,10 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command == "serve":
-        if not {"-h", "--help"} & set(rest) and not os.environ.get("PAGEGATE_NO_EARLY_CORE"):
+        if not {"-h", "--help"} & set(rest):
             from pagegate.engine.serving.spare_core import start_early_core
 
-            start_early_core()  # its imports run beside the gateway's below
+            start_early_core(preload=not any(arg.lower().endswith(".gguf") for arg in rest))  # beside the imports below
         from pagegate.gateway.cli import main as serve
 
         return serve(rest)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, eos_token_ids: list[int],
-                 max_model_len: int, scheduler: SchedulerConfig, device: torch.device,
+                 max_model_len: int, scheduler: SchedulerConfig, device: str | torch.device,
                  serves: Serves | None = None, vision: VisionSpec | None = None, block_size: int = 16) -> None:
         self.tokenizer = tokenizer
         self.vision = vision  # a vision-language model's image checks (None: it takes no images)

@@ -15,7 +15,6 @@ from pagegate.kernels.kv_format import KVFormat, LayerFormats
 
 log = logging.getLogger(__name__)
 
-GIB = 1024**3
 _MADV_DONTNEED = 4  # Linux: the range's pages are dropped; an access reads zeros (private anonymous memory)
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -34,17 +33,6 @@ def device_memory_budget(config: CacheConfig, device: torch.device, profile_peak
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * config.gpu_memory_utilization) - profile_peak
     return parse_bytes(config.default_cpu_kv_cache_memory)
-
-
-def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
-    """Fail at start when one sequence of max_model_len cannot fit in the pool."""
-    needed = -(-max_model_len // block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} pages ({num_blocks * block_size} tokens, "
-            f"{num_blocks * block_bytes / GIB:.3f} GiB) but one sequence of max_model_len={max_model_len} "
-            f"needs {needed} pages ({needed * block_bytes / GIB:.3f} GiB): give more KV memory or a "
-            f"smaller --max-model-len (at most {num_blocks * block_size} fits)")
 
 
 class PagedKVCache:

@@ -13,15 +13,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from pagegate.core import BlockPool
-from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.engine.kv_tiers import DiskLoad, PageKey, TierStack
+from pagegate.engine.kv_tiers import PageKey
 from pagegate.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    import torch
+
     from pagegate.core.block_pool import EvictedPages
+    from pagegate.engine.kv_cache import PagedKVCache
+    from pagegate.engine.kv_tiers import DiskLoad, TierStack
 
 
 @dataclass
@@ -56,6 +58,8 @@ class PrefixTiers:
     def find(self, seq: Sequence, tokens: list[int], root_hash: int, num_pool_pages: int) -> Found | None:
         """The pages after the pool's `num_pool_pages` hits found in the tiers (maybe none), or WAIT while a
         disk read for them runs."""
+        import torch  # the tiers serve the torch runner only (native_runner.py)
+
         hashes = self.pool.prefix_hashes(tokens, root_hash)
         if id(seq) not in self._seen:
             self._seen.add(id(seq))
@@ -86,7 +90,7 @@ class PrefixTiers:
         if not load.done():
             return WAIT
         del self._loads[id(seq)]
-        pages = TierStack.finish_load(load)
+        pages = self.tiers.finish_load(load)
         same = 0  # the chain may have changed while the read ran: only its common start is used
         while same < min(len(pages), len(keys)) and load.keys[same] == keys[same]:
             same += 1

@@ -17,7 +17,8 @@ from pagegate.engine.draft import DraftModel
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.forward import forward
 from pagegate.engine.image_step import ImageRows, encoder_dtype
-from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, check_fits, device_memory_budget
+from pagegate.engine.kv_cache import PagedKVCache, bytes_per_block, device_memory_budget
+from pagegate.engine.kv_sizing import check_fits
 from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.loading.gguf_file import is_gguf
 from pagegate.engine.loading.loader import load_checkpoint, model_path, resolve_device
@@ -163,6 +164,12 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(m.num_layers, self.num_blocks, cache.block_size, m.num_kv_heads, m.head_dim,
                                      self.kv_format, self.device, self.num_cpu_blocks)
         self.native = NativeDecoder.build(m, self.kv_cache)  # None: every step runs the torch forward
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one page in every layer, on this rank."""
+        m = self.model
+        return bytes_per_block(self.config.cache.block_size, m.num_kv_heads, m.head_dim, self.kv_format)
 
     def free_kv_cache(self, pool: BlockPool) -> None:
         """Sleep: the KV pages' memory (device and swap) goes back, the weights stay; with KV tiers, the pool's cached

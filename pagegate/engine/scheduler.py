@@ -27,7 +27,6 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.key_pages import KeyPages, key_name, quota_of
-from pagegate.engine.kv_tiers import TierStack
 from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
@@ -39,6 +38,7 @@ from pagegate.engine.tenants import BATCH, LANE_RANK, LANES, ONLINE, Lane
 
 if TYPE_CHECKING:
     from pagegate.core.block_pool import EvictedPages
+    from pagegate.engine.kv_tiers import TierStack
 
 log = logging.getLogger(__name__)
 

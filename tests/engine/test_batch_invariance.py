@@ -43,7 +43,7 @@ def answer(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY, 
            preempted: bool = False, probe: list[int] = PROBE) -> Answer:
     """The probe's tokens and top logprobs; `prompts` run beside it in the same calls (the probe first, or `last`:
     the first a full pool preempts, which `preempted` then checks)."""
-    assert llm.engine.runner.native is not None
+    assert llm.engine.runner.chunk_invariant  # every step on the native decoder
     beside = [{"prompt_token_ids": p} for p in prompts]
     mine = {"prompt_token_ids": probe}
     outputs = llm.generate(beside + [mine] if last else [mine] + beside, params, use_tqdm=False)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from pagegate import LLM, SamplingParams
+from pagegate.engine import runners
 from pagegate.engine.loading.loader import weight_bytes
+from pagegate.engine.native_runner import NativeRunner
 from pagegate.kernels import dispatch
 
 from .conftest import hf
@@ -87,7 +89,7 @@ def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: 
     """Each token the native step picks is within 0.35 nats of the best one by transformers' log-probabilities
     after the same tokens, and 0.03 on average over the run; a wrong kernel lands many nats away. (llama.cpp's own worst gap on
     this file was 0.31; with prompts on Q8 activations too, as llama.cpp's, the native step's worst was 0.32.)"""
-    assert smollm2_llm.engine.runner.native is not None
+    assert smollm2_llm.engine.runner.chunk_invariant  # every step on the native decoder
     tokenizer = smollm2_llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2 if isa == "portable" else None]]
     params = SamplingParams(temperature=0, max_tokens=6 if isa == "portable" else MAX_TOKENS, ignore_eos=True)
@@ -118,11 +120,17 @@ def test_answers_a_factual_question(smollm2_llm: LLM) -> None:
 def test_int4_pages_answer_the_factual_question(smollm2_gguf: Path) -> None:
     """Rotated 4-bit pages (the quality figures: bench/kv_quality.py) keep the answer whose margin is 2.4 nats."""
     llm = LLM(str(smollm2_gguf), device="cpu", max_model_len=256, kv_cache_memory="16MiB", kv_cache_dtype="int4")
-    assert llm.engine.runner.kv_format.name == "int4" and llm.engine.runner.native is not None
+    assert llm.engine.runner.kv_format.name == "int4" and llm.engine.runner.chunk_invariant
     messages = [{"role": "user", "content": "What is the name of the capital of France?"}]
     assert "Paris" in llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
 
 
 def test_resident_weights_stay_near_the_file_size(smollm2_llm: LLM, smollm2_gguf: Path) -> None:
-    """Q4_1 layers and the Q8_0 embedding (tied output) are served from their blocks, not float32."""
-    assert weight_bytes(smollm2_llm.engine.runner.model) <= 1.3 * smollm2_gguf.stat().st_size
+    """Q4_1 layers and the Q8_0 embedding (tied output) are served from their blocks, not float32: in the native core
+    (no torch) that serves the file, and in the torch runner's model."""
+    runner = smollm2_llm.engine.runner
+    assert isinstance(runner, NativeRunner) and runner.weights.weight_bytes <= 1.3 * smollm2_gguf.stat().st_size
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runners, "runs_native", lambda config, elastic=False: False)
+        torch_runner = LLM(str(smollm2_gguf), device="cpu", max_model_len=256, kv_cache_memory="16MiB").engine.runner
+    assert weight_bytes(torch_runner.model) <= 1.3 * smollm2_gguf.stat().st_size

@@ -176,6 +176,12 @@ class GGUFFile:
         """Whether the file holds the tensor of this Hugging Face name."""
         return name in self._gguf_names
 
+    def values(self, name: str) -> np.ndarray | None:
+        """The tensor of this Hugging Face name as float32 (array()), Q and K rows in the checkpoint's order; None
+        where the file has none."""
+        gguf_name = self._gguf_names.get(name)
+        return None if gguf_name is None else self.unpermuted(name, self.array(gguf_name))
+
     def matrix_parts(self, names: list[str], block_types: Collection[int]) -> list[tuple[np.ndarray, int]] | None:
         """The matrix of the file's tensors `names` (Hugging Face names: a fused projection's shards in order, or
         one) kept in its blocks as the kernels read them: a list of (blocks [rows, row bytes], type id), one a run

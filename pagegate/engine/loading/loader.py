@@ -6,7 +6,6 @@ import json
 import logging
 import resource
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +14,7 @@ from safetensors import safe_open
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.generation import GenerationDefaults
 from pagegate.engine.loading.gguf_file import GGUFFile, is_gguf
 from pagegate.engine.loading.gguf_loader import keep_blocks
 from pagegate.engine.loading.gguf_loader import load_weights as load_gguf_weights
@@ -38,23 +38,6 @@ VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.vision_towe
 TEXT_PREFIXES = {"model.text_model.": "model.", "model.language_model.": "model.", "language_model.model.": "model.",
                  "language_model.lm_head.": "lm_head."}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-@dataclass
-class GenerationDefaults:
-    """The folder's generation_config.json: eos ids and default sampling values (None: not set)."""
-
-    eos_token_ids: list[int] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-
-    def sampling_overrides(self) -> dict[str, float]:
-        """The sampling values the folder sets, as SamplingParams keyword arguments."""
-        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 class LoadedModel(NamedTuple):

@@ -13,8 +13,10 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagegate.engine.lora.adapter import AdapterWeights
+if TYPE_CHECKING:
+    from pagegate.engine.lora.adapter import AdapterWeights
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from pagegate.engine.lora.adapter import (
 )
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.models.base import CausalLM
-from pagegate.engine.models.native import Groups, slot_groups
+from pagegate.engine.step_parts import Groups, slot_groups
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
 
 if TYPE_CHECKING:

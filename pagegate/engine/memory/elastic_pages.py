@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from pagegate.config import EngineConfig
-from pagegate.engine.kv_cache import check_fits
+from pagegate.engine.kv_sizing import check_fits
 from pagegate.engine.loading.loader import resolve_device
 from pagegate.engine.memory.page_ledger import ElasticSpec, PageLedger
 from pagegate.engine.runner import ModelRunner

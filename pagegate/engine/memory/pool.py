@@ -12,37 +12,41 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pagegate.config import EngineConfig
-from pagegate.engine.encoder_runner import EncoderRunner
-from pagegate.engine.kv_cache import bytes_per_block, check_fits
-from pagegate.engine.loading.loader import resolve_device
-from pagegate.engine.lora.adapter import AdapterWeights
-from pagegate.engine.lora.model import LoRAModel, Registered, resolve_adapter
+from pagegate.engine.devices import device_kind
+from pagegate.engine.kv_sizing import check_fits
 from pagegate.engine.lora.request import LoRARequest
-from pagegate.engine.memory.elastic_pages import ElasticPages, elastic_config
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe import EngineMonitor
-from pagegate.engine.prefix_tiers import spill
-from pagegate.engine.runner import ModelRunner
 from pagegate.engine.runners import make_runner
 from pagegate.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from pagegate.engine.encoder_runner import EncoderRunner
+    from pagegate.engine.lora.adapter import AdapterWeights
+    from pagegate.engine.lora.model import LoRAModel, Registered
+    from pagegate.engine.native_runner import NativeRunner
+    from pagegate.engine.runner import ModelRunner
     from pagegate.engine.sequence import Sequence
+
+# NOTE: what only the torch runner has (an elastic share, KV tiers, LoRA adapters) is imported where it is used, so a
+# native core (native_runner.py) never imports torch through here.
 
 
 class KVPool:
     """A runner's KV pages and the scheduler over them; `asleep` while the pages are freed (the weights stay)."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | EncoderRunner,
+    def __init__(self, config: EngineConfig, runner: NativeRunner | ModelRunner | EncoderRunner,
                  elastic: ElasticSpec | None = None) -> None:
         """`elastic`: this pool's share of a budget several models' cores hold (None, or an encoder's pool: fixed)."""
         self.config, self.runner = config, runner
         self.asleep = False
-        self.elastic = (ElasticPages(self, runner, elastic)
-                        if elastic is not None and isinstance(runner, ModelRunner) else None)
+        self.elastic = None
+        if elastic is not None and runner.serves.generate:  # the torch runner's (make_runner)
+            from pagegate.engine.memory.elastic_pages import ElasticPages
+            self.elastic = ElasticPages(self, cast("ModelRunner", runner), elastic)
         self.scheduler = self._new_scheduler()
         self.monitor = EngineMonitor(runner.model_name, config, self.scheduler.pool, runner.tiers, runner.lora)
         self.monitor.metrics.kv_page_format(runner.kv_format, runner.kv_bytes_per_token)
@@ -56,10 +60,11 @@ class KVPool:
         its pool; the runner is closed again when the rest fails. `on_worker_death(message)`: a tensor-parallel
         worker died."""
         if elastic is not None:
+            from pagegate.engine.memory.elastic_pages import elastic_config
             config = elastic_config(config, elastic)
-        config = replace(config, scheduler=config.scheduler.on_device(resolve_device(config.device).type,
+        config = replace(config, scheduler=config.scheduler.on_device(device_kind(config.device),
                                                                        generates=config.task != "embed"))
-        runner = make_runner(config)
+        runner = make_runner(config, elastic=elastic is not None)
         try:
             pool = cls(config, runner, elastic)
         except BaseException:
@@ -145,16 +150,16 @@ class KVPool:
     def pages_for(self, kv_bytes: int) -> int:
         """The pages `kv_bytes` hold; ValueError when they cannot hold one sequence of max_model_len."""
         runner, cache = self._paged_runner("an encoder keeps no KV pages"), self.config.cache
-        model = runner.model
-        page = bytes_per_block(cache.block_size, model.num_kv_heads, model.head_dim, runner.kv_format)
+        page = runner.block_bytes
         check_fits(kv_bytes // page, cache.block_size, runner.max_model_len, page)
         return kv_bytes // page
 
-    def _paged_runner(self, refusal: str, refused: bool = False) -> ModelRunner:
+    def _paged_runner(self, refusal: str, refused: bool = False) -> NativeRunner | ModelRunner:
         """The runner, when it keeps KV pages (an encoder keeps none) and nothing else refuses; else ValueError."""
-        if refused or not isinstance(self.runner, ModelRunner):
+        runner = self.runner
+        if refused or not runner.serves.generate:
             raise ValueError(refusal)
-        return self.runner
+        return cast("NativeRunner | ModelRunner", runner)
 
     # ---- an elastic pool's limit ---------------------------------------------------------------------------
 
@@ -171,8 +176,9 @@ class KVPool:
         reached = scheduler.set_limit(pages)
         if reached < old:
             if runner.tiers is not None and scheduler.tiers is not None:
+                from pagegate.engine.prefix_tiers import spill
                 spill(runner.kv_cache, runner.tiers, scheduler.pool.take_evicted())  # before their bytes are dropped
-            runner.kv_cache.release_pages(reached, old)
+            cast("ModelRunner", runner).kv_cache.release_pages(reached, old)  # only an elastic pool moves it
         if reached != old:
             self.monitor.metrics.cache_config(self.config.cache.block_size, reached)
             if refresh:
@@ -201,6 +207,9 @@ class KVPool:
     def adapter(self, lora: LoRARequest | str | None) -> Registered | None:
         """The adapter a request asks for: a LoRARequest (registered if new) or a registered adapter's name.
         InvalidParamError when it cannot have it (lora.model.resolve_adapter)."""
+        if lora is None:  # the base model: most requests
+            return None
+        from pagegate.engine.lora.model import resolve_adapter
         return resolve_adapter(self.runner.lora, lora)
 
     def read_adapter(self, name: str, path: str) -> AdapterWeights:
@@ -220,7 +229,7 @@ class KVPool:
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter and give back its pages: InvalidParamError (model_not_found) for an unknown one,
         ValueError while requests use it (they are never broken: the caller retries once they are done)."""
-        resolve_adapter(self.runner.lora, name)
+        self.adapter(name)
         self.scheduler.unload_adapter(name)
         self._lora().unregister(name)
         self.refresh_stats()

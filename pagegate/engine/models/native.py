@@ -5,7 +5,6 @@ there. The torch forward stays the oracle and the CUDA path: the "reference" ker
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -20,12 +19,10 @@ from pagegate.engine.models.layers import RMSNorm
 from pagegate.engine.models.llama import DecoderLayer, DecoderModel
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
 from pagegate.engine.parallel import StepInputs
+from pagegate.engine.step_parts import cut_step, given_part
 from pagegate.kernels.dispatch import decode_kernel, requested_backend
 from pagegate.kernels.kv_format import format_of
 from pagegate.kernels.quant import BF16, F16, F32, panels
-
-# a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
-Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _rows(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | list:
@@ -177,70 +174,10 @@ class NativeDecoder:
                 step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens,
                 step.query_start_loc, lora=table, lora_groups=groups, given=step.given, key_ends=step.key_ends))
         return torch.from_numpy(np.concatenate([self.kernel_model.forward(
-            *part, lora=table, lora_groups=part_groups, given=_given_part(step.given, t0, len(part[0])),
+            *part, lora=table, lora_groups=part_groups, given=given_part(step.given, t0, len(part[0])),
             key_ends=None if step.key_ends is None else step.key_ends[t0:t0 + len(part[0])])
-            for (part, part_groups), t0 in _cut(step, groups, self.max_tokens)]))
+            for (part, part_groups), t0 in cut_step(step, groups, self.max_tokens)]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of any number of rows on the kernel, each row's as it would be alone."""
         return torch.from_numpy(self.kernel_model.logits(hidden))
-
-
-def _cut(step: StepInputs, groups: Groups | None,
-         size: int) -> Iterator[tuple[tuple[tuple[np.ndarray, ...], Groups | None], int]]:
-    """The step's tokens at most `size` at a time, as steps of their own (with the first token's index): a sequence
-    cut across two parts is, in the first, as long as its last token there. NOTE: a token's arithmetic does not
-    depend on the tokens beside it (cpu_decode.h), so the parts compute what one call would; but a token that sees
-    keys past itself (key_ends: an image's) needs them written, so no cut falls inside such a run."""
-    starts, lens = step.query_start_loc, step.seq_lens
-    slots = _row_slots(groups, len(step.input_ids)) if groups is not None else None
-    t0, total = 0, len(step.input_ids)
-    while t0 < total:
-        t1 = _cut_end(step, t0, size)
-        first, last = np.searchsorted(starts, t0, "right") - 1, np.searchsorted(starts, t1, "left")
-        begin = np.maximum(starts[first:last], t0)
-        end = np.minimum(starts[first + 1:last + 1], t1)
-        part_lens = (lens[first:last] - (starts[first + 1:last + 1] - end)).astype(np.int32)
-        part_starts = np.concatenate(([0], np.cumsum(end - begin))).astype(np.int32)
-        arrays = (step.input_ids[t0:t1], step.positions[t0:t1], step.slot_mapping[t0:t1],
-                  np.ascontiguousarray(step.block_tables[first:last]), part_lens, part_starts)
-        yield (arrays, None if slots is None else slot_groups(slots[t0:t1])), t0
-        t0 = t1
-
-
-def _cut_end(step: StepInputs, t0: int, size: int) -> int:
-    """Where the part from t0 ends: `size` tokens on, or before, so that no token before the cut sees a key after it
-    (a run of tokens that see past themselves ends where they all stop)."""
-    t1 = min(t0 + size, len(step.input_ids))
-    if step.key_ends is None or t1 == len(step.input_ids):
-        return t1
-    ends_here = np.flatnonzero(step.key_ends[t0:t1] <= step.positions[t0:t1])  # tokens that see no further
-    if not len(ends_here):
-        raise ValueError(f"a run of tokens that see each other is longer than one native call ({size} tokens)")
-    return t0 + int(ends_here[-1]) + 1
-
-
-def _given_part(given: tuple[np.ndarray, torch.Tensor] | None, start: int,
-                size: int) -> tuple[np.ndarray, torch.Tensor] | None:
-    """The given input rows of tokens [start, start + size), numbered from start."""
-    if given is None:
-        return None
-    tokens, rows = given
-    inside = (tokens >= start) & (tokens < start + size)
-    return (tokens[inside] - start).astype(np.int32), rows[torch.from_numpy(inside)].contiguous()
-
-
-def _row_slots(groups: Groups, tokens: int) -> np.ndarray:
-    slot, start, token = groups
-    row_slots = np.full(tokens, -1, np.int32)
-    for i in range(len(slot)):
-        row_slots[token[start[i]:start[i + 1]]] = slot[i]
-    return row_slots
-
-
-def slot_groups(row_slots: np.ndarray) -> Groups:
-    """Rows with a slot (>= 0) grouped by it, each group in row order: (slot, start, row) as the kernel takes them."""
-    adapted = np.flatnonzero(row_slots >= 0)
-    rows = adapted[np.argsort(row_slots[adapted], kind="stable")].astype(np.int32)
-    slots, firsts = np.unique(row_slots[rows], return_index=True)
-    return slots.astype(np.int32), np.append(firsts, len(rows)).astype(np.int32), rows

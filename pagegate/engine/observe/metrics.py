@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,8 +14,12 @@ from pagegate.config import HealthThresholds
 from pagegate.engine.kv_tiers.records import StackStats, TierStats
 from pagegate.engine.observe.stats import SchedulerStats
 
-if TYPE_CHECKING:
-    from pagegate.kernels.kv_format import LayerFormats
+
+class NamedFormat(Protocol):
+    """A page format as the metrics label it (kv_format.LayerFormats, native_runner.PageFormat)."""
+
+    @property
+    def name(self) -> str: ...
 
 HEALTH_GRADES = ("OK", "GOOD", "WARNING", "CRITICAL")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -124,7 +128,7 @@ class EngineMetrics:
             self.key_pinned.labels(self._model_name, key).set(held)
         self._keys_shown |= pages.keys() | pinned.keys()
 
-    def kv_page_format(self, kv_format: LayerFormats | None, bytes_per_token: int) -> None:
+    def kv_page_format(self, kv_format: NamedFormat | None, bytes_per_token: int) -> None:
         """pagegate:kv_cache_bytes_per_token: K and V of one token in every layer, in the pages' format (none when
         the model keeps no pages)."""
         if kv_format is None:

@@ -60,7 +60,7 @@ from pagegate.engine.serving.frames import (
     WireTokenizer,
     framed,
 )
-from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, SPARE_FLAG, SPARE_PROCESS_NAME
+from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, PRELOAD_FLAG, SPARE_FLAG, SPARE_PROCESS_NAME
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -304,6 +304,7 @@ def _spec_as_spare(parent_pid: int) -> CoreSpec:
     _set_process_name(SPARE_PROCESS_NAME)
     _never_outlive(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    importlib.import_module("pagegate.engine.runner")
     importlib.import_module("torch._dynamo")
     return _read_spec()
 
@@ -323,6 +324,8 @@ def _set_process_name(name: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == [PRELOAD_FLAG]:  # the torch runner's imports, while the gateway readies the spec
+        importlib.import_module("pagegate.engine.runner")
     spec = _spec_as_spare(int(sys.argv[2])) if sys.argv[1:2] == [SPARE_FLAG] else _read_spec()
     _set_process_name(CORE_PROCESS_NAME)  # a spare taken is a core like any other
     _never_outlive(spec.parent_pid)

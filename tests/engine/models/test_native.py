@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagegate import LLM, SamplingParams
+from pagegate.engine import runners
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.kernels import cpu_decode, quant
 
@@ -22,6 +23,13 @@ PROMPTS = [[5, 17, 99, 3], [200, 1, 45, 45, 45, 80, 7, 9, 11, 13, 15], [12], lis
 PAGES = 16  # of 16 tokens: the tiny models' 256 positions
 WIDE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)  # K-quants need rows of 256
+
+
+@pytest.fixture(autouse=True)
+def torch_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch runner for GGUF files too: these are the tests of its native decoder, built from the torch model
+    (the native core, which serves GGUF files without torch, is tests/engine/test_native_runner.py's)."""
+    monkeypatch.setattr(runners, "runs_native", lambda config, elastic=False: False)
 
 
 def greedy(model: str | Path, native: str, monkeypatch: pytest.MonkeyPatch, max_tokens: int = 12,

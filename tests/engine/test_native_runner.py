@@ -1,0 +1,120 @@
+"""The native core (native_runner.py): a GGUF model on a CPU served without torch in the process, computing what the
+torch runner's native decoder computes over the same file, token for token and logprob for logprob."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from pagegate.config import EngineConfig
+from pagegate.engine import runners
+from pagegate.engine.llm import LLM
+from pagegate.engine.native_runner import NativeRunner, runs_native
+from pagegate.engine.sampling.params import SamplingParams
+
+from .conftest import SavedModel, hf, save_hf_model
+from .loading.gguf_files import write_gguf
+
+WIDE = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)  # K-quants need rows of 256
+PROMPTS = [[5, 17, 99, 3], [200, 1, 45, 45, 45, 80, 7, 9, 11, 13, 15], [12], list(range(30, 60))]
+QUANTS = {  # each file's types, by checkpoint name: one type, or Q4_K_M's mixes (parts side by side, widened Q8_0)
+    "f32": lambda name: Q.F32, "f16": lambda name: Q.F16, "q4_1": lambda name: Q.Q4_1,
+    "q4_k+q6_k": lambda name: Q.Q6_K if "v_proj" in name or "down_proj" in name else Q.Q4_K,
+    "q5_0+q8_0": lambda name: Q.Q8_0 if "v_proj" in name else Q.Q5_0,
+}
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
+    return save_hf_model(tmp_path_factory.mktemp("wide"), hf().LlamaConfig(**WIDE), seed=21)
+
+
+@pytest.fixture(scope="module")
+def wide_qwen2(tmp_path_factory: pytest.TempPathFactory) -> SavedModel:
+    """Biases on q/k/v and a tied embedding."""
+    config = hf().Qwen2Config(**{**WIDE, "tie_word_embeddings": True})
+    return save_hf_model(tmp_path_factory.mktemp("qwen2"), config, seed=12)
+
+
+def answers(path: Path, native: bool, monkeypatch: pytest.MonkeyPatch, **pages: object) -> list[tuple]:
+    """Greedy tokens with their logprobs, then seeded samples, from an LLM on the native core or the torch runner."""
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(runners, "runs_native", lambda config, elastic=False: False)
+        llm = LLM(str(path), num_kv_blocks=64, **pages)
+    assert isinstance(llm.engine.runner, NativeRunner) == native
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True, seed=5, n=2)
+    found = []
+    for params in (greedy, seeded):
+        for output in llm.generate(PROMPTS, params, use_tqdm=False):
+            for choice in output.outputs:
+                logprobs = [(p.logprob, sorted(p.top.items())) for p in choice.logprobs or []]
+                found.append((choice.token_ids, logprobs))
+    llm.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_native_core_answers_as_the_torch_runner(arch: str, quant: str, wide_llama: SavedModel,
+                                                     wide_qwen2: SavedModel, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    model = (wide_llama if arch == "llama" else wide_qwen2).hf_model
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, arch, quant=lambda name, values: QUANTS[quant](name))
+    assert answers(path, True, monkeypatch) == answers(path, False, monkeypatch)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int4"])
+def test_every_page_format_it_takes_answers_as_the_torch_runner(kv_cache_dtype: str, wide_llama: SavedModel,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q8_0)
+    assert answers(path, True, monkeypatch, kv_cache_dtype=kv_cache_dtype) == \
+        answers(path, False, monkeypatch, kv_cache_dtype=kv_cache_dtype)
+
+
+def test_what_it_does_not_serve_goes_to_the_torch_runner(wide_llama: SavedModel, tmp_path: Path) -> None:
+    path = str(write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q8_0))
+    assert runs_native(EngineConfig(model=path))
+    refused = [EngineConfig(model=path, device="cuda"), EngineConfig(model=path, tensor_parallel_size=2),
+               EngineConfig(model=path, quantization="none"), EngineConfig(model=path, pooling="last"),
+               EngineConfig(model=path, dtype="bfloat16"), EngineConfig(model=str(tmp_path))]
+    assert not any(runs_native(config) for config in refused)
+    assert not runs_native(EngineConfig(model=path), elastic=True)
+
+
+def test_a_sleeping_native_core_gives_its_pages_back_and_wakes_to_the_same_answers(
+        wide_llama: SavedModel, tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_1)
+    llm = LLM(str(path), num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.sleep()
+    assert not hasattr(llm.engine.runner, "kv_cache")
+    assert llm.wake_up() == 64
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == before
+    llm.shutdown()
+
+
+def test_its_process_imports_torch_only_for_a_request_that_needs_it(wide_llama: SavedModel, tmp_path: Path) -> None:
+    """Greedy, seeded and logprob requests run without torch; a penalty imports it (sampling/processors.py)."""
+    path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_0)
+    script = textwrap.dedent(f"""
+        import sys
+        from pagegate.engine.llm import LLM
+        from pagegate.engine.sampling.params import SamplingParams
+        llm = LLM({str(path)!r}, num_kv_blocks=32)
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
+        print("torch" in sys.modules)
+        llm.generate([[1, 2, 3]], SamplingParams(repetition_penalty=1.3, max_tokens=4), use_tqdm=False)
+        print("torch" in sys.modules)
+    """)
+    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert lines[-2:] == ["False", "True"]
