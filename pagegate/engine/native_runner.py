@@ -32,8 +32,9 @@ from pagegate.engine.loading.generation import GenerationDefaults
 from pagegate.engine.loading.gguf_file import GGUFFile, is_gguf
 from pagegate.engine.loading.gguf_native import ARCHITECTURES, load_native
 from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
+from pagegate.engine.pooling import pool_step
 from pagegate.engine.scheduler import ScheduledBatch
-from pagegate.engine.serves import Serves
+from pagegate.engine.serves import GENERATIVE_POOLING, Serves
 from pagegate.engine.step_parts import cut_step
 from pagegate.kernels.dispatch import decode_kernel, quant_kernel, requested_backend, sample_kernel
 from pagegate.kernels.page_codes import row_bytes
@@ -53,7 +54,7 @@ def runs_native(config: EngineConfig, elastic: bool = False) -> bool:
     """Whether `config` asks for nothing but what the native core serves (its model's family is checked when it
     loads: NotNative). Cheap and torch-free: the core process decides with it what to import."""
     cache, spec = config.cache, config.speculative
-    return (config.task == "generate" and config.pooling is None and config.model is not None
+    return (config.task == "generate" and config.pooling in (None, *GENERATIVE_POOLING) and config.model is not None
             and is_gguf(Path(config.model)) and device_kind(config.device) == "cpu" and config.dtype in DTYPES
             and config.quantization in (None, "gguf") and config.tensor_parallel_size == 1 and config.lora is None
             and (spec is None or spec.model is None) and config.mmproj is None and not elastic
@@ -132,7 +133,6 @@ class NativeRunner:
     """ModelRunner's face for a model of the native core: loads it, sizes and allocates its pages, and runs each
     scheduled batch to the logits that sample (numpy arrays throughout)."""
 
-    serves = Serves(generate=True)
     device = "cpu"
     vision = None
     processing = None
@@ -145,6 +145,7 @@ class NativeRunner:
     def __init__(self, config: EngineConfig) -> None:
         assert config.model is not None
         self.config, path = config, Path(config.model)
+        self.serves = Serves(generate=True, pooling=config.pooling)  # embeddings from its hidden states too
         gguf = GGUFFile(path)
         if gguf.arch not in ARCHITECTURES:
             raise NotNative(f"the native core does not compute {gguf.arch}")
@@ -243,7 +244,9 @@ class NativeRunner:
         hidden = self._forward(_Step(input_ids, positions, slots, block_tables, seq_lens, starts))
         if any(s.request.scoring_prompt for s in seqs):
             self._score_prompts(seqs, counts, starts, hidden)
-        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids)
+        if self.serves.pooling is not None:  # embedding requests' rows are pooled, not sampled
+            pool_step(seqs, counts, starts, hidden, self.serves.pooling)
+        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
                 for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
         if not last:
             return np.zeros((0, self.model_config.vocab_size), np.float32)

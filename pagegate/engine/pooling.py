@@ -11,14 +11,19 @@ keeps it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from pagegate.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    import torch
 
-def pool_step(seqs: list[Sequence], counts: list[int], starts: np.ndarray, hidden: torch.Tensor, mode: str) -> None:
+Rows = Any  # float rows [n, hidden]: a numpy array (the native core's), or a tensor on any device (the torch runner's)
+
+
+def pool_step(seqs: list[Sequence], counts: list[int], starts: np.ndarray, hidden: Rows, mode: str) -> None:
     """Pool the rows of this step's hidden states [T, hidden] that belong to embedding sequences; `starts[i]`
     is the first row of seqs[i] (query_start_loc)."""
     for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
@@ -27,22 +32,30 @@ def pool_step(seqs: list[Sequence], counts: list[int], starts: np.ndarray, hidde
             pool_rows(seq, hidden[first:first + n], seq.num_computed - n, mode)
 
 
-def pool_rows(seq: Sequence, rows: torch.Tensor, first_position: int, mode: str) -> None:
+def pool_rows(seq: Sequence, rows: Rows, first_position: int, mode: str) -> None:
     """Take rows [n, hidden] of prompt positions first_position.. of an embedding sequence; on its last prompt
     token, set its request's embedding."""
+    rows = _on_host(rows)
     complete = seq.num_computed == len(seq.token_ids)
     if mode == "last":
         if complete:
-            seq.request.embedding = normalized(rows[-1].float())
+            seq.request.embedding = normalized(rows[-1])
         return
     if first_position == 0 or seq.pool_sum is None:  # a (re)started prompt
-        seq.pool_sum = torch.zeros(rows.shape[-1], dtype=torch.float32, device=rows.device)
-    seq.pool_sum += rows.float().sum(dim=0)
+        seq.pool_sum = np.zeros(rows.shape[-1], dtype=np.float32)
+    seq.pool_sum += rows.sum(axis=0, dtype=np.float32)
     if complete:
-        seq.request.embedding = normalized(seq.pool_sum / len(seq.token_ids))
+        seq.request.embedding = normalized(seq.pool_sum / np.float32(len(seq.token_ids)))
         seq.pool_sum = None
 
 
-def normalized(vectors: torch.Tensor) -> torch.Tensor:
-    """Unit length along the last dimension, as float32 on the CPU (what crosses to the gateway)."""
-    return F.normalize(vectors.float(), dim=-1).cpu()
+def normalized(vector: np.ndarray) -> np.ndarray:
+    """Unit length (F.normalize's: divided by the norm, or by 1e-12 if that is smaller), float32."""
+    return (vector / np.float32(max(float(np.linalg.norm(vector)), 1e-12))).astype(np.float32)
+
+
+def _on_host(rows: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Rows as a float32 numpy array (a tensor moved to the CPU: only an embedding's rows, never the step's)."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.float32, copy=False)
+    return rows.detach().float().cpu().numpy()

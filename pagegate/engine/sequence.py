@@ -21,6 +21,7 @@ from pagegate.engine.sampling.sampler import LogitBias
 from pagegate.engine.tenants import LANE_RANK, ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -55,7 +56,7 @@ class Sequence:
     grammar_waits: bool = False  # the model is still reasoning: the grammar starts after grammar_after_token
     draft: list[int] = field(default_factory=list)  # tokens guessed for this step (pagegate/engine/speculation.py)
     draft_kept: int = 0  # of them, those the model agreed with so far
-    pool_sum: torch.Tensor | None = None  # mean pooling of an embedding request: its hidden states so far
+    pool_sum: np.ndarray | None = None  # mean pooling of an embedding request: its hidden states so far
 
     @property
     def pools(self) -> bool:
@@ -117,7 +118,7 @@ class Request:
     prompt_logprobs: list[Logprob | None] | None = None  # params.prompt_logprobs: scored so far (the first None)
     timeline: Timeline = field(default_factory=Timeline)  # preemptions, prefix hits, pages held
     embed: bool = False  # an embedding request: its prompt is pooled, nothing is generated
-    embedding: torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
+    embedding: np.ndarray | torch.Tensor | None = None  # its answer, float32 [hidden] on the CPU, once the prompt is computed
     lane: Lane = ONLINE  # BATCH: runs only in the pages and step budget online requests leave (tenants.py)
     key: KeyShare | None = None  # the API key it runs for: its weight and quota of pages (None: no key)
     images: tuple[ImageInput, ...] = ()  # the prompt's images, in prompt order

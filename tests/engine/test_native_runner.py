@@ -79,11 +79,27 @@ def test_every_page_format_it_takes_answers_as_the_torch_runner(kv_cache_dtype: 
         answers(path, False, monkeypatch, kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_its_embeddings_are_the_torch_runners(pooling: str, wide_qwen2: SavedModel, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generative server answers /v1/embeddings from the hidden states (pooling.py, numpy for both runners)."""
+    path = write_gguf(tmp_path / "qwen2.gguf", wide_qwen2.hf_model, "qwen2", quant=lambda name, values: Q.Q8_0)
+    found = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(runners, "runs_native", lambda config, elastic=False: False)
+            llm = LLM(str(path), num_kv_blocks=64, pooling=pooling)
+        assert isinstance(llm.engine.runner, NativeRunner) == native
+        found.append([o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)])
+    assert found[0] == found[1] and len(found[0][0]) == WIDE["hidden_size"]
+
+
 def test_what_it_does_not_serve_goes_to_the_torch_runner(wide_llama: SavedModel, tmp_path: Path) -> None:
     path = str(write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q8_0))
     assert runs_native(EngineConfig(model=path))
     refused = [EngineConfig(model=path, device="cuda"), EngineConfig(model=path, tensor_parallel_size=2),
-               EngineConfig(model=path, quantization="none"), EngineConfig(model=path, pooling="last"),
+               EngineConfig(model=path, quantization="none"), EngineConfig(model=path, task="embed"),
                EngineConfig(model=path, dtype="bfloat16"), EngineConfig(model=str(tmp_path))]
     assert not any(runs_native(config) for config in refused)
     assert not runs_native(EngineConfig(model=path), elastic=True)

@@ -74,8 +74,9 @@ def test_pooled_embeddings_match_transformers_beside_generations(llama_model: Sa
             assert request.finished and request.error is None and request.embedding is not None
             assert request.seqs[0].output_token_ids == []  # nothing was generated
             expected = reference(llama_model, prompt, mode)
-            assert F.cosine_similarity(request.embedding, expected, dim=0) > 1 - 1e-5
-            torch.testing.assert_close(request.embedding, expected, atol=1e-4, rtol=1e-4)
+            embedding = torch.from_numpy(request.embedding)
+            assert F.cosine_similarity(embedding, expected, dim=0) > 1 - 1e-5
+            torch.testing.assert_close(embedding, expected, atol=1e-4, rtol=1e-4)
         stats = engine.stats()
         assert stats.used_blocks == 0 and stats.running == stats.waiting == 0
     finally:
@@ -116,7 +117,7 @@ def test_a_recomputed_prompt_pools_afresh(mode: str):
         seq.num_computed = start + 2
         pool_rows(seq, rows[start:start + 2], start, mode)
     expected = rows[-1] if mode == "last" else rows.mean(dim=0)
-    torch.testing.assert_close(request.embedding, F.normalize(expected, dim=-1))
+    torch.testing.assert_close(torch.from_numpy(request.embedding), F.normalize(expected, dim=-1))
 
 
 def test_llm_embed_answers_in_prompt_order(llama_model: SavedModel):
@@ -234,7 +235,8 @@ def test_a_later_generation_is_not_behind_every_embedding(llama_model: SavedMode
         run(engine, [])
         for request, prompt in zip(embeds, long_inputs(inputs), strict=True):
             assert request.error is None
-            torch.testing.assert_close(request.embedding, reference(llama_model, prompt, "last"), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(torch.from_numpy(request.embedding), reference(llama_model, prompt, "last"),
+                                       atol=1e-4, rtol=1e-4)
     finally:
         engine.close()
 

@@ -450,7 +450,7 @@ class DeltaWriter:
                             WireError.of(request.error) if request.error is not None else None,
                             request.num_cached_tokens, WireTimings(**request.timings()) if finished else None,
                             choices, scored,
-                            request.embedding.numpy().astype("<f4").tobytes() if request.embedding is not None else None,
+                            np.asarray(request.embedding, dtype="<f4").tobytes() if request.embedding is not None else None,
                             list(request.pinned_tokens) if request.pins else None)
 
     def forget(self, request_id: str) -> None:
