@@ -21,7 +21,7 @@ from tqdm import tqdm
 from pagegate import LLM, SamplingParams
 from pagegate.config import CacheConfig, SchedulerConfig
 from pagegate.core import BatchBuilder
-from pagegate.engine.loading.gguf_loader import is_gguf
+from pagegate.engine.loading.gguf_file import is_gguf
 from pagegate.engine.loading.loader import DEFAULT_MODEL, peak_rss_mib
 from pagegate.engine.scheduler import Scheduler
 from pagegate.engine.sequence import Request, Sequence

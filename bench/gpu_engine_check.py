@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from pagegate import LLM, SamplingParams  # noqa: E402
 from pagegate.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pagegate.engine.lora import LoRARequest  # noqa: E402
 from pagegate.engine.outputs import CompletionOutput, Logprob  # noqa: E402
-from pagegate.kernels import resolve_backend  # noqa: E402
+from pagegate.kernels import BACKEND_ENV, resolve_backend  # noqa: E402
 
 SMOLLM2 = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -132,8 +133,11 @@ def tokens_per_s(llm: LLM, num_requests: int, prompt_len: int, output_len: int) 
 def check_model(name: str, model: Path | None, args: argparse.Namespace) -> tuple[bool, list[tuple[str, str, str]]]:
     """Reference, float32 agreement (judged), own-dtype agreement and speed (reported); (ok, table rows)."""
     rows = []
-    cpu = load(model, "cpu", "float32", args.cpu_kv_blocks)
-    cpu.engine.runner.native = None  # the torch forward, the oracle: the native step's Q8 activations are not float32
+    os.environ[BACKEND_ENV] = "reference"  # the torch forward, the oracle: the native step's Q8 activations are not float32
+    try:
+        cpu = load(model, "cpu", "float32", args.cpu_kv_blocks)
+    finally:
+        del os.environ[BACKEND_ENV]
     reference = greedy(cpu, args.max_tokens)
     release(cpu)
 

@@ -47,7 +47,7 @@ def base_config_dir(model: Path) -> Path:
     """A HF folder holding only the config.json of `model`'s shapes (what peft and llama.cpp's converter need)."""
     from transformers import LlamaConfig
 
-    from pagegate.engine.loading.gguf_loader import GGUFFile
+    from pagegate.engine.loading.gguf_file import GGUFFile
 
     folder = LORA_DIR / f"{model.stem}-base"
     if not (folder / "config.json").is_file():

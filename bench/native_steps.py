@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pagegate import LLM, SamplingParams
+from pagegate.engine import runners
 from pagegate.engine.models.native import NativeDecoder
 from pagegate.engine.runner import ModelRunner
 from pagegate.engine.scheduler import ScheduledBatch
@@ -64,9 +65,15 @@ class Workload:
 
 def measure(model: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     llm = LLM(model, max_model_len=2048, enable_prefix_caching=False, max_num_seqs=64)
-    assert isinstance(llm.engine.runner.native, NativeDecoder), "the native decoder does not take this model"
+    assert llm.engine.runner.chunk_invariant, "the native decoder does not take this model"
     native = Workload(llm)
-    before_llm = LLM(model, max_model_len=2048, enable_prefix_caching=False, max_num_seqs=64)
+    runs_native = runners.runs_native
+    runners.runs_native = lambda config, elastic=False: False  # the torch runner, whose steps before_rule splits
+    try:
+        before_llm = LLM(model, max_model_len=2048, enable_prefix_caching=False, max_num_seqs=64)
+    finally:
+        runners.runs_native = runs_native
+    assert isinstance(before_llm.engine.runner.native, NativeDecoder)
     before_rule(before_llm.engine.runner)
     before = Workload(before_llm)
     for workload in (native, before):
