@@ -1,8 +1,8 @@
 """Engine-core processes as the gateway starts them, and the spare one a server of several models keeps.
 
-A core process imports torch and pagegate before it reads its spec from stdin, so a process started with no spec
-yet is a spare: it pays those imports (and torch's lazily imported compiler, which building any model pulls in)
-ahead of need, then blocks until a CoreClient hands it a spec. Taking it saves that much of a model's load. Nothing
+A core process imports pagegate (and, started as a spare or with PRELOAD_FLAG, the torch runner) before it reads its
+spec from stdin, so a process started with no spec yet is a spare: it pays those imports (and torch's lazily imported
+compiler, which building any model pulls in) ahead of need, then blocks until a CoreClient hands it a spec. Taking it saves that much of a model's load. Nothing
 here imports torch.
 
 NOTE: a spare is kept only where models load while the server runs (several models: the cores get an elastic
