@@ -13,6 +13,17 @@ commands:
 """
 
 
+def gguf_to_read_ahead(args: list[str]) -> str | None:
+    """The GGUF file `pagegate serve args` serves, where it names one model and that is a .gguf file, read off the
+    arguments before they are parsed (`--model X`, `--model=X`, or a first positional): a guess the early core acts
+    on, which the parsed configuration confirms or drops."""
+    models = [value for flag, value in zip(args, args[1:], strict=False) if flag == "--model"]
+    models += [arg.removeprefix("--model=") for arg in args if arg.startswith("--model=")]
+    if args and not args[0].startswith("-"):
+        models.append(args[0])
+    return models[0] if len(models) == 1 and models[0].lower().endswith(".gguf") else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
@@ -20,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         if not {"-h", "--help"} & set(rest):
             from pagegate.engine.serving.spare_core import start_early_core
 
-            start_early_core(preload=not any(arg.lower().endswith(".gguf") for arg in rest))  # beside the imports below
+            start_early_core(gguf_to_read_ahead(rest))  # its imports (and reading the file) run beside the imports below
         from pagegate.gateway.cli import main as serve
 
         return serve(rest)

@@ -30,8 +30,9 @@ from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.kv_sizing import GIB, check_fits
 from pagegate.engine.loading.generation import GenerationDefaults
 from pagegate.engine.loading.gguf_file import GGUFFile, is_gguf
-from pagegate.engine.loading.gguf_native import ARCHITECTURES, load_native
+from pagegate.engine.loading.gguf_native import ARCHITECTURES, NativeModel, load_native, rope_tables
 from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
+from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.pooling import pool_step
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
@@ -43,6 +44,25 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("int8", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int4")  # what --kv-cache-dtype may be
 DTYPES = ("auto", "float32", "float")  # the native step computes in float32
+
+
+_preloaded: dict[Path, tuple[GGUFFile, Tokenizer, NativeModel]] = {}  # preload(): by the file's resolved path
+
+
+def preload(path: str) -> None:
+    """Read a GGUF model for the native core before its spec comes: `pagegate serve`'s first core reads it while the
+    gateway imports its app (spare_core.start_early_core). The runner built for that path takes it; any other
+    runner drops it (drop_preloaded)."""
+    try:
+        gguf = GGUFFile(Path(path))
+        if gguf.arch in ARCHITECTURES:
+            _preloaded[Path(path).resolve()] = (gguf, tokenizer_from_gguf(gguf.metadata), load_native(gguf))
+    except Exception:  # noqa: BLE001 - a guess made early: the load the spec asks for reads it again and says why
+        log.debug("the model %s was not preloaded", path, exc_info=True)
+
+
+def drop_preloaded() -> None:
+    _preloaded.clear()
 
 
 class NotNative(Exception):
@@ -146,10 +166,11 @@ class NativeRunner:
         assert config.model is not None
         self.config, path = config, Path(config.model)
         self.serves = Serves(generate=True, pooling=config.pooling)  # embeddings from its hidden states too
-        gguf = GGUFFile(path)
+        preloaded = _preloaded.pop(path.resolve(), None)
+        gguf = preloaded[0] if preloaded else GGUFFile(path)
         if gguf.arch not in ARCHITECTURES:
             raise NotNative(f"the native core does not compute {gguf.arch}")
-        log.info("loading weights from %s into the native core", path)
+        log.info("loading weights from %s into the native core%s", path, " (read ahead)" if preloaded else "")
         self.model_config = gguf.config
         self.model_name = config.served_model_name or path.name
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
@@ -158,12 +179,13 @@ class NativeRunner:
                              f"{self.model_config.max_position_embeddings} positions (max_position_embeddings): "
                              f"give --max-model-len {self.model_config.max_position_embeddings} or less")
         try:
-            self.tokenizer = tokenizer_from_gguf(gguf.metadata)
+            self.tokenizer = preloaded[1] if preloaded else tokenizer_from_gguf(gguf.metadata)
         except (KeyError, ValueError) as error:
             raise ModelLoadError(f"cannot build the tokenizer of {path.name}: {error}") from error
         self.generation = GenerationDefaults(eos_token_ids=list(self.model_config.eos_token_ids))
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-        self.weights = load_native(gguf, self.max_model_len)
+        self.weights = preloaded[2] if preloaded else load_native(gguf)
+        self.cos_sin, self.local_cos_sin = rope_tables(self.model_config, self.max_model_len)
         self._check_shape()
         log.info("loaded %s (%s, weights %.0f MiB) into the native core", path.name, self.model_config.architecture,
                  self.weights.weight_bytes / 2**20)
@@ -213,7 +235,7 @@ class NativeRunner:
         assert kernel is not None
         try:
             self.decoder: Any = kernel.DecodeModel(
-                w.dims, w.cos_sin, w.final_norm, w.embed, w.lm_head, layers, local_cos_sin=w.local_cos_sin,
+                w.dims, self.cos_sin, w.final_norm, w.embed, w.lm_head, layers, local_cos_sin=self.local_cos_sin,
                 activation=m.hidden_act, embed_scale=w.embed_scale, final_softcap=m.final_logit_softcap,
                 threads=self.threads)
         except ValueError as error:  # a shape the C does not take (head size, group, odd widths)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from pagegate.__main__ import gguf_to_read_ahead
 from pagegate.config import EngineConfig
-from pagegate.engine import runners
+from pagegate.engine import native_runner, runners
 from pagegate.engine.llm import LLM
 from pagegate.engine.native_runner import NativeRunner, runs_native
 from pagegate.engine.sampling.params import SamplingParams
@@ -134,3 +135,27 @@ def test_its_process_imports_torch_only_for_a_request_that_needs_it(wide_llama: 
     """)
     lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     assert lines[-2:] == ["False", "True"]
+
+
+def test_a_model_read_ahead_is_taken_by_its_runner_and_dropped_by_another(wide_llama: SavedModel,
+                                                                          tmp_path: Path) -> None:
+    """`pagegate serve`'s first core reads the GGUF its arguments name before the spec comes (native_runner.preload):
+    the runner for that file takes what was read, a runner for anything else drops it."""
+    path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_1)
+    native_runner.preload(str(path))
+    ahead = native_runner._preloaded[path.resolve()][2]
+    llm = LLM(str(tmp_path / "." / "llama.gguf"), num_kv_blocks=64)  # the same file, named otherwise
+    assert llm.engine.runner.weights is ahead and not native_runner._preloaded
+    native_runner.preload(str(path))
+    LLM(str(path), num_kv_blocks=64, dtype="bfloat16")  # the torch runner's
+    assert not native_runner._preloaded
+    native_runner.preload(str(tmp_path / "missing.gguf"))  # a wrong guess: nothing read, the load says why
+    assert not native_runner._preloaded
+
+
+@pytest.mark.parametrize(("args", "gguf"), [
+    (["--model", "a.gguf", "--port", "9"], "a.gguf"), (["--model=A.GGUF"], "A.GGUF"), (["b.gguf", "--port", "9"], "b.gguf"),
+    (["--model", "folder"], None), (["--model", "a.gguf", "--model", "b.gguf"], None), ([], None),
+    (["--mmproj", "vision.gguf", "--model", "folder"], None)])
+def test_the_early_core_reads_thegguf_to_read_ahead_the_arguments_name(args: list[str], gguf: str | None) -> None:
+    assert gguf_to_read_ahead(args) == gguf

@@ -29,12 +29,11 @@ LinearSpec = Linear | list[Linear]  # a matrix, or its parts of several types
 
 @dataclass
 class NativeModel:
-    """DecodeModel's arguments but the pages: `layers[i]` is layer i's spec without its caches and page format."""
+    """DecodeModel's arguments but the pages and the RoPE tables (rope_tables): `layers[i]` is layer i's spec without
+    its caches and page format."""
 
     config: ModelConfig
     dims: tuple[int, int, int, int, int, float, float]
-    cos_sin: np.ndarray
-    local_cos_sin: np.ndarray | None
     final_norm: np.ndarray
     embed: LinearSpec
     lm_head: LinearSpec
@@ -47,9 +46,8 @@ class NativeModel:
         return sum(a.nbytes for a in arrays.values())
 
 
-def load_native(gguf: GGUFFile, max_model_len: int) -> NativeModel:
-    """The model of `gguf` for the native step, with a RoPE table of max_model_len positions; ModelLoadError
-    where a tensor is missing."""
+def load_native(gguf: GGUFFile) -> NativeModel:
+    """The model of `gguf` for the native step; ModelLoadError where a tensor is missing."""
     config = gguf.config
     if config.hidden_act not in ACTIVATIONS or gguf.arch not in ARCHITECTURES:
         raise ModelLoadError(f"the native core does not compute {gguf.arch} with {config.hidden_act}")
@@ -58,22 +56,24 @@ def load_native(gguf: GGUFFile, max_model_len: int) -> NativeModel:
     matrices = _Matrices(gguf, kernel)
     embed = matrices.linear(["model.embed_tokens.weight"])
     lm_head = embed if config.tie_word_embeddings else matrices.linear(["lm_head.weight"])
-    local = config.local_rope
-    long = uses_long_factors(config.rope, max_model_len)
     return NativeModel(
         config=config,
         dims=(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
               config.intermediate_size, config.rms_norm_eps, config.attention_scale),
-        cos_sin=_rope(config, config.rope, max_model_len, long),
-        local_cos_sin=None if local is None else _rope(config, local, max_model_len, long),
         final_norm=_vector(gguf, "model.norm.weight"),
         embed=embed, lm_head=lm_head,
         layers=[_layer(gguf, matrices, i) for i in range(config.num_hidden_layers)],
         embed_scale=config.hidden_size**0.5 if config.is_gemma else None)
 
 
-def _rope(config: ModelConfig, rope: Any, rows: int, long: bool) -> np.ndarray:
-    return cos_sin_table(config.head_dim, rope, config.max_position_embeddings, long)[:rows].copy()
+def rope_tables(config: ModelConfig, max_model_len: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The RoPE table of max_model_len positions, and the sliding layers' own (Gemma 3; else None)."""
+    long = uses_long_factors(config.rope, max_model_len)
+
+    def table(rope: Any) -> np.ndarray:
+        return cos_sin_table(config.head_dim, rope, config.max_position_embeddings, long)[:max_model_len].copy()
+
+    return table(config.rope), None if config.local_rope is None else table(config.local_rope)
 
 
 def _layer(gguf: GGUFFile, matrices: _Matrices, i: int) -> tuple[Any, ...]:

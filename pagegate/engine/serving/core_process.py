@@ -32,6 +32,7 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.lora.loader import AdapterLoader, LoadJob
 from pagegate.engine.media.processing import WireProcessing
 from pagegate.engine.memory.page_ledger import receive_ledger
+from pagegate.engine.native_runner import preload
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.serving.frames import (
     CPUS_ENV,
@@ -60,7 +61,13 @@ from pagegate.engine.serving.frames import (
     WireTokenizer,
     framed,
 )
-from pagegate.engine.serving.spare_core import CORE_PROCESS_NAME, PRELOAD_FLAG, SPARE_FLAG, SPARE_PROCESS_NAME
+from pagegate.engine.serving.spare_core import (
+    CORE_PROCESS_NAME,
+    PRELOAD_FLAG,
+    READ_AHEAD_FLAG,
+    SPARE_FLAG,
+    SPARE_PROCESS_NAME,
+)
 
 if TYPE_CHECKING:
     from pagegate.engine.sequence import Request
@@ -326,6 +333,8 @@ def _set_process_name(name: str) -> None:
 def main() -> None:
     if sys.argv[1:2] == [PRELOAD_FLAG]:  # the torch runner's imports, while the gateway readies the spec
         importlib.import_module("pagegate.engine.runner")
+    elif sys.argv[1:2] == [READ_AHEAD_FLAG]:  # the model the spec will likely name, for the native core
+        preload(sys.argv[2])
     spec = _spec_as_spare(int(sys.argv[2])) if sys.argv[1:2] == [SPARE_FLAG] else _read_spec()
     _set_process_name(CORE_PROCESS_NAME)  # a spare taken is a core like any other
     _never_outlive(spec.parent_pid)

@@ -42,6 +42,7 @@ log = logging.getLogger("pagegate.gateway")
 CORE_MODULE = "pagegate.engine.serving.core_process"
 SPARE_FLAG = "--spare"  # argv of a spare: `--spare <gateway pid>`
 PRELOAD_FLAG = "--preload"  # argv of a core that imports the torch runner while it waits for its spec
+READ_AHEAD_FLAG = "--read-ahead"  # argv of a core that reads a GGUF model for the native core while it waits
 SPARE_PROCESS_NAME = "pagegate-spare"  # a waiting spare's name (/proc/<pid>/comm)
 CORE_PROCESS_NAME = "pagegate-core"  # a core's once it has its spec, a taken spare's too
 SPARE_IDLE_S = 1.0  # every core idle this long before a spare replacing a taken one starts
@@ -82,12 +83,15 @@ class CoreProcess:
             self.process.wait()
 
 
-def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False, preload: bool = False) -> CoreProcess:
+def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False, preload: bool = False,
+               read_ahead: str | None = None) -> CoreProcess:
     """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin (a spare: as long as
     it takes a core to load a model; ended by SpareCores.close, at exit, or by its parent-death signal). `preload`:
-    it imports the torch runner while it waits (a spare does)."""
+    it imports the torch runner while it waits (a spare does); `read_ahead`: it reads this GGUF file for the native
+    core while it waits (native_runner.preload)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    args = [SPARE_FLAG, str(os.getpid())] if spare else [PRELOAD_FLAG] if preload else []
+    args = ([SPARE_FLAG, str(os.getpid())] if spare else [PRELOAD_FLAG] if preload
+            else [READ_AHEAD_FLAG, read_ahead] if read_ahead else [])
     with theirs:  # the core holds its own copy
         try:
             process = subprocess.Popen([sys.executable, "-m", CORE_MODULE, *args], stdin=subprocess.PIPE, env=env,
@@ -188,11 +192,12 @@ class SpareCores:
 SPARE_CORES = SpareCores()
 
 
-def start_early_core(preload: bool) -> None:
-    """Start the server's first core now, to import what it needs while the gateway imports its own (see above);
-    `preload`: the torch runner's imports too (not for a model the native core may run, which needs none)."""
+def start_early_core(gguf: str | None) -> None:
+    """Start the server's first core now, to import what it needs while the gateway imports its own (see above):
+    with `gguf` (the one model to serve is that GGUF file), it reads it for the native core meanwhile; else it imports
+    the torch runner."""
     try:
-        SPARE_CORES.early = spawn_core(preload=preload)
+        SPARE_CORES.early = spawn_core(preload=gguf is None, read_ahead=gguf)
     except OSError as error:  # the gateway starts its core when it needs it, as it would have
         log.warning("could not start the engine core early: %s", error)
 
