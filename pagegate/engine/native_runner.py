@@ -36,7 +36,7 @@ from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.pooling import pool_step
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
-from pagegate.engine.step_parts import cut_step
+from pagegate.engine.step_parts import cut_step, step_token_ids
 from pagegate.kernels.dispatch import decode_kernel, quant_kernel, requested_backend, sample_kernel
 from pagegate.kernels.page_codes import row_bytes
 
@@ -256,9 +256,7 @@ class NativeRunner:
         assert self.builder is not None, "bind() the scheduler's block tables first"
         seqs, counts = batch.seqs, batch.num_tokens
         block_tables, slots, positions, seq_lens, starts = self.builder.build([s.handle for s in seqs], counts)
-        input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)  # known tokens, then the guesses
-                                 for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
-                                dtype=np.int64, count=len(slots))
+        input_ids = step_token_ids(seqs, counts, len(slots))
         pages = self.kv_cache
         pages.swap_out(batch.pairs("swap_out"))
         pages.copy(batch.copies)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pagegate.config import EngineConfig
@@ -37,6 +36,7 @@ from pagegate.engine.prefix_tiers import keep_asleep, move_tier_pages, write_dow
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
+from pagegate.engine.step_parts import step_token_ids
 from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import AUTO_4, LayerFormats, resolve_format
@@ -242,9 +242,7 @@ class ModelRunner:
         assert self.builder is not None, "bind() the scheduler's block tables first"
         seqs, counts = batch.seqs, batch.num_tokens
         block_tables, slots, positions, seq_lens, starts = self.builder.build([s.handle for s in seqs], counts)
-        input_ids = np.fromiter((t for s, n in zip(seqs, counts, strict=True)  # known tokens, then the guesses
-                                 for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
-                                dtype=np.int64, count=len(slots))
+        input_ids = step_token_ids(seqs, counts, len(slots))
         given = key_ends = None
         if self.images is not None:
             given = self.images.given(seqs, counts, starts)

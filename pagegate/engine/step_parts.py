@@ -1,15 +1,17 @@
-"""A step's tokens cut into parts of at most the native decoder's call size, and its adapted rows grouped by LoRA
-slot as the C takes them (numpy only: the torch-built native decoder and the native core both cut here)."""
+"""A step's input ids, its tokens cut into parts of at most the native decoder's call size, and its adapted rows
+grouped by LoRA slot as the C takes them (numpy only: the torch runner and the native core both build steps here)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+    from pagegate.engine.sequence import Sequence as Seq
 
 # a step's adapted rows by table slot, as cpu_decode.LoRATable takes them: (slot [G], start [G + 1], row [N]) int32
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -25,6 +27,14 @@ class StepArrays(Protocol):
     seq_lens: np.ndarray  # [B]
     query_start_loc: np.ndarray  # [B + 1]
     key_ends: np.ndarray | None  # [T] or None
+
+
+def step_token_ids(seqs: Sequence[Seq], counts: Sequence[int], total: int) -> np.ndarray:
+    """The step's input ids [total] int64: each sequence's tokens computed this step, its known ones then the tokens
+    guessed for it (speculation)."""
+    return np.fromiter((t for s, n in zip(seqs, counts, strict=True)
+                        for t in (*s.token_ids[s.num_computed - n + len(s.draft):s.num_computed], *s.draft)),
+                       dtype=np.int64, count=total)
 
 
 def cut_step(step: StepArrays, groups: Groups | None,
