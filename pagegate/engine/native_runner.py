@@ -8,15 +8,14 @@ What needs torch is imported when a request needs it (a penalty, a bias or a gra
 prompt logprobs): the core stays correct whatever comes, and lean for what most requests are.
 
 The torch runner (runner.py) stays for everything else, and as the oracle: accelerators, Hugging Face folders,
-LoRA, a draft model, tensor parallelism, images, embeddings, the KV tiers, auto-4 pages, a model of several in one
-page budget, and PAGEGATE_KERNEL_BACKEND=reference.
+LoRA, a draft model, tensor parallelism, images, a sentence encoder (--task embed), the KV tiers, auto-4 pages, a
+model of several in one page budget, and PAGEGATE_KERNEL_BACKEND=reference.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +71,7 @@ class NotNative(Exception):
 
 def runs_native(config: EngineConfig, elastic: bool = False) -> bool:
     """Whether `config` asks for nothing but what the native core serves (its model's family is checked when it
-    loads: NotNative). Cheap and torch-free: the core process decides with it what to import."""
+    loads: NotNative). Cheap and torch-free: runners.make_runner asks it before anything imports torch."""
     cache, spec = config.cache, config.speculative
     return (config.task == "generate" and config.pooling in (None, *GENERATIVE_POOLING) and config.model is not None
             and is_gguf(Path(config.model)) and device_kind(config.device) == "cpu" and config.dtype in DTYPES
@@ -89,14 +88,10 @@ class PageFormat:
 
     name: str
 
-    @property
-    def key(self) -> str:
-        return self.name
-
 
 class NativePages:
-    """Per layer a (K, V) pair of uint8 arrays [pages, block_size, kv_heads, row bytes] in one format, and as many
-    CPU pages for swap. Anonymous mappings: a page costs memory when it is first written (the torch runner's
+    """Per layer a (K, V) pair of uint8 arrays [pages, block_size, kv_heads, row bytes] in one format, and the CPU
+    pages swap moves them to. Anonymous mappings: a page costs memory when it is first written (the torch runner's
     untouched_zeros)."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, row: int,
@@ -195,7 +190,6 @@ class NativeRunner:
         self.kv_bytes_per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * self.row
         self.kv_pages = f"{self.kv_format.name} pages, {self.kv_bytes_per_token:,} bytes a token"
         self.num_blocks, self.num_cpu_blocks = self._size_kv_cache()
-        self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.allocate_kv_cache()
         log.info("every step runs on the native core (no torch in this process)")
         self.builder: BatchBuilder | None = None
@@ -236,8 +230,7 @@ class NativeRunner:
         try:
             self.decoder: Any = kernel.DecodeModel(
                 w.dims, self.cos_sin, w.final_norm, w.embed, w.lm_head, layers, local_cos_sin=self.local_cos_sin,
-                activation=m.hidden_act, embed_scale=w.embed_scale, final_softcap=m.final_logit_softcap,
-                threads=self.threads)
+                activation=m.hidden_act, embed_scale=w.embed_scale, final_softcap=m.final_logit_softcap)
         except ValueError as error:  # a shape the C does not take (head size, group, odd widths)
             raise NotNative(str(error)) from error
         self.max_tokens: int = kernel.MAX_TOKENS

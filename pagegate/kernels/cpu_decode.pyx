@@ -20,11 +20,10 @@ from libc.string cimport memset
 
 from pagegate.kernels.cpu_qdot cimport PGQ_SUMS, pgq_act, pgq_init, pgq_isa, pgq_set_isa
 
-import os
-
 import numpy as np
 
 from pagegate.kernels.cpu_quant import BLOCK_BYTES, BLOCK_ELEMS
+from pagegate.kernels.dispatch import default_threads
 from pagegate.kernels.page_codes import FORMAT_CODES
 
 cdef extern from "cpu_paged.h":
@@ -149,11 +148,6 @@ def set_lora_isa(name: str) -> bool:
     if name not in ("avx2", "portable"):
         raise ValueError(f"the LoRA updates run on avx2 or portable, not {name!r}")
     return bool(pgl_set_isa(name == "portable"))
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on: the threads a step takes unless told otherwise."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 cdef size_t _address(t, str dtype, shape, what) except? 0:

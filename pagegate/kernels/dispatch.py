@@ -93,6 +93,12 @@ def integer_isas() -> list[str]:
         set_integer_isa(before)
 
 
+def default_threads() -> int:
+    """The CPUs this process may run on: the threads a C step or the C sampler takes unless told otherwise (the
+    torch runner tells them torch's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend asked for: `backend`, else PAGEGATE_KERNEL_BACKEND, else "auto" (validated)."""
     choice = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()

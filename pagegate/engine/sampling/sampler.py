@@ -24,7 +24,7 @@ import numpy as np
 from pagegate.engine.outputs import Logprob
 from pagegate.engine.sampling.draws import Draws
 from pagegate.engine.sampling.rows import LogitBias, SampleResult, SamplingRow
-from pagegate.kernels.dispatch import sample_kernel
+from pagegate.kernels.dispatch import default_threads, sample_kernel
 
 if TYPE_CHECKING:
     import torch
@@ -65,11 +65,9 @@ class Sampler:
 
     native = True  # CPU rows that no processor touches go to the C sampler (tests turn it off to check torch's)
 
-    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0, device: str | torch.device = "cpu",
-                 threads: int | None = None) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = make_generator(seed, device)
-        self.threads = threads or _default_threads()  # the C sampler's (the torch core passes torch's)
         self.grammar_masks: GrammarMasks | None = None  # built on the first constrained row
 
     def _grammar_allowed(self, rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], torch.Tensor] | None:
@@ -111,7 +109,7 @@ class Sampler:
         kernel.sample(np.ascontiguousarray(logits, dtype=np.float32), np.array(temperature, np.float32),
                       np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
                       np.array([p.min_p for p in params], np.float32), np.array(uniform, np.float32),
-                      np.array(wanted, np.int32), tokens, chosen, top_ids, top_values, self.threads)
+                      np.array(wanted, np.int32), tokens, chosen, top_ids, top_values, _threads(logits))
         results = [SampleResult(token) for token in tokens.tolist()]
         for i, k in enumerate(wanted):
             if k >= 0:
@@ -120,13 +118,17 @@ class Sampler:
         return results
 
 
+def _threads(logits: Any) -> int:
+    """The C sampler's threads: torch's where the logits are a tensor (the torch runner may have set them), else the
+    CPUs this process may run on."""
+    if isinstance(logits, np.ndarray):
+        return default_threads()
+    import torch
+    return torch.get_num_threads()
+
+
 def _plain(row: SamplingRow) -> bool:
     """No penalty, bias, min_tokens mask or grammar touches the row's logits: the C sampler takes it."""
     p = row.params
     return (row.matcher is None and row.logit_bias is None and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and len(row.output_token_ids) >= p.min_tokens)
-
-
-def _default_threads() -> int:
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
