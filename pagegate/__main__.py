@@ -14,14 +14,12 @@ commands:
 
 
 def gguf_to_read_ahead(args: list[str]) -> str | None:
-    """The GGUF file `pagegate serve args` serves, where it names one model and that is a .gguf file, read off the
-    arguments before they are parsed (`--model X`, `--model=X`, or a first positional): a guess the early core acts
-    on, which the parsed configuration confirms or drops."""
-    models = [value for flag, value in zip(args, args[1:], strict=False) if flag == "--model"]
-    models += [arg.removeprefix("--model=") for arg in args if arg.startswith("--model=")]
-    if args and not args[0].startswith("-"):
-        models.append(args[0])
-    return models[0] if len(models) == 1 and models[0].lower().endswith(".gguf") else None
+    """The GGUF file `pagegate serve args` serves, read off the arguments before they are parsed: the one argument
+    naming a .gguf file (`--model X`, `--model=X` or the positional; an --mmproj file or a `name=path` adapter is not
+    a model). A guess the early core acts on, which the parsed configuration confirms or drops."""
+    found = [value for value, before in zip((a.removeprefix("--model=") for a in args), ["", *args], strict=False)
+             if value.lower().endswith(".gguf") and "=" not in value and before != "--mmproj"]
+    return found[0] if len(found) == 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,7 +155,8 @@ def test_a_model_read_ahead_is_taken_by_its_runner_and_dropped_by_another(wide_l
 
 @pytest.mark.parametrize(("args", "gguf"), [
     (["--model", "a.gguf", "--port", "9"], "a.gguf"), (["--model=A.GGUF"], "A.GGUF"), (["b.gguf", "--port", "9"], "b.gguf"),
-    (["--model", "folder"], None), (["--model", "a.gguf", "--model", "b.gguf"], None), ([], None),
-    (["--mmproj", "vision.gguf", "--model", "folder"], None)])
+    (["--host", "h", "--disable-dashboard", "b.gguf"], "b.gguf"), (["--model", "folder"], None),
+    (["--model", "a.gguf", "--model", "b.gguf"], None), ([], None), (["--mmproj", "vision.gguf", "--model", "folder"], None),
+    (["--model", "a.gguf", "--lora-modules", "x=adapter.gguf"], "a.gguf")])
 def test_the_early_core_reads_thegguf_to_read_ahead_the_arguments_name(args: list[str], gguf: str | None) -> None:
     assert gguf_to_read_ahead(args) == gguf

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from pagegate.testing.launcher import ServerProcess
+from pagegate.testing.launcher import ServerProcess, core_pids
 
 # SmolLM2's first token of most phrasings is a near-tie ("The" / "Le" / "La", <0.1 nats) that Q8 activations or the
 # page format flip; this one's margin is 2.4 nats on float32 and int8 pages alike (see tests/engine)
@@ -16,11 +17,27 @@ QUESTION = [{"role": "user", "content": "What is the name of the capital of Fran
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf: Path) -> openai.OpenAI:
+def server(smollm2_gguf: Path) -> Iterator[ServerProcess]:
     args = [str(smollm2_gguf), "--device", "cpu", "--grpc-port", "0", "--max-model-len", "1024",
             "--kv-cache-memory", "256MiB", "--disable-uvicorn-access-log"]
     with ServerProcess(args) as server:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def smollm2(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_its_engine_core_serves_without_torch(server: ServerProcess, smollm2: openai.OpenAI,
+                                              smollm2_gguf: Path) -> None:
+    """The native core (issue 57): a GGUF file on a CPU is served by an engine core that never loaded torch; the
+    first test of the module, before a tool call's grammar imports it (sampling/processors.py)."""
+    smollm2.chat.completions.create(model=smollm2_gguf.name, messages=QUESTION, max_tokens=4, temperature=0.7, seed=1)
+    assert server.process is not None
+    [core] = core_pids(server.process.pid)
+    maps = Path(f"/proc/{core}/maps").read_text()
+    assert "libtorch" not in maps and "cpu_decode" in maps
 
 
 def test_model_is_listed_under_the_file_name(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
