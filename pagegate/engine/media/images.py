@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
 from PIL import Image, ImageOps
 
@@ -240,6 +239,7 @@ def _digest(pixels: np.ndarray) -> bytes:
 
 def _fetch(url: str, param: str, limits: ImageLimits) -> tuple[bytes, str | None]:
     """GET an allowed host's image within `fetch_timeout_s` in all -> (body, its image Content-Type or None)."""
+    import httpx  # here, not at import: ~50 ms of a gateway's start-up, for servers that fetch images only
     try:
         host = httpx.URL(url).host.lower()
     except (httpx.InvalidURL, ValueError):
@@ -266,6 +266,7 @@ def _fetch(url: str, param: str, limits: ImageLimits) -> tuple[bytes, str | None
 def _fetch_into(outcome: list[tuple[bytes, str | None] | Exception], url: str, host: str, param: str,
                 limits: ImageLimits, deadline: float) -> None:
     """The worker: fetch, then append the result or the ImageError to `outcome`."""
+    import httpx
     try:
         outcome.append(_get(url, host, param, limits, deadline))
     except ImageError as exc:
@@ -282,6 +283,7 @@ def _fetch_into(outcome: list[tuple[bytes, str | None] | Exception], url: str, h
 def _get(url: str, host: str, param: str, limits: ImageLimits, deadline: float) -> tuple[bytes, str | None]:
     # NOTE: redirects are refused, not followed: following one would need every hop's host checked against the
     # allowed list; trust_env=False so no proxy, netrc credential or CA setting of the server's environment applies.
+    import httpx
     headers = {"Accept": "image/*", "Accept-Encoding": "identity"}
     with httpx.Client(timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False) as client, \
             client.stream("GET", url, headers=headers) as response:
