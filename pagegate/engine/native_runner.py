@@ -35,7 +35,7 @@ from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.pooling import pool_step
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
-from pagegate.engine.step_parts import cut_step, step_token_ids
+from pagegate.engine.step_parts import cut_step, sampled_rows, step_token_ids
 from pagegate.kernels.dispatch import decode_kernel, quant_kernel, requested_backend, sample_kernel
 from pagegate.kernels.page_codes import row_bytes
 
@@ -259,8 +259,7 @@ class NativeRunner:
             self._score_prompts(seqs, counts, starts, hidden)
         if self.serves.pooling is not None:  # embedding requests' rows are pooled, not sampled
             pool_step(seqs, counts, starts, hidden, self.serves.pooling)
-        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
-                for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
+        last = sampled_rows(seqs, starts)
         if not last:
             return np.zeros((0, self.model_config.vocab_size), np.float32)
         return self.decoder.logits(hidden[last])

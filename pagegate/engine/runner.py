@@ -36,7 +36,7 @@ from pagegate.engine.prefix_tiers import keep_asleep, move_tier_pages, write_dow
 from pagegate.engine.sampling.prompt_logprobs import score_prompts
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
-from pagegate.engine.step_parts import step_token_ids
+from pagegate.engine.step_parts import sampled_rows, step_token_ids
 from pagegate.engine.tier_setup import build_tiers, fingerprint
 from pagegate.engine.tp_workers import WorkerGroup, rank_device
 from pagegate.kernels.kv_format import AUTO_4, LayerFormats, resolve_format
@@ -268,8 +268,7 @@ class ModelRunner:
             score_prompts(seqs, counts, starts.tolist(), hidden, compute_logits)
         if self.serves.pooling is not None:  # embedding requests' rows are pooled, not sampled
             pool_step(seqs, counts, starts, hidden, self.serves.pooling)
-        last = [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
-                for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
+        last = sampled_rows(seqs, starts)
         if not last:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         return compute_logits(hidden[last])

@@ -1,4 +1,4 @@
-"""What a runner's model answers (torch-free: the intake and the lean core read it)."""
+"""What a runner's model answers (torch-free: the intake and the native core read it)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,13 @@ def step_token_ids(seqs: Sequence[Seq], counts: Sequence[int], total: int) -> np
                        dtype=np.int64, count=total)
 
 
+def sampled_rows(seqs: Sequence[Seq], starts: np.ndarray) -> list[int]:
+    """The step's rows whose logits sample, in batch order: each sequence's last computed token, and the tokens
+    guessed for it (speculation), where its prompt is done and it is no embedding's."""
+    return [row for i, s in enumerate(seqs) if s.num_computed == len(s.token_ids) and not s.pools
+            for row in range(starts[i + 1] - 1 - len(s.draft), starts[i + 1])]
+
+
 def cut_step(step: StepArrays, groups: Groups | None,
              size: int) -> Iterator[tuple[tuple[tuple[np.ndarray, ...], Groups | None], int]]:
     """The step's tokens at most `size` at a time, as steps of their own (with the first token's index): a sequence

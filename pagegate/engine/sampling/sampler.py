@@ -9,7 +9,7 @@ exponential race in torch (argmax of p / q, q ~ Exp(1)). Either way a row with i
 seeded request samples the same tokens whatever else is in the batch.
 
 NOTE: torch is imported only for the rows that need its processors (processors.py), or logits that come as tensors:
-an engine core whose steps are all native (the lean CPU core, issue 57) samples plain rows without it; its random
+the native core (native_runner.py, issue 57) samples plain rows without it; its random
 streams (draws.py) are torch's CPU generator's, number for number.
 """
 
