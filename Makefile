@@ -66,4 +66,5 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so pagegate/core/seed/*.c pagegate/core/seed/*.so pagegate/kernels/*.c pagegate/kernels/*.so
+	rm -rf build *.egg-info pagegate/core/*.c pagegate/core/*.so pagegate/core/seed/*.c pagegate/core/seed/*.so pagegate/kernels/*.c pagegate/kernels/*.so \
+		pagegate/engine/loading/*.c pagegate/engine/loading/*.so

@@ -1,4 +1,5 @@
-"""Build the Cython extensions: pagegate.core and the CPU kernels (the rest is in pyproject.toml)."""
+"""Build the Cython extensions: pagegate.core, the CPU kernels and the GGUF string reader (the rest is in
+pyproject.toml)."""
 
 import numpy
 from Cython.Build import cythonize
@@ -14,6 +15,10 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
     for name in ("block_pool", "block_tables", "page_map", "seed.allocator")
+] + [
+    # a GGUF's string arrays (its tokenizer's vocabulary and merges), read in C
+    Extension("pagegate.engine.loading.gguf_strings", ["pagegate/engine/loading/gguf_strings.pyx"],
+              extra_compile_args=["-O3"]),
 ] + [
     # the CPU kernels: fused paged attention, the quantized matmul and the native decode step; OpenMP
     # threads, no numpy.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagegate.config import EngineConfig
 from pagegate.engine.intake import RequestIntake
 from pagegate.engine.memory.pool import KVPool
-from pagegate.engine.observe import EngineHealth, EngineStats
+from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.postprocess import PostProcessor
 from pagegate.engine.sampling.params import SamplingParams

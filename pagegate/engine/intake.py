@@ -8,7 +8,6 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import numpy as np
-from llguidance import LLMatcher
 
 from pagegate.config import SchedulerConfig
 from pagegate.core.chain_root import chain_root
@@ -24,7 +23,7 @@ from pagegate.engine.limits import (
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from pagegate.engine.media.prompt_images import ImageInput, VisionSpec
 from pagegate.engine.models.config import ModelConfig
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias, choice_seed, make_generator
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
@@ -34,6 +33,7 @@ from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
     from pagegate.engine.lora.model import Registered
 

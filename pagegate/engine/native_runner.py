@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,13 @@ from pagegate.engine.pooling import pool_step
 from pagegate.engine.scheduler import ScheduledBatch
 from pagegate.engine.serves import GENERATIVE_POOLING, Serves
 from pagegate.engine.step_parts import cut_step, sampled_rows, step_token_ids
-from pagegate.kernels.dispatch import decode_kernel, quant_kernel, requested_backend, sample_kernel
+from pagegate.kernels.dispatch import (
+    decode_kernel,
+    default_threads,
+    quant_kernel,
+    requested_backend,
+    sample_kernel,
+)
 from pagegate.kernels.page_codes import row_bytes
 
 log = logging.getLogger(__name__)
@@ -48,20 +55,34 @@ DTYPES = ("auto", "float32", "float")  # the native step computes in float32
 _preloaded: dict[Path, tuple[GGUFFile, Tokenizer, NativeModel]] = {}  # preload(): by the file's resolved path
 
 
-def preload(path: str) -> None:
+def preload(path: str, on_tokenizer: Callable[[Tokenizer], None] | None = None) -> None:
     """Read a GGUF model for the native core before its spec comes: `pagegate serve`'s first core reads it while the
     gateway imports its app (spare_core.start_early_core). The runner built for that path takes it; any other
-    runner drops it (drop_preloaded)."""
+    runner drops it (drop_preloaded). `on_tokenizer`: called with the tokenizer before the weights are read."""
     try:
         gguf = GGUFFile(Path(path))
         if gguf.arch in ARCHITECTURES:
-            _preloaded[Path(path).resolve()] = (gguf, tokenizer_from_gguf(gguf.metadata), load_native(gguf))
+            tokenizer = tokenizer_from_gguf(gguf.metadata)
+            if on_tokenizer is not None:
+                on_tokenizer(tokenizer)
+            # a CPU fewer than a load's: the gateway imports on one meanwhile (on two, a second OpenMP thread
+            # repacked SmolLM2 no sooner, and spun between the repacks on the gateway's CPU)
+            _preloaded[Path(path).resolve()] = (gguf, tokenizer, load_native(gguf, max(1, default_threads() - 1)))
     except Exception:  # noqa: BLE001 - a guess made early: the load the spec asks for reads it again and says why
         log.debug("the model %s was not preloaded", path, exc_info=True)
 
 
 def drop_preloaded() -> None:
     _preloaded.clear()
+
+
+def preloaded_tokenizer(config: EngineConfig, elastic: bool = False) -> Tokenizer | None:
+    """The tokenizer of the model `config` names, where it was preloaded and the native core will serve it (the
+    runner takes that preload): known before the weights load."""
+    if not runs_native(config, elastic) or config.model is None:
+        return None
+    preloaded = _preloaded.get(Path(config.model).resolve())
+    return preloaded[1] if preloaded is not None else None
 
 
 class NotNative(Exception):

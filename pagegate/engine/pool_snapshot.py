@@ -2,29 +2,27 @@
 steps (by the core process, asked by its client), so the pages, the queues and the counts all agree.
 
 The engine thread only copies (a C call per pool, a block table per sequence); who holds what is worked out
-later, on the reader's thread, the first time it is asked.
+later, on the reader's thread, the first time it is asked. numpy and the page core are imported where used: the
+gateway imports this module for its types, and a gateway nobody asks for a snapshot never needs either.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-import numpy as np
-import numpy.typing as npt
-
-from pagegate.core import NO_PAGES
-from pagegate.core.page_map import fill_page_states
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from pagegate.engine.scheduler import Scheduler
     from pagegate.engine.sequence import Sequence
 
-Pages = npt.NDArray[np.int32]
+Pages: TypeAlias = "npt.NDArray[np.int32]"
 QUEUES = ("running", "waiting", "swapped")  # a swapped sequence's pages are CPU pages
-_EMPTY: Pages = np.zeros(0, dtype=np.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +54,7 @@ class PoolSnapshot:
         for request_id, _ in self.seq_pages[name]:
             counts[request_id] = counts.get(request_id, 0) + 1
         holders = self.holders()
-        return tuple(QueuedRequest(rid, n, sum(len(p) for p in holders.get(rid, (_EMPTY, _EMPTY))))
-                     for rid, n in counts.items())
+        return tuple(QueuedRequest(rid, n, sum(len(p) for p in holders.get(rid, ()))) for rid, n in counts.items())
 
     def holders(self) -> dict[str, tuple[Pages, Pages]]:
         """Request id -> the (device, CPU) pages it holds, each page once."""
@@ -91,7 +88,12 @@ class SnapshotSource(Protocol):
 
 def take_snapshot(engine: SnapshotSource) -> PoolSnapshot:
     """On the engine thread: one C copy per pool, one block-table copy per sequence holding pages."""
-    scheduler = engine.scheduler
+    import numpy as np
+
+    from pagegate.core import NO_PAGES
+    from pagegate.core.page_map import fill_page_states
+
+    scheduler, empty = engine.scheduler, np.zeros(0, dtype=np.int32)
     device = np.empty(scheduler.pool.num_blocks, dtype=np.uint8)
     fill_page_states(scheduler.pool, device)
     cpu_pool = scheduler.cpu_pool
@@ -101,7 +103,7 @@ def take_snapshot(engine: SnapshotSource) -> PoolSnapshot:
     block_ids = scheduler.tables.block_ids
 
     def tables(seqs: list[Sequence]) -> list[tuple[str, Pages]]:
-        return [(s.request.request_id, block_ids(s.handle) if s.handle != NO_PAGES else _EMPTY) for s in seqs]
+        return [(s.request.request_id, block_ids(s.handle) if s.handle != NO_PAGES else empty) for s in seqs]
 
     queues = {"running": tables(scheduler.running), "waiting": tables(scheduler.waiting),
               "swapped": tables(scheduler.swapped)}
@@ -111,6 +113,8 @@ def take_snapshot(engine: SnapshotSource) -> PoolSnapshot:
 
 def _union(arrays: list[Pages]) -> Pages:
     """One sequence's table lists each page once; forks of one request share some."""
+    import numpy as np
+
     if len(arrays) <= 1:
-        return arrays[0] if arrays else _EMPTY
+        return arrays[0] if arrays else np.zeros(0, dtype=np.int32)
     return np.unique(np.concatenate(arrays))

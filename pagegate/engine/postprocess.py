@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-
-from llguidance import LLMatcher
+from typing import TYPE_CHECKING
 
 from pagegate.engine.outputs import Logprob
 from pagegate.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
 

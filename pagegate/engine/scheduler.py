@@ -30,7 +30,8 @@ from pagegate.engine.key_pages import KeyPages, key_name, quota_of
 from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
-from pagegate.engine.pins import Pin, PrefixPins
+from pagegate.engine.pin import Pin
+from pagegate.engine.pins import PrefixPins
 from pagegate.engine.prefix_tiers import WAIT, Found, PrefixTiers, TierLoad
 from pagegate.engine.sequence import NO_PAGES, SeqStatus, Sequence
 from pagegate.engine.speculation import Proposer, SpeculationStats, Speculator

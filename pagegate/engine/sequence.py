@@ -7,14 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llguidance import LLMatcher
-
 from pagegate.core import NO_PAGES
 from pagegate.engine.loading.tokenizer import IncrementalDetokenizer, StopChecker
 from pagegate.engine.media.prompt_images import ImageInput
 from pagegate.engine.observe.timeline import Timeline
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.sampling.draws import Draws
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.sampler import LogitBias
@@ -23,6 +21,7 @@ from pagegate.engine.tenants import LANE_RANK, ONLINE, KeyShare, Lane
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from llguidance import LLMatcher
 
 
 class SeqStatus(enum.Enum):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,42 +20,53 @@ from pagegate.config import EngineConfig
 from pagegate.engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from pagegate.gateway import embeddings, routes_api, routes_models, routes_ops
 from pagegate.gateway.auth import APIKeyMiddleware, log_management_access
-from pagegate.gateway.batches import routes as batches
-from pagegate.gateway.batches.service import Batches
 from pagegate.gateway.codec import render_error, wants_msgpack
-from pagegate.gateway.dashboard import DashboardFeed, dashboard_routes
+from pagegate.gateway.dashboard.table import dashboard_routes
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.errors import APIError, from_status, speaks_anthropic, to_api_error
 from pagegate.gateway.gateway_metrics import gateway_registry
 from pagegate.gateway.gateway_state import GatewayState
-from pagegate.gateway.messages import routes as messages
-from pagegate.gateway.responses import routes as responses
+from pagegate.gateway.lazy_endpoint import lazy
 from pagegate.gateway.responses.store import ResponseStore
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.shutdown import InFlightMiddleware
 
+if TYPE_CHECKING:
+    from pagegate.gateway.batches.service import Batches
+    from pagegate.gateway.dashboard.feed import DashboardFeed
+
 logger = logging.getLogger("pagegate.gateway")
 
+RESPONSES, MESSAGES, BATCHES = ("pagegate.gateway.responses.routes", "pagegate.gateway.messages.routes",
+                                "pagegate.gateway.batches.routes")
 ROUTES = [
     Route("/v1/completions", routes_api.completions, methods=["POST"]),
     Route("/v1/chat/completions", routes_api.chat_completions, methods=["POST"]),
     Route("/v1/embeddings", embeddings.create_embeddings, methods=["POST"]),
     Route("/v1/models", routes_api.models, methods=["GET"]),
     Route("/v1/models/{model:path}", routes_api.model_detail, methods=["GET"]),
-    Route("/v1/responses", responses.create_response, methods=["POST"]),
-    Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
-    Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
-    Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
-    Route("/v1/messages", messages.create_message, methods=["POST"]),
-    Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-    *batches.ROUTES,
+    Route("/v1/responses", lazy(f"{RESPONSES}:create_response"), methods=["POST"]),
+    Route("/v1/responses/{response_id}", lazy(f"{RESPONSES}:get_response"), methods=["GET"]),
+    Route("/v1/responses/{response_id}", lazy(f"{RESPONSES}:delete_response"), methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", lazy(f"{RESPONSES}:list_input_items"), methods=["GET"]),
+    Route("/v1/messages", lazy(f"{MESSAGES}:create_message"), methods=["POST"]),
+    Route("/v1/messages/count_tokens", lazy(f"{MESSAGES}:count_tokens"), methods=["POST"]),
+    Route("/v1/files", lazy(f"{BATCHES}:upload_file"), methods=["POST"]),
+    Route("/v1/files", lazy(f"{BATCHES}:list_files"), methods=["GET"]),
+    Route("/v1/files/{file_id}", lazy(f"{BATCHES}:retrieve_file"), methods=["GET"]),
+    Route("/v1/files/{file_id}", lazy(f"{BATCHES}:delete_file"), methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", lazy(f"{BATCHES}:file_content"), methods=["GET"]),
+    Route("/v1/batches", lazy(f"{BATCHES}:create_batch"), methods=["POST"]),
+    Route("/v1/batches", lazy(f"{BATCHES}:list_batches"), methods=["GET"]),
+    Route("/v1/batches/{batch_id}", lazy(f"{BATCHES}:retrieve_batch"), methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", lazy(f"{BATCHES}:cancel_batch"), methods=["POST"]),
     Route("/tokenize", routes_ops.tokenize, methods=["POST"]),
     Route("/detokenize", routes_ops.detokenize, methods=["POST"]),
     Route("/tokenizer_info", routes_ops.tokenizer_info, methods=["GET"]),
     Route("/health", routes_ops.health, methods=["GET"]),
     Route("/metrics", routes_ops.metrics, methods=["GET"]),
     Route("/version", routes_ops.version, methods=["GET"]),
-    Route("/openapi.json", routes_ops.openapi, methods=["GET"]),
+    Route("/openapi.json", lazy("pagegate.gateway.openapi:openapi"), methods=["GET"]),
     Route("/models/load", routes_models.load, methods=["POST"]),
     Route("/models/unload", routes_models.unload, methods=["POST"]),
     Route("/sleep", routes_models.sleep, methods=["POST"]),
@@ -72,15 +84,22 @@ def build_state(engine_config: EngineConfig, config: GatewayConfig,
     host = EngineHost(engine_config, config, on_fatal)
     responses = ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes,
                               config.responses_store_ttl_s, config.responses_store_path, host.engine_requests.unpin)
-    return GatewayState(host=host, responses=responses,
-                        dashboard=DashboardFeed(host) if config.enable_dashboard else None,
+    return GatewayState(host=host, responses=responses, dashboard=_dashboard(host) if config.enable_dashboard else None,
                         gateway_registry=gateway_registry(host), batches=_batches(engine_config, config))
+
+
+def _dashboard(host: EngineHost) -> DashboardFeed:
+    from pagegate.gateway.dashboard.feed import DashboardFeed
+
+    return DashboardFeed(host)
 
 
 def _batches(engine_config: EngineConfig, config: GatewayConfig) -> Batches | None:
     """The Files and Batch APIs under --batch-dir (BatchDirInUse if another server holds it)."""
     if config.batch_dir is None:
         return None
+    from pagegate.gateway.batches.service import Batches
+
     return Batches(config, config.batch_concurrency or engine_config.scheduler.max_num_seqs)
 
 

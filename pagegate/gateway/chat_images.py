@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from pagegate.engine.media.images import DecodedImage, ImageLimits, check_count, image_from_url
+from typing import TYPE_CHECKING
+
+from pagegate.engine.media.limits import ImageLimits, check_count
 from pagegate.gateway.errors import BadRequest
 from pagegate.gateway.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from pagegate.engine.media.images import DecodedImage
 
 
 def chat_images(messages: list[ChatMessage], takes_images: bool, limits: ImageLimits) -> list[DecodedImage]:
@@ -18,4 +23,6 @@ def chat_images(messages: list[ChatMessage], takes_images: bool, limits: ImageLi
         raise BadRequest("This model does not take images: send text only, or serve a vision model.",
                          param=found[0][0])
     check_count(len(found), "messages", limits)
+    from pagegate.engine.media.images import image_from_url  # PIL and numpy: at a chat's first image
+
     return [image_from_url(url, param, limits) for param, url in found]

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -165,6 +164,8 @@ def has_more_json_containers(raw: bytes, limit: int) -> bool:
         raw = raw.decode(encoding, errors="replace").encode()
     if b"\\" in raw:  # without escaped backslashes, then escaped quotes, every quote opens or closes a string
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    import numpy as np  # here, not at start-up: only a body past the count comes this far
+
     text = np.frombuffer(raw, dtype=np.uint8)
     containers, quotes_before = 0, 0
     for start in range(0, len(text), SCAN_CHUNK):

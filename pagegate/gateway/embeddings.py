@@ -10,10 +10,10 @@ good embedding (they were not trained Matryoshka-style), so a request for one is
 from __future__ import annotations
 
 import base64
+import struct
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -100,7 +100,7 @@ def embeddings_body(prepared: PreparedEmbeddings, vectors: list[bytes]) -> dict[
     check_dimensions(prepared.request.dimensions, len(vectors[0]) // 4)
     as_base64 = prepared.request.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(v).decode() if as_base64 else np.frombuffer(v, "<f4").tolist()}
+             "embedding": base64.b64encode(v).decode() if as_base64 else list(struct.unpack(f"<{len(v) // 4}f", v))}
             for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": prepared.num_tokens, "total_tokens": prepared.num_tokens}
     return {"object": "list", "data": data, "model": prepared.model, "usage": usage}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.gateway.acquired import AcquiredModel
 from pagegate.gateway.errors import ServiceUnavailable

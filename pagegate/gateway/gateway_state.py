@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, TypedDict, cast
 from prometheus_client import CollectorRegistry
 from starlette.requests import HTTPConnection
 
-from pagegate.gateway.batches.service import Batches
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.responses.store import ResponseStore
 
-if TYPE_CHECKING:  # the dashboard package imports this module as it loads: the name is for the checker only
+if TYPE_CHECKING:  # imported where used (app.py): a server without them never loads their modules
+    from pagegate.gateway.batches.service import Batches
     from pagegate.gateway.dashboard.feed import DashboardFeed
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.media.images import ImageLimits
+from pagegate.engine.media.limits import ImageLimits
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.serving.engine_client import EngineClient
 from pagegate.engine.serving.replicas import start_cores
@@ -118,16 +118,18 @@ class ModelLifecycle:
         await self._warm_up(slot, engine)
 
     async def _warm_up(self, slot: ModelSlot, engine: EngineClient) -> None:
-        """One short generation (and embedding, where the server embeds) through the whole path, so the first
-        client does not pay for lazy set-up."""
+        """One short generation (and embedding, where the server embeds) through the whole path, and meanwhile a
+        chat rendered on a thread (the template compiled), so the first client does not pay for lazy set-up."""
         started = time.perf_counter()
         tokenizer = engine.tokenizer
         prompt = tokenizer.encode("Hello") if tokenizer is not None else [0]
+        rendered = asyncio.create_task(asyncio.to_thread(_render_once, slot.model))
         if serves_generations(self.engine_config):
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
             async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
                 pass
             logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
+        await rendered
         if serves_embeddings(self.engine_config):
             started = time.perf_counter()
             slot.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
@@ -353,3 +355,16 @@ def describe_pages(slot: ModelSlot, block_size: int) -> str:
         return "KV pages unknown"
     return (f"{stats.num_blocks} pages x {block_size} tokens = {stats.num_blocks * block_size} tokens of KV "
             f"({engine.kv_pages}), {stats.used_blocks} in use")
+
+
+def _render_once(model: ModelContext | None) -> None:
+    """A chat through the served template (compiled and parsed once, then cached); a template that cannot render
+    fails the requests that use it, with its own error, not the load."""
+    tokenizer = model.tokenizer if model is not None else None
+    if tokenizer is None or not tokenizer.chat_template:
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+        tokenizer.chat_template_variables  # noqa: B018 - parsed and cached
+    except Exception:  # noqa: BLE001 - see above
+        logger.debug("warm-up: the chat template did not render", exc_info=True)

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 import pagegate
 from pagegate.gateway import schemas
@@ -181,3 +183,8 @@ def _path_parameters(path: str) -> list[dict[str, Any]]:
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
+
+
+async def openapi(request: Request) -> Response:
+    """GET /openapi.json."""
+    return JSONResponse(openapi_document())

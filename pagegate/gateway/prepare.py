@@ -17,10 +17,10 @@ from typing import Any, Protocol, TypeVar
 
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.limits import check_context, check_token_ids
-from pagegate.engine.media.images import ImageLimits
+from pagegate.engine.media.limits import ImageLimits
 from pagegate.engine.media.placement import PlacedImage, place_images, template_parts
 from pagegate.engine.media.processing import ImageProcessing
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.gateway.answer import THINK_CLOSE

@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 
 BREAKPOINT_TTL_S = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control ttl
 RETENTION_TTL_S = {"in_memory": 300.0, "24h": 86400.0}  # OpenAI's prompt_cache_retention

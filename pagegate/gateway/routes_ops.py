@@ -15,7 +15,6 @@ from pagegate.engine.serving.replicas import merge_metrics
 from pagegate.gateway.codec import render, wants_msgpack
 from pagegate.gateway.engine_host import EngineHost
 from pagegate.gateway.gateway_state import gateway_state, host_of
-from pagegate.gateway.openapi import openapi_document
 from pagegate.gateway.preamble import read_and_acquire
 from pagegate.gateway.prepare import ModelContext, chat_prompt, off_loop
 from pagegate.gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
@@ -56,10 +55,6 @@ async def models_metrics(host: EngineHost) -> bytes:
 
 async def version(request: Request) -> Response:
     return JSONResponse({"version": pagegate.__version__})
-
-
-async def openapi(request: Request) -> Response:
-    return JSONResponse(openapi_document())
 
 
 async def tokenize(request: Request) -> Response:

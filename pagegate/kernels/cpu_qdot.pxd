@@ -1,6 +1,6 @@
 # The C of cpu_qdot.h (and the float kernels of cpu_quant.h it includes), declared once for the modules that
 # cimport it: cpu_quant and cpu_decode. Each module links its own copy, with its own instruction-set choice.
-from libc.stdint cimport int8_t, int64_t, uint8_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uintptr_t
 
 cdef extern from "cpu_qdot.h":
     enum:
@@ -29,7 +29,7 @@ cdef extern from "cpu_qdot.h":
         PGQ_X8  # added to a K-quant's type id: its rows interleaved eight at a time (cpu_qx8.h)
     int pgq_is_x8(int qtype) noexcept nogil
     int pgq_base_type(int qtype) noexcept nogil
-    void pgq_x8_pack(int base, const uint8_t *rows, int64_t row_bytes, uint8_t *out) noexcept nogil
+    void pgq_x8_pack(int base, const uintptr_t *rows, int64_t row_bytes, uint8_t *out) noexcept nogil
     const uint8_t *pgq_row_at(int qtype, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t r,
                               uint8_t *buf) noexcept nogil
     int pgq_x8_span() noexcept nogil

@@ -14,7 +14,9 @@ when many rows share the weights.
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int8_t, int64_t, uint8_t
+from openmp cimport omp_get_max_threads
+from libc.stdint cimport int8_t, int64_t, uint8_t, uintptr_t
+from libc.string cimport memcpy
 
 from pagegate.kernels.cpu_qdot cimport (PGQ_BF16_PANELS, PGQ_F16_PANELS, PGQ_F32_PANELS, PGQ_GROUP, PGQ_MAX_M, PGQ_PANEL, PGQ_SUMS, PGQ_X8, pgq_act,
                                         pgq_base_type, pgq_dequantize_row_of, pgq_init, pgq_is_x8, pgq_isa,
@@ -121,25 +123,40 @@ def dequantize(blocks, int qtype, int k, rows=None):
     return out
 
 
-def interleaved(blocks, int qtype):
+def interleaved(blocks, int qtype, order=None, int threads=0, empty=huge_pages.empty):
     """(blocks, qtype) of a matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant repacked for the integer kernels:
     its rows interleaved eight at a time (cpu_qx8.h; the same bytes, permuted; Q8_0's values plus 128), its type id
-    qtype + X8; any other matrix as it is (copied). `blocks` may be a uint8 array or CPU tensor, read-only (a file's
-    mapping: the returned array is the one copy made of it)."""
-    source = np.asarray(blocks)
-    if qtype not in INTERLEAVED or source.shape[0] < 8:
-        return np.array(source), qtype
-    if source.dtype != np.uint8 or source.ndim != 2 or source.shape[1] % BLOCK_BYTES[qtype]:
-        raise ValueError(f"blocks must be a uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrix")
-    cdef const uint8_t[:, ::1] rows = np.ascontiguousarray(source)
-    cdef int64_t row_bytes = rows.shape[1], g, groups = rows.shape[0] // 8
-    out = huge_pages.empty(tuple(source.shape))
-    out[groups * 8:] = source[groups * 8:]  # the last N % 8 rows stay as they are
-    cdef const uint8_t *w = &rows[0, 0]
+    qtype + X8; any other matrix as it is (copied). `blocks` is the matrix (a uint8 array or CPU tensor), or a list
+    of them of one row width, one above the other; `order`, where given, the rows to take (indices into those rows):
+    the result is interleaved(np.concatenate(blocks)[order]), without that copy. They may be read-only (a file's
+    mapping: the returned array is the one copy made of it). `threads`: the OpenMP threads it takes (0: OpenMP's
+    default); `empty(shape)`: the new uint8 array it repacks into (on huge pages by default)."""
+    parts = [np.ascontiguousarray(part) for part in (blocks if isinstance(blocks, list) else [blocks])]
+    count = sum(part.shape[0] for part in parts) if order is None else len(order)
+    if qtype not in INTERLEAVED or count < 8:
+        source = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return (np.array(source) if order is None else source[order]), qtype
+    width = parts[0].shape[1] if parts[0].ndim == 2 else -1
+    if any(part.dtype != np.uint8 or part.ndim != 2 or part.shape[1] != width for part in parts) or \
+            width % BLOCK_BYTES[qtype]:
+        raise ValueError(f"blocks must be uint8 [N, blocks * {BLOCK_BYTES[qtype]}] matrices of one width")
+    cdef const uintptr_t[::1] rows = _row_addresses(parts, order)  # parts holds the rows while they are read
+    cdef int64_t row_bytes = width, g, r, groups = count // 8
+    cdef int team = threads if threads > 0 else omp_get_max_threads()
+    out = empty((count, width))
     cdef uint8_t *o = <uint8_t *><size_t>out.ctypes.data
-    for g in prange(groups, nogil=True, schedule="static"):
-        pgq_x8_pack(qtype, w + g * 8 * row_bytes, row_bytes, o + g * 8 * row_bytes)
+    for r in range(groups * 8, count):  # the last N % 8 rows stay as they are
+        memcpy(o + r * row_bytes, <const uint8_t *>rows[r], row_bytes)
+    for g in prange(groups, nogil=True, schedule="static", num_threads=team):
+        pgq_x8_pack(qtype, &rows[g * 8], row_bytes, o + g * 8 * row_bytes)
     return out, qtype + X8
+
+
+def _row_addresses(parts, order):
+    """The address of each row of `parts` (C-contiguous matrices, one above the other), in `order` if given."""
+    addresses = np.concatenate([part.ctypes.data + np.arange(part.shape[0], dtype=np.uintp) * part.strides[0]
+                                for part in parts])
+    return addresses if order is None else addresses[np.asarray(order, dtype=np.intp)]
 
 
 def panels(blocks, int qtype):

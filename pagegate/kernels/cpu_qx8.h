@@ -70,12 +70,35 @@ static void pgq_x8_block(int base, uint8_t *group, uint8_t *file, int i, int to_
     }
 }
 
-/* Eight rows of `base` blocks (row_bytes each, consecutive at rows) into one group at out (8 row_bytes). */
-static void pgq_x8_pack(int base, const uint8_t *rows, int64_t row_bytes, uint8_t *out) {
-    const int bytes = pgq_block_bytes(base);
-    for (int64_t s = 0; s < row_bytes / bytes; s++)
-        for (int i = 0; i < PGQ_X8_ROWS; i++)
-            pgq_x8_block(base, out + s * PGQ_X8_ROWS * bytes, (uint8_t *)rows + i * row_bytes + s * bytes, i, 0);
+/* `units` units of `unit` bytes of each of eight rows' field (at rows[i] + at) into out, unit by unit, the eight rows
+   side by side; returns the end of what it wrote. Inlined with constant sizes, each copy is one load and store. */
+static inline uint8_t *pgq_x8_units(uint8_t *out, const uintptr_t *rows, int64_t at, int units, const int unit,
+                                    const int flip) {
+    for (int u = 0; u < units; u++)
+        for (int i = 0; i < PGQ_X8_ROWS; i++, out += unit) {
+            uint32_t value = 0;
+            memcpy(&value, (const uint8_t *)rows[i] + at + u * unit, unit);
+            if (flip) value ^= 0x80808080u;
+            memcpy(out, &value, unit);
+        }
+    return out;
+}
+
+/* Eight rows of `base` blocks (row_bytes each, at the addresses rows[0..7]) into one group at out (8 row_bytes):
+   pgq_x8_block's layout, written front to back. */
+static void pgq_x8_pack(int base, const uintptr_t *rows, int64_t row_bytes, uint8_t *out) {
+    const pgq_x8_field *fields;
+    const int count = pgq_x8_fields(base, &fields), bytes = pgq_block_bytes(base);
+    int units[8];
+    for (int f = 0; f < count; f++) units[f] = fields[f].bytes / fields[f].unit;  /* once, not once a block */
+    for (int64_t at = 0; at + bytes <= row_bytes; at += bytes)
+        for (int f = 0; f < count; f++) {
+            const pgq_x8_field field = fields[f];
+            if (field.flip) out = pgq_x8_units(out, rows, at + field.offset, units[f], 4, 1);  /* Q8_0's values */
+            else if (field.unit == 4) out = pgq_x8_units(out, rows, at + field.offset, units[f], 4, 0);
+            else if (field.unit == 2) out = pgq_x8_units(out, rows, at + field.offset, units[f], 2, 0);
+            else out = pgq_x8_units(out, rows, at + field.offset, units[f], 1, 0);
+        }
 }
 
 /* Row r of a matrix of n rows in `qtype` as its file has it: in place, or copied out of its group into buf. */

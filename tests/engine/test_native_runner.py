@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,25 @@ def test_its_process_imports_torch_only_for_a_request_that_needs_it(wide_llama: 
     assert lines[-2:] == ["False", "True"]
 
 
+def test_a_read_ahead_core_imports_nothing_the_native_core_does_without(wide_llama: SavedModel,
+                                                                        tmp_path: Path) -> None:
+    """The engine core's process, its read-ahead of a GGUF done, has imported no torch and none of what other paths
+    use: the gguf package (and its yaml and sentencepiece), jinja2 (the gateway renders chat templates), llguidance
+    (a first grammar imports it), PIL (images), asyncio (the gateway's loop)."""
+    path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_1)
+    unused = ("torch", "gguf", "yaml", "sentencepiece", "jinja2", "llguidance", "PIL", "asyncio")
+    script = textwrap.dedent(f"""
+        import sys
+        import pagegate.engine.serving.core_process
+        from pagegate.engine import native_runner
+        native_runner.preload({str(path)!r})
+        assert native_runner._preloaded
+        print(sorted(name for name in {unused!r} if name in sys.modules))
+    """)
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
 def test_a_model_read_ahead_is_taken_by_its_runner_and_dropped_by_another(wide_llama: SavedModel,
                                                                           tmp_path: Path) -> None:
     """`pagegate serve`'s first core reads the GGUF its arguments name before the spec comes (native_runner.preload):
@@ -144,6 +164,10 @@ def test_a_model_read_ahead_is_taken_by_its_runner_and_dropped_by_another(wide_l
     path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_1)
     native_runner.preload(str(path))
     ahead = native_runner._preloaded[path.resolve()][2]
+    config = EngineConfig(model=str(path))  # its tokenizer known before the weights load (EarlyTokenizer)
+    assert native_runner.preloaded_tokenizer(config) is native_runner._preloaded[path.resolve()][1]
+    assert native_runner.preloaded_tokenizer(config, elastic=True) is None  # the torch runner's: it reads its own
+    assert native_runner.preloaded_tokenizer(replace(config, model=str(tmp_path / "other.gguf"))) is None
     llm = LLM(str(tmp_path / "." / "llama.gguf"), num_kv_blocks=64)  # the same file, named otherwise
     assert llm.engine.runner.weights is ahead and not native_runner._preloaded
     native_runner.preload(str(path))

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from pagegate import LLM, SamplingParams
 from pagegate.core import BlockPool
-from pagegate.engine.pins import Pin, PrefixPins
+from pagegate.engine.pin import Pin
+from pagegate.engine.pins import PrefixPins
 from pagegate.engine.tenants import KeyShare
 
 from .test_llm import assert_all_pages_free

@@ -14,7 +14,7 @@ import torch
 from pagegate import LLM, SamplingParams
 from pagegate.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from pagegate.engine.kv_cache import PagedKVCache
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.kernels.kv_format import AUTO_4, FORMATS, LayerFormats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

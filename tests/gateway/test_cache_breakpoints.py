@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import pagegate
 from pagegate.engine.loading.tokenizer import Tokenizer
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.gateway.messages.cache import breakpoint_pins, breakpoints
 from pagegate.gateway.messages.protocol import MessagesRequest
 from pagegate.gateway.prepare import ModelContext, prepare_chat

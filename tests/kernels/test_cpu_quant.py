@@ -148,6 +148,31 @@ def test_interleaved_rows_are_the_files_bytes_permuted(qtype: Q, n: int, blocks_
     assert torch.equal(cpu_quant.matmul(x, repacked, kind), cpu_quant.matmul(x, blocks, int(qtype)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(qtype=st.sampled_from(TYPES), sizes=st.lists(st.integers(1, 13), min_size=1, max_size=3),
+       blocks_per_row=st.integers(1, 2), threads=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_interleaved_parts_in_an_order_are_their_rows_concatenated_and_reordered(
+        qtype: Q, sizes: list[int], blocks_per_row: int, threads: int, seed: int) -> None:
+    """Shards repacked as one matrix, its rows in any order, read where they lie (read-only, as a file's mapping):
+    the bytes of repacking their concatenation so reordered, on any number of threads, into the array `empty`
+    gives."""
+    k = (256 if qtype in K_QUANTS else 32) * blocks_per_row
+    parts = [quantized(qtype, n, k, seed + i)[0].numpy() for i, n in enumerate(sizes)]
+    for part in parts:
+        part.flags.writeable = False
+    order = np.random.default_rng(seed).permutation(sum(sizes))
+    expected, kind = cpu_quant.interleaved(np.concatenate(parts)[order], int(qtype))
+    given_out: list[np.ndarray] = []
+
+    def empty(shape: tuple[int, ...]) -> np.ndarray:
+        given_out.append(np.empty(shape, np.uint8))
+        return given_out[-1]
+
+    repacked, found_kind = cpu_quant.interleaved(parts, int(qtype), order, threads, empty)
+    assert found_kind == kind and np.array_equal(repacked, expected)
+    assert [id(array) for array in given_out] == ([id(repacked)] if kind == int(qtype) + cpu_quant.X8 else [])
+
+
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K], ids=lambda q: q.name)
 def test_interleaved_rows_serve_the_torch_path_tile_by_tile(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many input rows take the weight in tiles of rows (dequantized, then a GEMM): a tile of an interleaved matrix

@@ -62,3 +62,20 @@ def test_repacked_weights_live_on_huge_pages() -> None:
     assert "hg" in mapping_flags(repacked.ctypes.data)
     panels, _ = cpu_quant.panels(np.zeros((1024, 4096), np.uint8), int(Q.F32))
     assert "hg" in mapping_flags(panels.ctypes.data)
+
+
+def test_an_arena_carves_arrays_side_by_side_on_its_huge_pages() -> None:
+    """A model's matrices, each under a huge page, share them: one after another (on cache lines) in one mapping
+    that asks for huge pages; one past its end gets a mapping of its own, and a small arena is numpy's."""
+    arena = huge_pages.Arena(3 * HUGE_PAGE)
+    first, second = arena.empty((1000, 3)), arena.empty((5, 7), np.float32)
+    assert first.shape == (1000, 3) and second.shape == (5, 7) and second.dtype == np.float32
+    assert second.ctypes.data == first.ctypes.data + 3008 and second.ctypes.data % huge_pages.ALIGN == 0
+    assert "hg" in mapping_flags(first.ctypes.data)
+    first.fill(1)
+    second.fill(2.0)
+    assert int(first.sum()) == 3000 and float(second.sum()) == 70.0
+    beyond = arena.empty((3 * HUGE_PAGE,))
+    assert not first.ctypes.data <= beyond.ctypes.data < first.ctypes.data + 3 * HUGE_PAGE
+    assert "hg" in mapping_flags(beyond.ctypes.data)
+    assert "hg" not in (mapping_flags(huge_pages.Arena(HUGE_PAGE - 1).empty((10,)).ctypes.data) or set())

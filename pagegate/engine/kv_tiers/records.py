@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
-import numpy as np
+if TYPE_CHECKING:  # numpy arrays come in, but the gateway imports these records without numpy
+    import numpy as np
 
-TokenIds = Sequence[int] | np.ndarray
+TokenIds: TypeAlias = "Sequence[int] | np.ndarray"
 
 CPU = "CPU"  # vLLM's KV-event medium for host memory
 DISK = "DISK"
@@ -16,7 +18,7 @@ DISK = "DISK"
 
 def token_bytes(tokens: TokenIds) -> bytes:
     """A page's token ids as stored: int32, little-endian."""
-    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class PageKey:
 
     @property
     def token_ids(self) -> list[int]:
-        return np.frombuffer(self.tokens, dtype="<i4").tolist()
+        return list(struct.unpack(f"<{len(self.tokens) // 4}i", self.tokens))
 
 
 class TierEvent(NamedTuple):

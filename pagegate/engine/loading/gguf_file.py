@@ -2,13 +2,15 @@
 tensors by their Hugging Face names, float arrays dequantized and matrices kept in their blocks (repacked as the
 kernels read them).
 
-gguf_reader parses the file and the `gguf` package dequantizes blocks; this module maps llama.cpp's names and
-layouts onto the Hugging Face ones the rest of pagegate knows, so nothing above the loaders (gguf_loader.py fills a
-torch model, gguf_native.py the native core's) sees GGUF.
+gguf_reader parses the file and the `gguf` package dequantizes blocks (imported by the first tensor that needs it:
+the native core dequantizes only float norms and biases); this module maps llama.cpp's names and layouts onto the
+Hugging Face ones the rest of pagegate knows, so nothing above the loaders (gguf_loader.py fills a torch model,
+gguf_native.py the native core's) sees GGUF.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Collection
 from dataclasses import replace
@@ -16,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
+from pagegate.engine.loading.gguf_types import GGMLQuantizationType
 from pagegate.engine.models.config import ModelConfig
 from pagegate.kernels.dispatch import quant_kernel
+from pagegate.kernels.huge_pages import Arena
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -182,11 +184,13 @@ class GGUFFile:
         gguf_name = self._gguf_names.get(name)
         return None if gguf_name is None else self.unpermuted(name, self.array(gguf_name))
 
-    def matrix_parts(self, names: list[str], block_types: Collection[int]) -> list[tuple[np.ndarray, int]] | None:
+    def matrix_parts(self, names: list[str], block_types: Collection[int],
+                     threads: int = 0) -> list[tuple[np.ndarray, int]] | None:
         """The matrix of the file's tensors `names` (Hugging Face names: a fused projection's shards in order, or
         one) kept in its blocks as the kernels read them: a list of (blocks [rows, row bytes], type id), one a run
         of shards of one type, their outputs side by side; None where a tensor is missing (a tied head) or of a type
-        not in `block_types`. The tensors are marked kept (and their mapping released)."""
+        not in `block_types`. The tensors are marked kept (and their mapping released); `threads`: the OpenMP
+        threads repacking them takes (0: OpenMP's default)."""
         found = [self.tensors.get(self._gguf_names.get(name, "")) for name in names]
         tensors = [t for t in found if t is not None]
         kinds = {int(t.tensor_type) for t in tensors}
@@ -198,32 +202,38 @@ class GGUFFile:
         # matrix a run of shards of one type, their outputs side by side
         runs = [list(run) for _, run in itertools.groupby(zip(names, tensors, strict=True),
                                                           key=lambda shard: len(kinds) > 1 and shard[1].tensor_type)]
-        parts = [self._blocks(run, kinds) for run in runs]
+        parts = [self._blocks(run, kinds, threads) for run in runs]
         self.kept.update(t.name for t in tensors)
         return parts
 
-    def _blocks(self, shards: list[tuple[str, GGUFTensor]], kinds: set[int]) -> tuple[np.ndarray, int]:
+    def _blocks(self, shards: list[tuple[str, GGUFTensor]], kinds: set[int], threads: int) -> tuple[np.ndarray, int]:
         """Shards of one type as one matrix of blocks and its type id (integer types: rows eight at a time)."""
         qtype = next(iter(kinds)) if len(kinds) == 1 else int(shards[0][1].tensor_type)
-        rows = [self.unpermuted(name, _blocks_as(tensor, qtype)) for name, tensor in shards]
-        # NOTE: one copy out of the read-only mapping, by numpy on one thread: torch.cat's parallel copy took
-        # ~0.5 s of a SmolLM2 load on two busy CPUs, and slows down many times over whenever a CPU is taken. A
-        # matrix interleaved() repacks is read from the mapping itself (its repacked bytes are the one copy).
-        blocks = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        parts = [_blocks_as(tensor, qtype) for _, tensor in shards]
+        # NOTE: interleaved() reads the shards' rows from the mapping itself, in their unpermuted order, so its
+        # repacked bytes are the one copy made (copies concatenated and unpermuted first were a third of the bytes
+        # written loading SmolLM2; torch.cat's parallel copy took ~0.5 s of it on two busy CPUs).
+        ends = np.cumsum([len(part) for part in parts])
+        order = np.concatenate([self.unpermuted(name, np.arange(end - len(part), end))
+                                for (name, _), part, end in zip(shards, parts, ends, strict=True)])
         kernel = quant_kernel()
         assert kernel is not None, "blocks are kept only where the kernel is built (quant.block_types)"
-        kept, kind = kernel.interleaved(blocks, qtype)
+        kept, kind = kernel.interleaved(parts, qtype, order, threads, self._arena.empty)
         for _, tensor in shards:
             self.reader.release(tensor)
         return kept, kind
+
+    @functools.cached_property
+    def _arena(self) -> Arena:
+        """Where the matrices kept in blocks are repacked, side by side: room for the whole file's tensors."""
+        return Arena(sum(tensor.data.nbytes for tensor in self.reader.tensors))
 
     def array(self, name: str) -> np.ndarray:
         """One tensor (its GGUF name) as float32 in PyTorch's [rows, columns] order (GGUF lists dims innermost
         first), a copy of its own (the file is mapped read-only)."""
         tensor = self.tensors[name]
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        return values.reshape(shape).copy()
+        return dequantized(tensor).reshape(shape).copy()
 
     def unpermuted(self, name: str, values: Any) -> Any:
         """Undo llama.cpp's row order for Q and K: it interleaves each head's two rotary halves."""
@@ -252,11 +262,23 @@ def _blocks_as(tensor: GGUFTensor, qtype: int) -> np.ndarray:
         return data
     assert qtype == Q8_0 and int(tensor.tensor_type) in _WIDENS_TO_Q8_0
     rows = data.shape[0]
-    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(rows, -1, 32)
+    values = dequantized(tensor).reshape(rows, -1, 32)
     scales = data.reshape(rows, values.shape[1], -1)[:, :, :2].copy()  # every 32-block starts with its d
     d = scales.view(np.float16).astype(np.float32)
     steps = np.rint(np.divide(values, d, out=np.zeros_like(values), where=d != 0)).astype(np.int8)
     return np.concatenate([scales, steps.view(np.uint8)], axis=2).reshape(rows, -1)
+
+
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
+    """A tensor's values as float32, as gguf.quants.dequantize gives them (F32 and F16 without importing it)."""
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        return tensor.data.view(np.float32)
+    if tensor.tensor_type == GGMLQuantizationType.F16:
+        return tensor.data.view(np.float16).astype(np.float32)
+    from gguf import GGMLQuantizationType as Kind
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(tensor.data, Kind(tensor.tensor_type)), dtype=np.float32)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:

@@ -46,14 +46,15 @@ class NativeModel:
         return sum(a.nbytes for a in arrays.values())
 
 
-def load_native(gguf: GGUFFile) -> NativeModel:
-    """The model of `gguf` for the native step; ModelLoadError where a tensor is missing."""
+def load_native(gguf: GGUFFile, threads: int = 0) -> NativeModel:
+    """The model of `gguf` for the native step; ModelLoadError where a tensor is missing. `threads`: the OpenMP
+    threads repacking its matrices takes (0: OpenMP's default)."""
     config = gguf.config
     if config.hidden_act not in ACTIVATIONS or gguf.arch not in ARCHITECTURES:
         raise ModelLoadError(f"the native core does not compute {gguf.arch} with {config.hidden_act}")
     kernel = quant_kernel()
     assert kernel is not None, "the native core needs the built extensions"
-    matrices = _Matrices(gguf, kernel)
+    matrices = _Matrices(gguf, kernel, threads)
     embed = matrices.linear(["model.embed_tokens.weight"])
     lm_head = embed if config.tie_word_embeddings else matrices.linear(["lm_head.weight"])
     return NativeModel(
@@ -105,15 +106,15 @@ def _vector(gguf: GGUFFile, name: str) -> np.ndarray:
 class _Matrices:
     """The file's matrices as the native step reads them (models/native.py's _rows and _paneled, on arrays)."""
 
-    def __init__(self, gguf: GGUFFile, kernel: Any) -> None:
-        self.gguf, self.kernel = gguf, kernel
+    def __init__(self, gguf: GGUFFile, kernel: Any, threads: int) -> None:
+        self.gguf, self.kernel, self.threads = gguf, kernel, threads
         self.block_types = frozenset(kernel.BLOCK_BYTES) - {F32, *kernel.PANELS.values()}
 
     def linear(self, names: list[str]) -> LinearSpec:
         """The matrix of these shards (side by side) and their bias: one (type, rows, bias), or a list of them
         where the file keeps its parts in blocks of several types."""
         bias = self._bias(names)
-        parts = self.gguf.matrix_parts(names, self.block_types)
+        parts = self.gguf.matrix_parts(names, self.block_types, self.threads)
         if parts is None:  # float32 in the file (or of mixed float types): float32 rows, in panels
             shards = [self.gguf.values(name) for name in names]
             found = [shard for shard in shards if shard is not None]

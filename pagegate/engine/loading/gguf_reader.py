@@ -1,10 +1,10 @@
 """A GGUF file's metadata and tensor table, read in one pass over the mapped file.
 
 NOTE: the `gguf` package's GGUFReader makes a numpy view per value, so a tokenizer's ~100,000 vocabulary and merge
-strings cost it 2 to 4 s on a small machine (most of loading SmolLM2-135M); struct over the same mapping reads them
-in tens of milliseconds. The values match `{name: field.contents()}` of GGUFReader, and each tensor's data is the
-same read-only view of the file (tests/engine/loading/test_gguf_reader.py compares them), except that numeric
-arrays stay read-only numpy views of the file.
+strings cost it 2 to 4 s on a small machine (most of loading SmolLM2-135M); struct over the same mapping, with the
+string arrays in C (gguf_strings.pyx), reads them in milliseconds. The values match `{name: field.contents()}` of
+GGUFReader, and each tensor's data is the same read-only view of the file (tests/engine/loading/test_gguf_reader.py
+compares them), except that numeric arrays stay read-only numpy views of the file.
 
 NOTE: reading the metadata must cost about what the file holds, whatever the file: a hostile 96 MB file whose one
 array held 24M values cost ~1 GB as a Python list. So numeric arrays are views (no copy), and what must become
@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
-from gguf.quants import quant_shape_to_byte_shape
+
+from pagegate.engine.loading.gguf_strings import read_strings
+from pagegate.engine.loading.gguf_types import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_KEYS = 1 << 16  # real files hold tens
@@ -135,19 +142,8 @@ class GGUFContents:
         return _flatten([self._value(kind, key, budget, depth + 1) for _ in range(length)])
 
     def _strings(self, length: int, key: str) -> list[str]:
-        """`length` strings in a row: the hot loop of a tokenizer's vocabulary and merges."""
-        view, offset, strings = self.bytes, self.offset, []
-        unpack = struct.Struct(self.order + "Q").unpack_from
-        end = len(view)
-        for _ in range(length):
-            (size,) = unpack(view, offset)
-            offset += 8
-            if size > MAX_STRING_BYTES or offset + size > end:
-                raise ValueError(f"GGUF metadata {key!r}: a string of {size:,} bytes is past the file's end or "
-                                 f"the bound ({MAX_STRING_BYTES:,} bytes)")
-            strings.append(str(view[offset:offset + size], "utf-8"))
-            offset += size
-        self.offset = offset
+        """`length` strings in a row: the hot loop of a tokenizer's vocabulary and merges (in C)."""
+        strings, self.offset = read_strings(self.bytes, self.offset, length, self.order, MAX_STRING_BYTES, key)
         return strings
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
@@ -178,11 +174,20 @@ class GGUFContents:
             else:
                 block_values, block_bytes = GGML_QUANT_SIZES[kind]
                 dtype, count = np.dtype(np.uint8), elements * block_bytes // block_values
-                shape = quant_shape_to_byte_shape(shape, kind)
+                shape = _byte_shape(shape, kind)
             at = start + offset
             data = self.data[at:at + count * dtype.itemsize].view(dtype)[:count].reshape(shape)
             tensors.append(GGUFTensor(name, kind, dims, data))
         return tensors
+
+
+def _byte_shape(shape: tuple[int, ...], kind: GGMLQuantizationType) -> tuple[int, ...]:
+    """A quantized tensor's shape in bytes: its rows of blocks (gguf.quants.quant_shape_to_byte_shape)."""
+    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    if shape[-1] % block_values != 0:
+        raise ValueError(f"Quantized tensor row size ({shape[-1]}) is not a multiple of {kind.name} block size "
+                         f"({block_values})")
+    return (*shape[:-1], shape[-1] // block_values * block_bytes)
 
 
 def _flatten(parts: list[Any]) -> np.ndarray | list[Any]:

@@ -30,12 +30,14 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
+from pagegate.engine.loading.gguf_strings import merge_pairs
 from pagegate.engine.loading.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
+_ADDED = (_UNKNOWN, _CONTROL, _USER_DEFINED)  # added tokens, kept whole: special ones, and user-defined ones
 
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -95,7 +97,9 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     """
     model = metadata.get("tokenizer.ggml.model")
     # llama.cpp renames empty tokens so every id has a distinct text
-    tokens = [token or f"[EMPTY_{index}]" for index, token in enumerate(metadata["tokenizer.ggml.tokens"])]
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    if "" in tokens:
+        tokens = [token or f"[EMPTY_{index}]" for index, token in enumerate(tokens)]
     types = _numbers(metadata, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
@@ -111,11 +115,11 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
         raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: gpt2, llama")
     ids = {name: i for name, i in ids.items() if 0 <= i < len(tokens)}
 
-    special = [AddedToken(token, special=True, normalized=False)
-               for token, kind in zip(tokens, types, strict=True) if kind in (_CONTROL, _UNKNOWN)]
-    backend.add_special_tokens(special)
+    added = [(token, kind) for token, kind in zip(tokens, types, strict=True) if kind in _ADDED]
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token, kind in added if kind != _USER_DEFINED])
     backend.add_tokens([AddedToken(token, special=False, normalized=False)
-                        for token, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED])
+                        for token, kind in added if kind == _USER_DEFINED])
 
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
@@ -162,7 +166,7 @@ def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFToken
                          f"{', '.join(sorted(PRE_TOKENIZERS))}")
     if "tokenizer.ggml.merges" not in metadata:
         raise ValueError("GGUF byte-level (gpt2) vocabulary has no tokenizer.ggml.merges")
-    merges = _split_merges(metadata["tokenizer.ggml.merges"])
+    merges = merge_pairs(metadata["tokenizer.ggml.merges"])
     backend = HFTokenizer(BPE(_vocab(tokens), merges, ignore_merges=pre.ignore_merges))
     if pre.nfc:
         backend.normalizer = normalizers.NFC()
@@ -177,7 +181,7 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[i
                    unk_id: int) -> HFTokenizer:
     """SentencePiece BPE: spaces spelled `▁`, unknown characters as `<0xNN>` bytes."""
     if "tokenizer.ggml.merges" in metadata:
-        merges = _split_merges(metadata["tokenizer.ggml.merges"])
+        merges = merge_pairs(metadata["tokenizer.ggml.merges"])
     else:
         scores = _numbers(metadata, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         merges = _merges_from_scores(tokens, types, scores)
@@ -202,14 +206,7 @@ def _numbers(metadata: Mapping[str, Any], key: str) -> list[Any]:
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
-    return {token: index for index, token in enumerate(tokens)}
-
-
-def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
-    """"left right" strings as pairs, cut at the first space after the first character (as llama.cpp
-    does); a merge without one is skipped."""
-    cuts = [(merge, merge.find(" ", 1)) for merge in merges]
-    return [(merge[:cut], merge[cut + 1:]) for merge, cut in cuts if cut > 0]
+    return dict(zip(tokens, range(len(tokens)), strict=True))
 
 
 def _merges_from_scores(tokens: list[str], types: list[int],

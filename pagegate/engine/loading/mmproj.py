@@ -7,14 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
+from pagegate.engine.loading.gguf_file import dequantized
 from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
+from pagegate.engine.loading.gguf_types import GGMLQuantizationType
 from pagegate.engine.media.gemma3 import Gemma3Processing
 from pagegate.engine.media.idefics3 import Idefics3Processing
 from pagegate.engine.media.processing import ImageProcessing
@@ -218,6 +217,6 @@ def _unswap_ffn(state: dict[str, torch.Tensor], hidden: int, intermediate: int) 
 def _array(tensor: GGUFTensor) -> torch.Tensor:
     """One tensor as float32 in PyTorch's order (GGUF lists dims innermost first); F16 and quantized types
     dequantized."""
-    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    values = dequantized(tensor)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return torch.from_numpy(values.reshape(shape).copy())  # the file is mapped read-only

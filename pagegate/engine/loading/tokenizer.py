@@ -1,4 +1,5 @@
-"""Tokenizer (tokenizer.json + tokenizer_config.json), chat templates, streaming detokenization."""
+"""Tokenizer (tokenizer.json + tokenizer_config.json), chat templates (rendered by chat_template.py), streaming
+detokenization."""
 
 from __future__ import annotations
 
@@ -6,16 +7,9 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from pagegate.engine.loading.token_bounds import chars_per_token_bound
@@ -141,9 +135,11 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        from pagegate.engine.loading.chat_template import compile_template
+
         variables = {key: value or "" for key, value in self.special_tokens.items()}
         variables.update(extra)
-        return _compile_template(template).render(
+        return compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
     @property
@@ -154,7 +150,11 @@ class Tokenizer:
     @property
     def chat_template_variables(self) -> frozenset[str]:
         """The variables the chat template reads from its caller (enable_thinking, reasoning_effort, ...)."""
-        return _template_variables(self.chat_template) if self.chat_template else frozenset()
+        if not self.chat_template:
+            return frozenset()
+        from pagegate.engine.loading.chat_template import template_variables
+
+        return template_variables(self.chat_template)
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat: its own special tokens, plus the BOS the model expects only if the
@@ -192,56 +192,6 @@ def _pick_template(value: str | list[dict[str, str]] | None) -> str | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (marks assistant text for training); renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-@functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    """The sandbox chat templates run in, with the helpers transformers gives them."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    return _environment().from_string(source)
-
-
-@lru_cache(maxsize=16)
-def _template_variables(source: str) -> frozenset[str]:
-    """The variables a template reads from its caller; a template that fails to parse reads none."""
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
-    except jinja2.TemplateSyntaxError:
-        return frozenset()
 
 
 class IncrementalDetokenizer:

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.media.preprocess import PreparedImage, read_json, rescale_normalize, three
 
+BILINEAR = 2  # PIL's Image.Resampling.BILINEAR (PIL is imported where an image is resized)
 # transformers' Gemma3ImageProcessor and Gemma3Processor defaults, for keys the configs leave out (a published
 # preprocessor_config.json writes null for the pan-and-scan keys: the processor's own default, off, applies)
-_DEFAULTS: dict[str, Any] = {"size": {"height": 224, "width": 224}, "resample": Image.Resampling.BILINEAR,
+_DEFAULTS: dict[str, Any] = {"size": {"height": 224, "width": 224}, "resample": BILINEAR,
                              "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}
 
@@ -33,7 +33,7 @@ class Gemma3Processing:
 
     tile_size: int  # the tower's square input (the preprocessor's size, the vision config's image_size)
     image_seq_len: int  # image tokens per image (mm_tokens_per_image)
-    resample: int = Image.Resampling.BILINEAR
+    resample: int = BILINEAR
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
     do_normalize: bool = True
@@ -85,6 +85,8 @@ class Gemma3Processing:
         """A decoded RGB image, uint8 [H, W, 3] -> its one tile [1, S, S, 3] and prompt text."""
         if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
             raise ValueError(f"expected a uint8 [H, W, 3] RGB image, got {pixels.dtype} {list(pixels.shape)}")
+        from PIL import Image
+
         size = self.tile_size
         tile = np.asarray(Image.fromarray(pixels).resize((size, size), resample=Image.Resampling(self.resample)))
         return PreparedImage(tile[None], self.prompt_text())

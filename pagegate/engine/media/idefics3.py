@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.media.preprocess import PreparedImage, read_json, rescale_normalize, three
 
 # NOTE: transformers caps a resized image's longest edge at 4096 pixels whatever the config says; so do we.
 MAX_IMAGE_SIZE = 4096
+LANCZOS = 1  # PIL's Image.Resampling.LANCZOS (PIL is imported where an image is resized)
 # transformers' Idefics3ImageProcessor defaults, for keys a preprocessor config leaves out
 _DEFAULTS: dict[str, Any] = {"size": {"longest_edge": 4 * 364}, "max_image_size": {"longest_edge": 364},
-                             "resample": Image.Resampling.LANCZOS, "do_resize": True, "do_rescale": True,
+                             "resample": LANCZOS, "do_resize": True, "do_rescale": True,
                              "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
                              "image_std": [0.5, 0.5, 0.5], "do_image_splitting": True}
 
@@ -32,7 +32,7 @@ class Idefics3Processing:
     tile_size: int  # the vision tower's square input (max_image_size.longest_edge)
     image_seq_len: int  # image tokens per tile
     do_image_splitting: bool = True
-    resample: int = Image.Resampling.LANCZOS
+    resample: int = LANCZOS
     do_resize: bool = True
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
@@ -97,6 +97,8 @@ class Idefics3Processing:
 
     def _resize(self, image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
         """uint8 [H, W, 3] -> uint8 [height, width, 3] with the checkpoint's PIL filter, as transformers does."""
+        from PIL import Image
+
         height, width = size
         resized = Image.fromarray(image).resize((width, height), resample=Image.Resampling(self.resample))
         return np.asarray(resized)

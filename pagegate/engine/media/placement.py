@@ -4,15 +4,17 @@ for that image (its tiles' tokens and markers), and the image its (digest, tiles
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from pagegate.engine.errors import InvalidParamError
-from pagegate.engine.media.images import DecodedImage
-from pagegate.engine.media.processing import ImageProcessing
 
-PlacedImage = tuple[bytes, np.ndarray]  # (digest, uint8 tiles [n, S, S, 3]), as the engine takes an image
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pagegate.engine.media.images import DecodedImage
+    from pagegate.engine.media.processing import ImageProcessing
+
+PlacedImage = tuple[bytes, "np.ndarray"]  # (digest, uint8 tiles [n, S, S, 3]), as the engine takes an image
 
 
 def place_images(text: str, images: Sequence[DecodedImage], processing: ImageProcessing,

@@ -19,7 +19,7 @@ from pagegate.engine.devices import device_kind
 from pagegate.engine.kv_sizing import check_fits
 from pagegate.engine.lora.request import LoRARequest
 from pagegate.engine.memory.page_ledger import ElasticSpec
-from pagegate.engine.observe import EngineMonitor
+from pagegate.engine.observe.monitor import EngineMonitor
 from pagegate.engine.runners import make_runner
 from pagegate.engine.scheduler import Scheduler
 

@@ -3,11 +3,13 @@ tokenizer; each sequence then holds its own matcher (grammar_masks.py turns them
 
 A compiled grammar is a prototype matcher in an LRU cache bounded by (estimated) bytes; each sequence gets a
 deep copy (microseconds). The gateway compiles in its preparation threads, so the engine loop only ever copies
-from the cache. What a client may have compiled is bounded here, in one place (docs/security.md).
+from the cache. What a client may have compiled is bounded here, in one place (docs/security.md). llguidance is
+imported with the first grammar (~25 ms a process that never sees one does without).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -15,13 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
-
 from pagegate.engine.errors import InvalidParamError
 from pagegate.engine.loading.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions
 
 # What one request may have compiled. Compile time grows faster than the source (3,000 optional properties,
@@ -30,9 +30,6 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # a schema (as compact JSON), regex, grammar or c
 MAX_TOOLS_BYTES = 128 * 1024  # all tools' parameter schemas together
 MAX_TOOLS = 128  # functions per request, as OpenAI
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema given as an object (llguidance refuses > 128)
-COMPILE_LIMITS = llguidance.LLParserLimits(
-    max_grammar_size=100_000,  # symbols (default 500,000); 64 KiB of schema makes ~25,000
-    initial_lexer_fuel=500_000)  # lexer build work (default 1,000,000); dense 64 KiB schemas need < 300,000
 # The compiled-grammar cache: an LRU under a byte budget. llguidance reports no sizes, so an entry's is estimated
 # from its source (measured: ~30 KB for a tiny grammar, ~30 bytes per source byte for an 80,000-value enum).
 CACHE_BYTES = 256 * 1024 * 1024  # per tokenizer
@@ -71,6 +68,8 @@ class StructuredOutputsParams:
 
     def grammar_text(self) -> str:
         """The llguidance grammar (the compiled-grammar cache key)."""
+        import llguidance
+
         if self.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
         if self.json is not None:
@@ -83,6 +82,8 @@ class StructuredOutputsParams:
                 raise InvalidParamError("choice must be a list of non-empty strings", PARAM)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, self.choice)))
         assert self.grammar is not None
+        from llguidance.gbnf_to_lark import any_to_lark
+
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
 
 
@@ -100,6 +101,8 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start; an invalid grammar is an InvalidParamError."""
+        import llguidance
+
         key = _grammar_text(params)
         with self._lock:
             cached = self._cache.get(key)
@@ -107,8 +110,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return cached[0].deep_copy()
             tokenizer = self._llg_tokenizer()
-        # releases the GIL while it compiles; COMPILE_LIMITS turn a grammar that expands too far into an error
-        prototype = llguidance.LLMatcher(tokenizer, key, log_level=0, limits=COMPILE_LIMITS)
+        # releases the GIL while it compiles; compile_limits() turn a grammar that expands too far into an error
+        prototype = llguidance.LLMatcher(tokenizer, key, log_level=0, limits=compile_limits())
         if prototype.is_error():
             raise InvalidParamError(f"Invalid structured output: {prototype.get_error()}", PARAM)
         self._keep(key, prototype)
@@ -131,11 +134,23 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:  # under the lock; ~20 ms for 2k tokens, ~0.3 s for 50k
+            import llguidance
+
             tokenizer = self._tokenizer
             self._ll_tokenizer = llguidance.LLTokenizer(
                 tokenizer.backend_json(), n_vocab=max(self._vocab_size, tokenizer.vocab_size),
                 eos_token=self._eos_token_ids)
         return self._ll_tokenizer
+
+
+@functools.cache
+def compile_limits() -> llguidance.LLParserLimits:
+    """What compiling one grammar may take."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        max_grammar_size=100_000,  # symbols (default 500,000); 64 KiB of schema makes ~25,000
+        initial_lexer_fuel=500_000)  # lexer build work (default 1,000,000); dense 64 KiB schemas need < 300,000
 
 
 def estimated_bytes(grammar: str) -> int:

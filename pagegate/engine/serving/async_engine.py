@@ -23,7 +23,7 @@ from pagegate.config import EngineConfig
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.serving.engine_client import EngineClient

@@ -12,10 +12,9 @@ import os
 import subprocess
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
-import numpy as np
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import (
@@ -29,7 +28,7 @@ from pagegate.engine.media.processing import ImageProcessing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
@@ -42,6 +41,7 @@ from pagegate.engine.serving.frames import (
     CallResult,
     CoreLoad,
     CoreSpec,
+    EarlyTokenizer,
     Failed,
     Frame,
     FrameReader,
@@ -58,6 +58,11 @@ from pagegate.engine.serving.frames import (
 )
 from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pagegate.engine.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("pagegate.gateway")
 
@@ -102,6 +107,7 @@ class CoreClient:
         self._watcher: asyncio.Task[None] | None = None
         self.grammars: GrammarCompiler | None = None
         self.processing: ImageProcessing | None = None  # a vision-language model's (from its Ready frame)
+        self._early_tokenizer: Tokenizer | None = None  # an EarlyTokenizer's, built while the core loads
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -151,7 +157,7 @@ class CoreClient:
         self.vocab_size = ready.vocab_size
         self.default_sampling = ready.default_sampling
         self.eos_token_ids = ready.eos_token_ids
-        self.tokenizer = ready.tokenizer.tokenizer() if ready.tokenizer is not None else None
+        self.tokenizer = ready.tokenizer.tokenizer() if ready.tokenizer is not None else self._early_tokenizer
         self.processing = ready.processing.processing() if ready.processing is not None else None
         self._load = ready.load
         if self.tokenizer is not None:
@@ -291,6 +297,8 @@ class CoreClient:
                 future = self._calls.pop(call_id, None)
                 if future is not None and not future.done():
                     future.set_result(frame)
+            case EarlyTokenizer(tokenizer) if self._ready is not None and not self._ready.done():
+                self._early_tokenizer = tokenizer.tokenizer()
             case Ready() if self._ready is not None:
                 self._ready.set_result(frame)
             case Failed(name, message) if self._ready is not None and not self._ready.done():

@@ -14,7 +14,9 @@ step's milliseconds; the gateway keeps HTTP, validation, tokenizing, chat templa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -23,6 +25,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,7 +35,7 @@ from pagegate.engine.engine import Engine
 from pagegate.engine.lora.loader import AdapterLoader, LoadJob
 from pagegate.engine.media.processing import WireProcessing
 from pagegate.engine.memory.page_ledger import receive_ledger
-from pagegate.engine.native_runner import preload
+from pagegate.engine.native_runner import preload, preloaded_tokenizer
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.serving.frames import (
     CPUS_ENV,
@@ -46,6 +49,7 @@ from pagegate.engine.serving.frames import (
     CoreLoad,
     CoreSpec,
     DeltaWriter,
+    EarlyTokenizer,
     Failed,
     Frame,
     FrameReader,
@@ -70,6 +74,7 @@ from pagegate.engine.serving.spare_core import (
 )
 
 if TYPE_CHECKING:
+    from pagegate.engine.loading.tokenizer import Tokenizer
     from pagegate.engine.sequence import Request
 
 log = logging.getLogger("pagegate.engine_core")  # the engine-core process (not the page core, pagegate.core)
@@ -261,11 +266,13 @@ class CoreLoop:
         self.sock.sendall(framed(frame))
 
 
-def ready_frame(loop: CoreLoop) -> Ready:
+def ready_frame(loop: CoreLoop, tokenizer_sent: bool = False) -> Ready:
+    """`tokenizer_sent`: an EarlyTokenizer carried it already."""
     engine = loop.engine
+    tokenizer = engine.tokenizer if not tokenizer_sent else None
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.generation.sampling_overrides(),
-                 WireTokenizer.of(engine.tokenizer) if engine.tokenizer is not None else None, loop.load(),
+                 WireTokenizer.of(tokenizer) if tokenizer is not None else None, loop.load(),
                  WireProcessing.of(engine.processing) if engine.processing is not None else None)
 
 
@@ -281,6 +288,9 @@ def serve(spec: CoreSpec) -> int:
     try:
         if spec.elastic is not None:  # the gateway's descriptor number means nothing here: ours came on the socket
             spec = replace(spec, elastic=replace(spec.elastic, ledger_fd=receive_ledger(sock)))
+        early = preloaded_tokenizer(spec.config, spec.elastic is not None)
+        if early is not None and not EarlySend.done():  # the gateway builds its copy while the weights load
+            sock.sendall(framed(EarlyTokenizer(WireTokenizer.of(early))))
         engine = Engine(spec.config, spec.elastic, on_worker_death=_worker_died)
     except Exception as error:
         log.debug("the engine failed to start", exc_info=True)
@@ -288,11 +298,40 @@ def serve(spec: CoreSpec) -> int:
         return 1
     loop = CoreLoop(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
-    sock.sendall(framed(ready_frame(loop)))
+    sock.sendall(framed(ready_frame(loop, tokenizer_sent=early is not None)))
     loop.run()
     engine.close()
     sock.close()
     return 0
+
+
+class EarlySend:
+    """The read-ahead's tokenizer on its way to the gateway as an EarlyTokenizer, written by a thread as soon as it
+    is known: the gateway reads it once its own imports are done and builds its copy while this core repacks the
+    weights and waits for its spec. Only where the spec names the file read ahead (preloaded_tokenizer) does Ready
+    then leave the tokenizer out; anything else and the gateway takes Ready's."""
+
+    _thread: threading.Thread | None = None
+    _sent = False
+
+    def __init__(self, socket_fd: int) -> None:
+        self.socket_fd = socket_fd  # the core's socket, before the spec names it
+
+    def start(self, tokenizer: Tokenizer) -> None:
+        EarlySend._thread = threading.Thread(target=self._send, args=(tokenizer,), daemon=True)
+        EarlySend._thread.start()
+
+    def _send(self, tokenizer: Tokenizer) -> None:
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.socket_fd)) as sock:  # OSError: gone
+            sock.sendall(framed(EarlyTokenizer(WireTokenizer.of(tokenizer))))
+            EarlySend._sent = True
+
+    @classmethod
+    def done(cls) -> bool:
+        """Whether the tokenizer was sent (waiting for the thread: nothing else may write the socket before)."""
+        if cls._thread is not None:
+            cls._thread.join()
+        return cls._sent
 
 
 def _worker_died(message: str) -> None:
@@ -331,10 +370,13 @@ def _set_process_name(name: str) -> None:
 
 
 def main() -> None:
+    # what the imports made lives as long as the process: no collection walks it again (those during SmolLM2's
+    # read-ahead took ~25 ms, ~5 ms so; a full one later walks ~1,000 objects, not ~34,000)
+    gc.freeze()
     if sys.argv[1:2] == [PRELOAD_FLAG]:  # the torch runner's imports, while the gateway readies the spec
         importlib.import_module("pagegate.engine.runner")
     elif sys.argv[1:2] == [READ_AHEAD_FLAG]:  # the model the spec will likely name, for the native core
-        preload(sys.argv[2])
+        preload(sys.argv[2], on_tokenizer=EarlySend(int(sys.argv[3])).start)
     spec = _spec_as_spare(int(sys.argv[2])) if sys.argv[1:2] == [SPARE_FLAG] else _read_spec()
     _set_process_name(CORE_PROCESS_NAME)  # a spare taken is a core like any other
     _never_outlive(spec.parent_pid)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from pagegate.engine.loading.tokenizer import Tokenizer
     from pagegate.engine.media.processing import ImageProcessing
-    from pagegate.engine.pins import Pin
+    from pagegate.engine.pin import Pin
     from pagegate.engine.pool_snapshot import PoolSnapshot
     from pagegate.engine.sampling.structured import StructuredOutputsParams
 

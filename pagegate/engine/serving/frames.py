@@ -3,7 +3,8 @@
 length on one Unix stream socket (a socketpair the core inherits).
 
 Gateway -> core: `Add`, `Abort`, `Unpin`, `Call` (a question answered between two steps), `Shutdown`.
-Core -> gateway: `Ready` (what the gateway needs to know of the model), `Outputs` (one frame per step: what each
+Core -> gateway: `Ready` (what the gateway needs to know of the model; before it `EarlyTokenizer` where the core
+has the tokenizer before it loads the weights), `Outputs` (one frame per step: what each
 request that moved gained in it, then the core's counts), `Reply`, `Failed` (the core could not start).
 
 Every payload is typed: what a frame carries of the engine's own types crosses as a positional Struct of its own
@@ -25,7 +26,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 import msgspec
-import numpy as np
 
 from pagegate.config import EngineConfig
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
@@ -34,13 +34,16 @@ from pagegate.engine.media.processing import WireProcessing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from pagegate.engine.sequence import Request
 
 CPUS_ENV = "PAGEGATE_CORE_CPUS"  # the CPUs a core pins itself to, e.g. "0,1" (one share under data parallelism)
@@ -117,11 +120,15 @@ class WireImage(msgspec.Struct, array_like=True):
 
     @classmethod
     def of(cls, image: tuple[bytes, np.ndarray]) -> WireImage:
+        import numpy as np  # NOTE: numpy where used: a gateway that sees no image nor snapshot never imports it
+
         digest, tiles = image
         return cls(digest, list(tiles.shape), np.ascontiguousarray(tiles, dtype=np.uint8).tobytes())
 
     def image(self) -> tuple[bytes, np.ndarray]:
         """(digest, tiles); InvalidParamError when the bytes are not the shape's."""
+        import numpy as np
+
         count = int(np.prod(self.shape)) if self.shape else 0
         if count != len(self.tiles) or any(n < 0 for n in self.shape):
             raise InvalidParamError(f"an image's tiles ({len(self.tiles)} bytes) are not uint8 {self.shape}",
@@ -295,6 +302,13 @@ class Ready(Frame, tag="ready"):
     processing: WireProcessing | None = None  # a vision-language model's image preprocessing
 
 
+class EarlyTokenizer(Frame, tag="tokenizer"):
+    """The model's tokenizer, sent before the weights load where the core read it ahead (native_runner.preload):
+    the gateway builds its copy (~0.1 s for a 50k-token BPE) while the core loads, and Ready then carries none."""
+
+    tokenizer: WireTokenizer
+
+
 class Outputs(Frame, tag="outputs"):
     deltas: list[RequestDelta]
     load: CoreLoad
@@ -313,12 +327,16 @@ class WireSnapshot(msgspec.Struct, array_like=True):
 
     @classmethod
     def of(cls, snapshot: PoolSnapshot) -> WireSnapshot:
+        import numpy as np
+
         seq_pages = {queue: [(rid, pages.astype(np.int32).tobytes()) for rid, pages in entries]
                      for queue, entries in snapshot.seq_pages.items()}
         return cls(snapshot.taken_at, snapshot.device_states.tobytes(), snapshot.cpu_states.tobytes(),
                    snapshot.stats, snapshot.health, snapshot.health_reason, seq_pages)
 
     def snapshot(self) -> PoolSnapshot:
+        import numpy as np
+
         seq_pages = {queue: [(rid, np.frombuffer(raw, dtype=np.int32)) for rid, raw in entries]
                      for queue, entries in self.seq_pages.items()}
         return PoolSnapshot(self.taken_at, np.frombuffer(self.device_states, dtype=np.uint8),
@@ -356,7 +374,7 @@ class Failed(Frame, tag="failed"):
     message: str
 
 
-ToGateway = Ready | Outputs | Reply | Failed
+ToGateway = EarlyTokenizer | Ready | Outputs | Reply | Failed
 
 F = TypeVar("F", bound=Frame)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -450,7 +468,7 @@ class DeltaWriter:
                             WireError.of(request.error) if request.error is not None else None,
                             request.num_cached_tokens, WireTimings(**request.timings()) if finished else None,
                             choices, scored,
-                            np.asarray(request.embedding, dtype="<f4").tobytes() if request.embedding is not None else None,
+                            _float32_bytes(request.embedding) if request.embedding is not None else None,
                             list(request.pinned_tokens) if request.pins else None)
 
     def forget(self, request_id: str) -> None:
@@ -460,3 +478,10 @@ class DeltaWriter:
     def is_new(self, request: Request) -> bool:
         """Nothing of it was sent yet: its first token should not wait."""
         return request.request_id not in self._sent
+
+
+def _float32_bytes(values: np.ndarray | torch.Tensor) -> bytes:
+    """An embedding (numpy, or a CPU torch tensor on the torch runner) as little-endian float32 bytes."""
+    import numpy as np
+
+    return np.asarray(values, dtype="<f4").tobytes()

@@ -11,10 +11,9 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,13 +24,16 @@ from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.metrics import HEALTH_GRADES
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_client import CoreClient
 from pagegate.engine.serving.frames import CPUS_ENV
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class PrefixIndex:

@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 from starlette.types import Message, Receive
 
 from pagegate.gateway.auth import request_key_identity
@@ -120,19 +119,6 @@ async def list_batches(request: Request) -> Response:
 async def cancel_batch(request: Request) -> Response:
     record = await batches_of(request).cancel(request_key_identity(request.scope), request.path_params["batch_id"])
     return render(batch_object(record), msgpack_body=wants_msgpack(request))
-
-
-ROUTES = [
-    Route("/v1/files", upload_file, methods=["POST"]),
-    Route("/v1/files", list_files, methods=["GET"]),
-    Route("/v1/files/{file_id}", retrieve_file, methods=["GET"]),
-    Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
-    Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
-    Route("/v1/batches", create_batch, methods=["POST"]),
-    Route("/v1/batches", list_batches, methods=["GET"]),
-    Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"]),
-    Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
-]
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -1,6 +1,2 @@
-"""The live KV-page dashboard at /dashboard: the pools as a grid, the queues, the health, over SSE."""
-
-from pagegate.gateway.dashboard.feed import DashboardFeed
-from pagegate.gateway.dashboard.routes import API_PREFIX, dashboard_routes
-
-__all__ = ["API_PREFIX", "DashboardFeed", "dashboard_routes"]
+"""The live KV-page dashboard at /dashboard: the pools as a grid, the queues, the health, over SSE (feed.py,
+routes.py: the app imports each where it needs it)."""

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from pagegate.engine.pool_snapshot import PoolSnapshot
-from pagegate.gateway.dashboard.frames import Audience, FrameEncoder
 from pagegate.gateway.dashboard.history import HISTORY_INTERVAL_S, History
 from pagegate.gateway.engine_host import DRAINING, READY, STOPPING, EngineHost
 from pagegate.gateway.errors import ServiceUnavailable
+
+if TYPE_CHECKING:  # frames.py (numpy, the page core) comes with the first frame: encoder
+    from pagegate.gateway.dashboard.frames import Audience, FrameEncoder
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -81,12 +85,17 @@ class DashboardFeed:
         self.query_timeout_s = QUERY_TIMEOUT_S
         self.viewer_buffer_frames = viewer_buffer_frames
         self.history = History()
-        self.encoder = FrameEncoder()
         self.latest: PoolSnapshot | None = None
         self.ticks = 0  # snapshots broadcast
         self.viewers: set[Viewer] = set()
         self._pending: asyncio.Task[PoolSnapshot] | None = None  # the snapshot asked of the engine, if any
         self._producer: asyncio.Task[None] | None = None
+
+    @functools.cached_property
+    def encoder(self) -> FrameEncoder:
+        from pagegate.gateway.dashboard.frames import FrameEncoder
+
+        return FrameEncoder()
 
     @property
     def stopping(self) -> bool:

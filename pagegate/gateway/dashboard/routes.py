@@ -5,36 +5,21 @@ viewer sees only its own key's request ids; other requests are listed and counte
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Mount, Route
-from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from pagegate.core.page_map import CACHED, MAX_REFCOUNT
 from pagegate.gateway.auth import request_key_identity
 from pagegate.gateway.dashboard.feed import DashboardFeed, Viewer
 from pagegate.gateway.dashboard.frames import EVERY_ID, Audience, shown_id
+from pagegate.gateway.dashboard.table import STATIC
 from pagegate.gateway.errors import BadRequest, NotFound
 from pagegate.gateway.gateway_state import gateway_state, host_of
 from pagegate.gateway.http_protocol import CONNECTION_EXTENSION
 
-STATIC = Path(__file__).parent / "static"
-API_PREFIX = "/dashboard/api/"
 NOBODY = ""  # the audience of a viewer without a key identity (none gets past auth): no request is its own
-
-
-def dashboard_routes() -> list[BaseRoute]:
-    return [
-        Route("/dashboard", page, methods=["GET"]),
-        Mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static"),
-        Route(API_PREFIX + "feed", feed, methods=["GET"]),
-        Route(API_PREFIX + "pages", request_pages, methods=["GET"]),
-        Route(API_PREFIX + "page", page_holders, methods=["GET"]),
-        Route(API_PREFIX + "recent", recent_requests, methods=["GET"]),
-    ]
 
 
 async def page(request: Request) -> Response:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.gateway.errors import BadRequest
 from pagegate.gateway.messages.protocol import (
     Block,

@@ -18,7 +18,7 @@ from pagegate.engine.loading.gguf_file import GGUFFile
 from pagegate.engine.loading.loader import load_model, weight_bytes
 from pagegate.engine.models.config import ModelConfig
 from pagegate.engine.models.quantized import QuantEmbedding, QuantLinear, QuantLinearStack
-from pagegate.kernels import cpu_quant
+from pagegate.kernels import cpu_quant, quant
 from pagegate.kernels.quant import dequantize_rows
 from pagegate.testing.launcher import free_port
 
@@ -119,6 +119,27 @@ def test_mixed_q4_0_q5_0_q8_0_shards_stay_in_blocks_as_exact_q8_0(wide_model: Sa
     dequantized = torch.cat([exact[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(dequantize_rows(layer.self_attn.qkv_proj.blocks, layer.self_attn.qkv_proj.qtype, WIDE["hidden_size"],
                                        torch.arange(dequantized.shape[0])), dequantized)
+
+
+PACKED = [[("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v")],
+          [("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up")]]  # shards: (Hugging Face, llama.cpp) names
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_a_packed_matrix_is_repacked_from_its_shards_where_they_lie(wide_model: SavedModel, tmp_path: Path,
+                                                                     threads: int) -> None:
+    """q/k/v and gate/up repacked straight from the file's mapping, q and k rows in the checkpoint's order: the bytes
+    of repacking their unpermuted rows concatenated."""
+    path = write_gguf(tmp_path / "q4_1.gguf", wide_model.hf_model, quant=lambda name, values: Q.Q4_1)
+    gguf = GGUFFile(path)
+    for shards in PACKED:
+        names = [f"model.layers.1.{name}.weight" for name, _ in shards]
+        rows = [gguf.unpermuted(name, gguf.tensors[f"blk.1.{file_name}.weight"].data)
+                for name, (_, file_name) in zip(names, shards, strict=True)]
+        expected, kind = cpu_quant.interleaved(np.concatenate(rows), int(Q.Q4_1))
+        parts = gguf.matrix_parts(names, quant.block_types(), threads)
+        assert parts is not None and len(parts) == 1 and parts[0][1] == kind
+        assert np.array_equal(parts[0][0], expected)
 
 
 def test_shards_of_different_k_quants_stay_in_blocks_side_by_side(wide_model: SavedModel, tmp_path: Path,

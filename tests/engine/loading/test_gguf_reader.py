@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.gguf_file import GGUFFile
+from pagegate.engine.loading.gguf_file import GGUFFile, dequantized
 from pagegate.engine.loading.gguf_reader import MAX_ARRAY_VALUES, MAX_STRING_BYTES, GGUFContents
 
 VALUES: list[tuple[str, object, GGUFValueType, GGUFValueType | None]] = [
@@ -84,6 +84,14 @@ def test_every_value_type_reads_as_the_gguf_package_reads_it(endianess: GGUFEndi
 def test_tensor_data_is_a_read_only_view_of_the_file(tmp_path: Path) -> None:
     tensor = GGUFContents(write_every_type(tmp_path / "every.gguf", GGUFEndian.LITTLE)).tensors[0]
     assert not tensor.data.flags.owndata and not tensor.data.flags.writeable
+
+
+def test_tensors_dequantize_as_the_gguf_package_dequantizes_them(tmp_path: Path) -> None:
+    """F32 and F16 without importing it, blocks by it."""
+    for tensor in GGUFContents(write_every_type(tmp_path / "every.gguf", GGUFEndian.LITTLE)).tensors:
+        expected = np.asarray(dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type)), dtype=np.float32)
+        values = dequantized(tensor)
+        assert values.dtype == np.float32 and np.array_equal(values, expected), tensor.name
 
 
 def test_a_released_tensor_reads_the_same_values_again(tmp_path: Path) -> None:

@@ -22,14 +22,12 @@ from transformers.image_utils import load_image
 
 from pagegate.engine.media.images import (
     DecodedImage,
-    ImageError,
-    ImageLimits,
-    check_count,
     image_from_base64,
     image_from_bytes,
     image_from_pil,
     image_from_url,
 )
+from pagegate.engine.media.limits import ImageError, ImageLimits, check_count
 
 LIMITS = ImageLimits()
 PART = "messages.0.content.1.image_url"

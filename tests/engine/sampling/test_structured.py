@@ -212,7 +212,7 @@ def test_a_grammar_larger_than_the_cache_is_compiled_but_not_kept(llm: LLM) -> N
 
 
 def test_compile_limits_refuse_a_grammar_that_expands_too_far(llm: LLM) -> None:
-    enum = {"enum": [f"value-{i:06d}" for i in range(80_000)]}  # 1.2 MB: past COMPILE_LIMITS' lexer fuel
+    enum = {"enum": [f"value-{i:06d}" for i in range(80_000)]}  # 1.2 MB: past compile_limits()' lexer fuel
     with pytest.raises(InvalidParamError, match="too big"):
         llm.engine.intake.grammars.matcher(StructuredOutputsParams(json=enum))
 

@@ -19,7 +19,7 @@ from pagegate import LLM, SamplingParams
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.outputs import RequestOutput
-from pagegate.engine.pins import Pin
+from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.sampling.structured import StructuredOutputsParams
 from pagegate.engine.serving.core_process import CoreLoop
@@ -29,6 +29,7 @@ from pagegate.engine.serving.frames import (
     CallError,
     CoreLoad,
     DeltaWriter,
+    EarlyTokenizer,
     FrameReader,
     Outputs,
     Ready,
@@ -197,6 +198,8 @@ def test_the_tokenizer_is_rebuilt_in_the_gateway(engine) -> None:
     assert (rebuilt.special_tokens, rebuilt.chat_template, rebuilt.eos_token_ids, rebuilt.backend_json()) == (
         tokenizer.special_tokens, tokenizer.chat_template, tokenizer.eos_token_ids, tokenizer.backend_json())
     assert through_the_wire(msgspec.structs.replace(ready, tokenizer=None), ToGateway).tokenizer is None
+    early = through_the_wire(EarlyTokenizer(WireTokenizer.of(tokenizer)), ToGateway)  # before the weights load
+    assert isinstance(early, EarlyTokenizer) and early.tokenizer.tokenizer().backend_json() == tokenizer.backend_json()
 
 
 @pytest.mark.parametrize("arg", [None, 7, "adapter", ("adapter", "/path/to/it")])

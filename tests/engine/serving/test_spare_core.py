@@ -6,6 +6,7 @@ one-model server keeps none."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -149,6 +150,18 @@ def test_the_early_core_is_taken_once_and_one_not_taken_is_ended() -> None:
     untaken = cores.early.process
     cores.drop_early()
     assert untaken.poll() is not None and cores.early is None
+
+
+def test_a_core_starts_one_blas_thread_unless_its_environment_says() -> None:
+    """numpy's OpenBLAS threads spin at its import, on the CPU the gateway imports on: a core starts with one."""
+    for env, threads in ((None, "1"), ({**os.environ, "OPENBLAS_NUM_THREADS": "3"}, "3")):
+        core = spawn_core(env)
+        environ = Path(f"/proc/{core.process.pid}/environ")
+        try:  # empty until the exec has set the new image's up, a moment after Popen returns
+            wait_for(lambda environ=environ: environ.read_bytes() != b"", "the core's exec")
+            assert f"OPENBLAS_NUM_THREADS={threads}".encode() in environ.read_bytes().split(b"\0")
+        finally:
+            core.discard()
 
 
 def test_a_server_serves_from_its_early_core_and_keeps_no_other() -> None:

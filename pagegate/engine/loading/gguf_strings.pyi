@@ -1,0 +1,6 @@
+# Type stub of gguf_strings.pyx (a GGUF's strings in C), so mypy checks its callers.
+from collections.abc import Iterable
+
+def read_strings(view: memoryview, offset: int, count: int, order: str, limit: int,
+                 key: str) -> tuple[list[str], int]: ...
+def merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]: ...
