@@ -288,8 +288,9 @@ def serve(spec: CoreSpec) -> int:
     try:
         if spec.elastic is not None:  # the gateway's descriptor number means nothing here: ours came on the socket
             spec = replace(spec, elastic=replace(spec.elastic, ledger_fd=receive_ledger(sock)))
+        sent_early = EarlySend.done()  # first: nothing else may write the socket while it does
         early = preloaded_tokenizer(spec.config, spec.elastic is not None)
-        if early is not None and not EarlySend.done():  # the gateway builds its copy while the weights load
+        if early is not None and not sent_early:  # the gateway builds its copy while the weights load
             sock.sendall(framed(EarlyTokenizer(WireTokenizer.of(early))))
         engine = Engine(spec.config, spec.elastic, on_worker_death=_worker_died)
     except Exception as error:
@@ -328,7 +329,7 @@ class EarlySend:
 
     @classmethod
     def done(cls) -> bool:
-        """Whether the tokenizer was sent (waiting for the thread: nothing else may write the socket before)."""
+        """Whether the tokenizer was sent, once the thread (if any) is done."""
         if cls._thread is not None:
             cls._thread.join()
         return cls._sent
