@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import math
 import time
@@ -40,6 +41,8 @@ from pagegate.gateway.model_slots import (
 from pagegate.gateway.prepare import ModelContext
 from pagegate.gateway.settings import GatewayConfig
 from pagegate.gateway.tools import served_tool_format
+
+CHAT_TEMPLATES = "pagegate.engine.loading.chat_template"  # jinja2's sandbox: imported as the first model loads
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -111,7 +114,12 @@ class ModelLifecycle:
         kv_bytes, cores = await self._grant(slot), self.config.data_parallel_size
         config = with_kv_bytes(slot.engine_config, kv_bytes // cores if kv_bytes is not None else None)
         elastic = self.budget.elastic(slot, kv_bytes, cores) if self.budget and kv_bytes is not None else None
-        slot.engine = engine = await start_cores(config, cores, self.config.engine_step_timeout_s, elastic)
+        # the chat renderer's imports (jinja2) on a thread while this waits for the cores, which the warm-up needs
+        renderer = asyncio.create_task(asyncio.to_thread(importlib.import_module, CHAT_TEMPLATES))
+        try:
+            slot.engine = engine = await start_cores(config, cores, self.config.engine_step_timeout_s, elastic)
+        finally:
+            await renderer
         slot.loads += 1
         engine.on_dead = lambda: self._engine_died(slot, engine)
         slot.model = self._model_context(slot, engine)
