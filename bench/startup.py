@@ -86,8 +86,9 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def pagegate_command(port: int, threads: int, *model: str) -> list[str]:
+    """Its defaults, the gRPC server included (on a free port rather than 50051)."""
     return [sys.executable, "-m", "pagegate", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
-            "--grpc-port", "0", "--disable-uvicorn-access-log"]
+            "--grpc-port", str(free_port())]
 
 
 def llama_server_command(port: int, threads: int, *model: str) -> list[str]:
