@@ -47,6 +47,7 @@ CHAT_TEMPLATES = "pagegate.engine.loading.chat_template"  # jinja2's sandbox: im
 logger = logging.getLogger("pagegate.gateway")
 
 IDLE_CHECK_S = 1.0  # how often idle models are looked for (--sleep-idle-seconds)
+WARM_UP_TOKENS = 2  # a prompt's step and a decode step
 
 
 class ModelBusy(APIError):
@@ -126,23 +127,17 @@ class ModelLifecycle:
         await self._warm_up(slot, engine)
 
     async def _warm_up(self, slot: ModelSlot, engine: EngineClient) -> None:
-        """One short generation (and embedding, where the server embeds) through the whole path, and meanwhile a
-        chat rendered on a thread (the template compiled), so the first client does not pay for lazy set-up."""
-        started = time.perf_counter()
+        """A short generation and an embedding (where the server embeds) through the whole path, side by side in the
+        core's steps, and meanwhile a chat rendered on a thread (the template compiled), so the first client does
+        not pay for lazy set-up."""
         tokenizer = engine.tokenizer
         prompt = tokenizer.encode("Hello") if tokenizer is not None else [0]
-        rendered = asyncio.create_task(asyncio.to_thread(_render_once, slot.model))
+        jobs = [asyncio.to_thread(_render_once, slot.model)]
         if serves_generations(self.engine_config):
-            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-            async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
-                pass
-            logger.info("warm-up: a 4-token generation took %.0f ms", (time.perf_counter() - started) * 1000)
-        await rendered
+            jobs.append(_warm_up_generation(engine, prompt))
         if serves_embeddings(self.engine_config):
-            started = time.perf_counter()
-            slot.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
-            logger.info("warm-up: a %d-dimensional embedding took %.0f ms", slot.embedding_size,
-                        (time.perf_counter() - started) * 1000)
+            jobs.append(_warm_up_embedding(slot, engine, prompt))
+        await asyncio.gather(*jobs)
 
     def _model_context(self, slot: ModelSlot, engine: EngineClient) -> ModelContext:
         names = slot.names or (engine.model_name,)
@@ -363,6 +358,22 @@ def describe_pages(slot: ModelSlot, block_size: int) -> str:
         return "KV pages unknown"
     return (f"{stats.num_blocks} pages x {block_size} tokens = {stats.num_blocks * block_size} tokens of KV "
             f"({engine.kv_pages}), {stats.used_blocks} in use")
+
+
+async def _warm_up_generation(engine: EngineClient, prompt: list[int]) -> None:
+    """A prompt's step and a decode step."""
+    started = time.perf_counter()
+    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
+        pass
+    logger.info("warm-up: a %d-token generation took %.0f ms", WARM_UP_TOKENS, (time.perf_counter() - started) * 1000)
+
+
+async def _warm_up_embedding(slot: ModelSlot, engine: EngineClient, prompt: list[int]) -> None:
+    started = time.perf_counter()
+    slot.embedding_size = len(await engine.embed(prompt, f"warm-up-embed-{time.time_ns()}")) // 4
+    logger.info("warm-up: a %d-dimensional embedding took %.0f ms", slot.embedding_size,
+                (time.perf_counter() - started) * 1000)
 
 
 def _render_once(model: ModelContext | None) -> None:

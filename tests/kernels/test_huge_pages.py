@@ -64,18 +64,36 @@ def test_repacked_weights_live_on_huge_pages() -> None:
     assert "hg" in mapping_flags(panels.ctypes.data)
 
 
-def test_an_arena_carves_arrays_side_by_side_on_its_huge_pages() -> None:
-    """A model's matrices, each under a huge page, share them: one after another (on cache lines) in one mapping
-    that asks for huge pages; one past its end gets a mapping of its own, and a small arena is numpy's."""
+def test_an_arena_carves_arrays_side_by_side_and_asks_for_huge_pages_once_they_are_written() -> None:
+    """A model's matrices, each under a huge page, share them: one after another (on cache lines) in one mapping,
+    which asks for huge pages over the whole ones carved once they are written (not at the faults: huge_pages'
+    NOTE); one past its end gets a mapping of its own, and a small arena is numpy's."""
     arena = huge_pages.Arena(3 * HUGE_PAGE)
     first, second = arena.empty((1000, 3)), arena.empty((5, 7), np.float32)
     assert first.shape == (1000, 3) and second.shape == (5, 7) and second.dtype == np.float32
     assert second.ctypes.data == first.ctypes.data + 3008 and second.ctypes.data % huge_pages.ALIGN == 0
-    assert "hg" in mapping_flags(first.ctypes.data)
+    assert first.ctypes.data % HUGE_PAGE == 0
     first.fill(1)
     second.fill(2.0)
     assert int(first.sum()) == 3000 and float(second.sum()) == 70.0
+    arena.written()  # less than a huge page carved: nothing to ask for
+    assert "hg" not in mapping_flags(first.ctypes.data)
+    third = arena.empty((HUGE_PAGE,))
+    third.fill(3)
+    assert "hg" not in mapping_flags(third.ctypes.data)
+    arena.written()
+    assert "hg" in mapping_flags(first.ctypes.data)
+    assert "hg" not in mapping_flags(third.ctypes.data + HUGE_PAGE - 1)  # in the partly carved second huge page
     beyond = arena.empty((3 * HUGE_PAGE,))
     assert not first.ctypes.data <= beyond.ctypes.data < first.ctypes.data + 3 * HUGE_PAGE
     assert "hg" in mapping_flags(beyond.ctypes.data)
     assert "hg" not in (mapping_flags(huge_pages.Arena(HUGE_PAGE - 1).empty((10,)).ctypes.data) or set())
+
+
+def test_a_loaded_gguf_model_asks_for_huge_pages_for_its_repacked_weights(smollm2_gguf: Path) -> None:
+    from pagegate.engine.loading.gguf_file import GGUFFile
+    from pagegate.engine.loading.gguf_native import load_native
+
+    model = load_native(GGUFFile(smollm2_gguf))
+    _, rows, _ = model.layers[0][2]  # layer 0's q/k/v blocks, carved early in the arena
+    assert "hg" in mapping_flags(rows.ctypes.data)

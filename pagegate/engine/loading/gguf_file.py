@@ -223,6 +223,11 @@ class GGUFFile:
             self.reader.release(tensor)
         return kept, kind
 
+    def blocks_written(self) -> None:
+        """The matrices kept in blocks are all repacked: their pages may become huge ones (Arena.written)."""
+        if "_arena" in self.__dict__:
+            self._arena.written()
+
     @functools.cached_property
     def _arena(self) -> Arena:
         """Where the matrices kept in blocks are repacked, side by side: room for the whole file's tensors."""

@@ -28,6 +28,7 @@ def keep_blocks(gguf: GGUFFile, model: CausalLM, block_types: frozenset[int]) ->
         if parts is not None:  # None: a tied lm_head has no tensor of its own
             model.set_submodule(path, _block_module(module, [(torch.from_numpy(blocks), qtype)
                                                              for blocks, qtype in parts]))
+    gguf.blocks_written()
     embedding = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embedding, QuantEmbedding):
         model.lm_head = embedding.as_linear()

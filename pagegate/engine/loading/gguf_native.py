@@ -57,13 +57,15 @@ def load_native(gguf: GGUFFile, threads: int = 0) -> NativeModel:
     matrices = _Matrices(gguf, kernel, threads)
     embed = matrices.linear(["model.embed_tokens.weight"])
     lm_head = embed if config.tie_word_embeddings else matrices.linear(["lm_head.weight"])
+    layers = [_layer(gguf, matrices, i) for i in range(config.num_hidden_layers)]
+    gguf.blocks_written()
     return NativeModel(
         config=config,
         dims=(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
               config.intermediate_size, config.rms_norm_eps, config.attention_scale),
         final_norm=_vector(gguf, "model.norm.weight"),
         embed=embed, lm_head=lm_head,
-        layers=[_layer(gguf, matrices, i) for i in range(config.num_hidden_layers)],
+        layers=layers,
         embed_scale=config.hidden_size**0.5 if config.is_gemma else None)
 
 
