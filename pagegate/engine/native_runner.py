@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,10 @@ from pagegate.core import BatchBuilder, BlockPool, BlockTables
 from pagegate.engine.devices import device_kind
 from pagegate.engine.errors import ModelLoadError
 from pagegate.engine.kv_sizing import GIB, check_fits
+from pagegate.engine.loading import read_ahead
 from pagegate.engine.loading.generation import GenerationDefaults
 from pagegate.engine.loading.gguf_file import GGUFFile, is_gguf
-from pagegate.engine.loading.gguf_native import ARCHITECTURES, NativeModel, load_native, rope_tables
+from pagegate.engine.loading.gguf_native import ARCHITECTURES, load_native, rope_tables
 from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.pooling import pool_step
@@ -39,7 +39,6 @@ from pagegate.engine.serves import GENERATIVE_POOLING, Serves
 from pagegate.engine.step_parts import cut_step, sampled_rows, step_token_ids
 from pagegate.kernels.dispatch import (
     decode_kernel,
-    default_threads,
     quant_kernel,
     requested_backend,
     sample_kernel,
@@ -52,37 +51,12 @@ FORMATS = ("int8", "float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "in
 DTYPES = ("auto", "float32", "float")  # the native step computes in float32
 
 
-_preloaded: dict[Path, tuple[GGUFFile, Tokenizer, NativeModel]] = {}  # preload(): by the file's resolved path
-
-
-def preload(path: str, on_tokenizer: Callable[[Tokenizer], None] | None = None) -> None:
-    """Read a GGUF model for the native core before its spec comes: `pagegate serve`'s first core reads it while the
-    gateway imports its app (spare_core.start_early_core). The runner built for that path takes it; any other
-    runner drops it (drop_preloaded). `on_tokenizer`: called with the tokenizer before the weights are read."""
-    try:
-        gguf = GGUFFile(Path(path))
-        if gguf.arch in ARCHITECTURES:
-            tokenizer = tokenizer_from_gguf(gguf.metadata)
-            if on_tokenizer is not None:
-                on_tokenizer(tokenizer)
-            # a CPU fewer than a load's: the gateway imports on one meanwhile (on two, a second OpenMP thread
-            # repacked SmolLM2 no sooner, and spun between the repacks on the gateway's CPU)
-            _preloaded[Path(path).resolve()] = (gguf, tokenizer, load_native(gguf, max(1, default_threads() - 1)))
-    except Exception:  # noqa: BLE001 - a guess made early: the load the spec asks for reads it again and says why
-        log.debug("the model %s was not preloaded", path, exc_info=True)
-
-
-def drop_preloaded() -> None:
-    _preloaded.clear()
-
-
 def preloaded_tokenizer(config: EngineConfig, elastic: bool = False) -> Tokenizer | None:
-    """The tokenizer of the model `config` names, where it was preloaded and the native core will serve it (the
-    runner takes that preload): known before the weights load."""
+    """The tokenizer of the model `config` names, where it was read ahead and the native core will serve it (the
+    runner takes what was read): known before the weights load."""
     if not runs_native(config, elastic) or config.model is None:
         return None
-    preloaded = _preloaded.get(Path(config.model).resolve())
-    return preloaded[1] if preloaded is not None else None
+    return read_ahead.tokenizer_read(Path(config.model))
 
 
 class NotNative(Exception):
@@ -182,8 +156,8 @@ class NativeRunner:
         assert config.model is not None
         self.config, path = config, Path(config.model)
         self.serves = Serves(generate=True, pooling=config.pooling)  # embeddings from its hidden states too
-        preloaded = _preloaded.pop(path.resolve(), None)
-        gguf = preloaded[0] if preloaded else GGUFFile(path)
+        preloaded = read_ahead.take(path)
+        gguf = preloaded.gguf if preloaded else GGUFFile(path)
         if gguf.arch not in ARCHITECTURES:
             raise NotNative(f"the native core does not compute {gguf.arch}")
         log.info("loading weights from %s into the native core%s", path, " (read ahead)" if preloaded else "")
@@ -195,12 +169,12 @@ class NativeRunner:
                              f"{self.model_config.max_position_embeddings} positions (max_position_embeddings): "
                              f"give --max-model-len {self.model_config.max_position_embeddings} or less")
         try:
-            self.tokenizer = preloaded[1] if preloaded else tokenizer_from_gguf(gguf.metadata)
+            self.tokenizer = preloaded.tokenizer if preloaded else tokenizer_from_gguf(gguf.metadata)
         except (KeyError, ValueError) as error:
             raise ModelLoadError(f"cannot build the tokenizer of {path.name}: {error}") from error
         self.generation = GenerationDefaults(eos_token_ids=list(self.model_config.eos_token_ids))
         self.eos_token_ids = sorted(set(self.generation.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-        self.weights = preloaded[2] if preloaded else load_native(gguf)
+        self.weights = preloaded.weights if preloaded else load_native(gguf)
         self.cos_sin, self.local_cos_sin = rope_tables(self.model_config, self.max_model_len)
         self._check_shape()
         log.info("loaded %s (%s, weights %.0f MiB) into the native core", path.name, self.model_config.architecture,

@@ -7,7 +7,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from pagegate.config import EngineConfig
-from pagegate.engine.native_runner import NativeRunner, NotNative, drop_preloaded, runs_native
+from pagegate.engine.loading import read_ahead
+from pagegate.engine.native_runner import NativeRunner, NotNative, runs_native
 
 if TYPE_CHECKING:
     from pagegate.engine.encoder_runner import EncoderRunner
@@ -27,7 +28,7 @@ def make_runner(config: EngineConfig, elastic: bool = False) -> NativeRunner | M
             return NativeRunner(config)
         except NotNative as reason:
             log.info("the native core does not run this model (%s): the torch runner does", reason)
-    drop_preloaded()  # a model read ahead for the native core that will not serve it
+    read_ahead.drop()  # a model read ahead for the native core that will not serve it
     if config.task == "embed":
         from pagegate.engine.encoder_runner import EncoderRunner
         return EncoderRunner(config)

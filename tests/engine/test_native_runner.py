@@ -16,6 +16,8 @@ from pagegate.__main__ import gguf_to_read_ahead
 from pagegate.config import EngineConfig
 from pagegate.engine import native_runner, runners
 from pagegate.engine.llm import LLM
+from pagegate.engine.loading import read_ahead
+from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.native_runner import NativeRunner, runs_native
 from pagegate.engine.sampling.params import SamplingParams
 
@@ -147,10 +149,10 @@ def test_a_read_ahead_core_imports_nothing_the_native_core_does_without(wide_lla
     unused = ("torch", "gguf", "yaml", "sentencepiece", "jinja2", "llguidance", "PIL", "asyncio")
     script = textwrap.dedent(f"""
         import sys
-        import pagegate.engine.serving.core_process
-        from pagegate.engine import native_runner
-        native_runner.preload({str(path)!r})
-        assert native_runner._preloaded
+        import pagegate.engine.serving.core_loop
+        from pagegate.engine.loading import read_ahead
+        read_ahead.read_ahead({str(path)!r})
+        assert read_ahead._read
         print(sorted(name for name in {unused!r} if name in sys.modules))
     """)
     assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -159,22 +161,26 @@ def test_a_read_ahead_core_imports_nothing_the_native_core_does_without(wide_lla
 
 def test_a_model_read_ahead_is_taken_by_its_runner_and_dropped_by_another(wide_llama: SavedModel,
                                                                           tmp_path: Path) -> None:
-    """`pagegate serve`'s first core reads the GGUF its arguments name before the spec comes (native_runner.preload):
-    the runner for that file takes what was read, a runner for anything else drops it."""
+    """`pagegate serve`'s first core reads the GGUF its arguments name before the spec comes (loading/read_ahead.py),
+    its vocabulary handed on first: the runner for that file takes what was read, a runner for anything else drops
+    it."""
     path = write_gguf(tmp_path / "llama.gguf", wide_llama.hf_model, quant=lambda name, values: Q.Q4_1)
-    native_runner.preload(str(path))
-    ahead = native_runner._preloaded[path.resolve()][2]
+    sent: list[dict] = []
+    read_ahead.read_ahead(str(path), on_vocab=sent.append)
+    ahead = read_ahead._read[path.resolve()]
+    assert [sorted(vocab) for vocab in sent] == [sorted(k for k in ahead.gguf.metadata if k.startswith("tokenizer."))]
+    assert tokenizer_from_gguf(sent[0]).backend_json() == ahead.tokenizer.backend_json()
     config = EngineConfig(model=str(path))  # its tokenizer known before the weights load (EarlyTokenizer)
-    assert native_runner.preloaded_tokenizer(config) is native_runner._preloaded[path.resolve()][1]
+    assert native_runner.preloaded_tokenizer(config) is ahead.tokenizer
     assert native_runner.preloaded_tokenizer(config, elastic=True) is None  # the torch runner's: it reads its own
     assert native_runner.preloaded_tokenizer(replace(config, model=str(tmp_path / "other.gguf"))) is None
     llm = LLM(str(tmp_path / "." / "llama.gguf"), num_kv_blocks=64)  # the same file, named otherwise
-    assert llm.engine.runner.weights is ahead and not native_runner._preloaded
-    native_runner.preload(str(path))
+    assert llm.engine.runner.weights is ahead.weights and not read_ahead._read
+    read_ahead.read_ahead(str(path))
     LLM(str(path), num_kv_blocks=64, dtype="bfloat16")  # the torch runner's
-    assert not native_runner._preloaded
-    native_runner.preload(str(tmp_path / "missing.gguf"))  # a wrong guess: nothing read, the load says why
-    assert not native_runner._preloaded
+    assert not read_ahead._read
+    read_ahead.read_ahead(str(tmp_path / "missing.gguf"))  # a wrong guess: nothing read, the load says why
+    assert not read_ahead._read
 
 
 @pytest.mark.parametrize(("args", "gguf"), [

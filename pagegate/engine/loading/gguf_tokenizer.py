@@ -25,7 +25,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -197,12 +196,20 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[i
     return backend
 
 
+def vocabulary(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """What tokenizer_from_gguf reads of a GGUF's metadata (its `tokenizer.*` keys), in plain lists and scalars: what
+    builds the same tokenizer in another process (frames.WireTokenizer)."""
+    return {key: _plain(value) for key, value in metadata.items() if key.startswith("tokenizer.")}
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value  # gguf_reader keeps arrays as numpy views
+
+
 def _numbers(metadata: Mapping[str, Any], key: str) -> list[Any]:
-    """A numeric array as a list ([] when missing): gguf_reader keeps them as numpy views of the file."""
+    """A numeric array as a list ([] when missing)."""
     value = metadata.get(key)
-    if value is None:
-        return []
-    return value.tolist() if isinstance(value, np.ndarray) else list(value)
+    return [] if value is None else list(_plain(value))
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:

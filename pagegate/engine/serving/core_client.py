@@ -12,7 +12,7 @@ import os
 import subprocess
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -24,6 +24,7 @@ from pagegate.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
+from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf
 from pagegate.engine.media.processing import ImageProcessing
 from pagegate.engine.memory.page_ledger import ElasticSpec
 from pagegate.engine.observe.stats import EngineHealth, EngineStats
@@ -297,8 +298,8 @@ class CoreClient:
                 future = self._calls.pop(call_id, None)
                 if future is not None and not future.done():
                     future.set_result(frame)
-            case EarlyTokenizer(tokenizer) if self._ready is not None and not self._ready.done():
-                self._early_tokenizer = tokenizer.tokenizer()
+            case EarlyTokenizer(vocabulary) if self._ready is not None and not self._ready.done():
+                self._early_tokenizer = _early_tokenizer(vocabulary)
             case Ready() if self._ready is not None:
                 self._ready.set_result(frame)
             case Failed(name, message) if self._ready is not None and not self._ready.done():
@@ -479,3 +480,13 @@ class CoreClient:
         """An idle core's pool to `kv_bytes` of pages (an elastic pool's limit moves in place, its prefix cache below
         it kept; a fixed pool is allocated again, its prefix cache lost); how many pages it has now."""
         return await self._call("resize", int, kv_bytes)
+
+
+def _early_tokenizer(vocabulary: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer of an EarlyTokenizer's vocabulary; None where it builds none (the core, building its own from the
+    same vocabulary, fails the load and says why)."""
+    try:
+        return tokenizer_from_gguf(vocabulary)
+    except (KeyError, ValueError):
+        log.debug("the early vocabulary built no tokenizer", exc_info=True)
+        return None

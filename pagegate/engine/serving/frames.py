@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -303,10 +303,12 @@ class Ready(Frame, tag="ready"):
 
 
 class EarlyTokenizer(Frame, tag="tokenizer"):
-    """The model's tokenizer, sent before the weights load where the core read it ahead (native_runner.preload):
-    the gateway builds its copy (~0.1 s for a 50k-token BPE) while the core loads, and Ready then carries none."""
+    """The vocabulary of the GGUF a core reads ahead (gguf_tokenizer.vocabulary, loading/read_ahead.py), sent before
+    the core builds anything from it: the gateway builds its copy of the tokenizer from it (tokenizer_from_gguf, as
+    the core does; ~0.1 s for a 50k-token BPE) while the core loads. Where the spec names that file, Ready then
+    carries no tokenizer."""
 
-    tokenizer: WireTokenizer
+    vocabulary: dict[str, Any]
 
 
 class Outputs(Frame, tag="outputs"):

@@ -17,12 +17,14 @@ from tokenizers.models import WordLevel
 
 from pagegate import LLM, SamplingParams
 from pagegate.engine.errors import InvalidParamError, RequestFailedError
+from pagegate.engine.loading.gguf_file import GGUFFile
+from pagegate.engine.loading.gguf_tokenizer import tokenizer_from_gguf, vocabulary
 from pagegate.engine.loading.tokenizer import Tokenizer
 from pagegate.engine.outputs import RequestOutput
 from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import take_snapshot
 from pagegate.engine.sampling.structured import StructuredOutputsParams
-from pagegate.engine.serving.core_process import CoreLoop
+from pagegate.engine.serving.core_loop import CoreLoop
 from pagegate.engine.serving.frames import (
     Abort,
     Call,
@@ -198,8 +200,20 @@ def test_the_tokenizer_is_rebuilt_in_the_gateway(engine) -> None:
     assert (rebuilt.special_tokens, rebuilt.chat_template, rebuilt.eos_token_ids, rebuilt.backend_json()) == (
         tokenizer.special_tokens, tokenizer.chat_template, tokenizer.eos_token_ids, tokenizer.backend_json())
     assert through_the_wire(msgspec.structs.replace(ready, tokenizer=None), ToGateway).tokenizer is None
-    early = through_the_wire(EarlyTokenizer(WireTokenizer.of(tokenizer)), ToGateway)  # before the weights load
-    assert isinstance(early, EarlyTokenizer) and early.tokenizer.tokenizer().backend_json() == tokenizer.backend_json()
+
+
+def test_a_gguf_vocabulary_sent_early_builds_the_tokenizer_the_core_builds(smollm2_gguf) -> None:
+    """A read-ahead core sends its GGUF's vocabulary before its weights load (EarlyTokenizer): the gateway's copy
+    built from it is the core's, ids, texts, template and end tokens alike."""
+    metadata = GGUFFile(smollm2_gguf).metadata
+    mine = tokenizer_from_gguf(metadata)
+    early = through_the_wire(EarlyTokenizer(vocabulary(metadata)), ToGateway)
+    theirs = tokenizer_from_gguf(early.vocabulary)
+    assert theirs.backend_json() == mine.backend_json()
+    assert (theirs.special_tokens, theirs.chat_template, theirs.eos_token_ids) == (
+        mine.special_tokens, mine.chat_template, mine.eos_token_ids)
+    text = "Hello, wörld! 123 <|im_start|>"
+    assert theirs.encode(text) == mine.encode(text)
 
 
 @pytest.mark.parametrize("arg", [None, 7, "adapter", ("adapter", "/path/to/it")])
