@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from pagegate.gateway.shutdown import InFlightMiddleware
 if TYPE_CHECKING:
     from pagegate.gateway.batches.service import Batches
     from pagegate.gateway.dashboard.feed import DashboardFeed
+    from pagegate.gateway.grpc_server import GrpcServer
 
 logger = logging.getLogger("pagegate.gateway")
 
@@ -88,6 +90,23 @@ def build_state(engine_config: EngineConfig, config: GatewayConfig,
                         gateway_registry=gateway_registry(host), batches=_batches(engine_config, config))
 
 
+async def _grpc_server(host: EngineHost) -> GrpcServer:
+    """The gRPC server on --grpc-port, its modules imported on a thread: their ~0.05 s then share the GIL with the
+    first model's load, which spends most of it waiting on its core, rather than come before it. The server turns
+    ready once it is up (EngineHost.start)."""
+    grpc_server = await asyncio.to_thread(importlib.import_module, "pagegate.gateway.grpc_server")
+    return await grpc_server.start_grpc_server(host.config.host, host.config.grpc_port, host)
+
+
+async def _stop_grpc(starting: asyncio.Task[GrpcServer]) -> None:
+    starting.cancel()  # nothing where it is up
+    try:
+        server = await starting
+    except (asyncio.CancelledError, Exception):  # stopped while starting, or it could not bind (EngineHost said so)
+        return
+    await server.stop()
+
+
 def _dashboard(host: EngineHost) -> DashboardFeed:
     from pagegate.gateway.dashboard.feed import DashboardFeed
 
@@ -110,14 +129,12 @@ def build_app(state: GatewayState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[GatewayState]:
-        host.start()
-        grpc_server = None
-        history = asyncio.get_running_loop().create_task(dashboard.sample_history()) if dashboard else None
+        loop = asyncio.get_running_loop()
+        # same process, event loop and engine as the HTTP server
+        grpc_server = loop.create_task(_grpc_server(host)) if config.grpc_port else None
+        host.start(listeners=grpc_server)
+        history = loop.create_task(dashboard.sample_history()) if dashboard else None
         try:
-            if config.grpc_port:  # same process, event loop and engine as the HTTP server
-                from pagegate.gateway.grpc_server import start_grpc_server
-
-                grpc_server = await start_grpc_server(config.host, config.grpc_port, host)
             if batch_api is not None:  # its lines enter at the router, below the middleware (batches/in_process.py)
                 await batch_api.start(app.router, state)
             yield state
@@ -127,7 +144,7 @@ def build_app(state: GatewayState) -> Starlette:
             if history is not None:
                 history.cancel()
             if grpc_server is not None:
-                await grpc_server.stop()
+                await _stop_grpc(grpc_server)
             await host.stop()
 
     middleware = [Middleware(APIKeyMiddleware, api_keys=config.client_api_keys, admin_keys=config.admin_api_keys)]

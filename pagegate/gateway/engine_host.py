@@ -85,20 +85,25 @@ class EngineHost:
         return self.slots[0].embedding_size
 
     # -- start -----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, listeners: asyncio.Future[Any] | None = None) -> None:
+        """Load the default model; `listeners`: the server's other listeners starting (its gRPC server). The server
+        turns ready once both are up; it fails at once where the listeners cannot start."""
         self.loop = asyncio.get_running_loop()
-        self._load_task = self.loop.create_task(self._start())
+        if listeners is not None:
+            listeners.add_done_callback(self._listeners_started)
+        self._load_task = self.loop.create_task(self._start(listeners))
 
-    async def _start(self) -> None:
+    async def _start(self, listeners: asyncio.Future[Any] | None) -> None:
         """Load the default model; with several, the others load on their first request."""
         slot = self.slots[0]
         await self.lifecycle.load(slot)
         await asyncio.to_thread(SPARE_CORES.drop_early)  # the first model's cores started: one not taken waits for none
         if slot.state == MODEL_FAILED and not self.several:
-            self.state, self.reason = FAILED, slot.reason
-            if self._on_fatal is not None:
-                self._on_fatal()
+            self._fail(slot.reason)
             return
+        if listeners is not None:
+            with contextlib.suppress(Exception):  # _listeners_started failed the server
+                await listeners
         if self.state == LOADING:
             self.state, self.reason = READY, "serving"
             logger.info(serving_line(self))
@@ -261,6 +266,17 @@ class EngineHost:
                                                                "Connection": "close"})
         if self.state != READY:
             raise ServiceUnavailable(f"The server is not ready: {self.reason}.", code=self.state)
+
+    def _listeners_started(self, listeners: asyncio.Future[Any]) -> None:
+        if listeners.cancelled() or listeners.exception() is None:
+            return
+        logger.error("cannot serve: %s", listeners.exception())
+        self._fail(str(listeners.exception()))
+
+    def _fail(self, reason: str) -> None:
+        self.state, self.reason = FAILED, reason
+        if self._on_fatal is not None:
+            self._on_fatal()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """`in_flight`: API requests being served (what a drain waits for); `admitted`: those of them whose

@@ -291,9 +291,12 @@ async def start_grpc_server(host: str, port: int, engine_host: EngineHost) -> Gr
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)  # raises RuntimeError when it cannot bind
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's own message names GRPC_VERBOSITY, not the flag
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"gRPC: cannot listen on {address}")
+        raise RuntimeError(f"gRPC: cannot listen on {address} (--grpc-port): is the port taken?")
     await server.start()
     health.start()
     address = f"{address.rsplit(':', 1)[0]}:{bound}"

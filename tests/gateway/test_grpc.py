@@ -274,12 +274,27 @@ def test_status_mapping() -> None:
 
 # -- the live server -------------------------------------------------------------------------------
 def test_not_ready_while_loading(served: Served) -> None:
-    """The gRPC port opens with the HTTP one; until the engine is up, calls get UNAVAILABLE."""
+    """The gRPC port opens while the engine loads; until the engine is up, calls get UNAVAILABLE."""
     seen = served.startup
     assert seen[-1] == ("SERVING", "OK")
     loading = [s for s in seen[:-1] if s[0] == "NOT_SERVING"]
     assert loading, f"never saw the loading state: {seen[:3]}"
     assert all(call.startswith("UNAVAILABLE: The server is not ready") for _, call in loading), loading[:3]
+
+
+def test_a_grpc_port_taken_stops_the_server_with_why() -> None:
+    """The gRPC server starts beside the model's load (app._grpc_server): one that cannot bind its port fails the
+    start as a busy HTTP port does, at once and saying why, and ends the cores it started."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        command = [sys.executable, "-m", "pagegate", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+                   *ARGS, "--grpc-port", str(taken.getsockname()[1])]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert re.search(r"cannot serve: gRPC: cannot listen on 127\.0\.0\.1:\d+", done.stderr), done.stderr[-2000:]
 
 
 def test_health_and_reflection(served: Served) -> None:
