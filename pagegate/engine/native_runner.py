@@ -169,7 +169,8 @@ class NativeRunner:
                              f"{self.model_config.max_position_embeddings} positions (max_position_embeddings): "
                              f"give --max-model-len {self.model_config.max_position_embeddings} or less")
         try:
-            self.tokenizer = preloaded.tokenizer if preloaded else tokenizer_from_gguf(gguf.metadata)
+            self.tokenizer = (preloaded.tokenizer if preloaded  # lazy merges: a server's core only decodes
+                              else tokenizer_from_gguf(gguf.metadata, lazy_merges=True))
         except (KeyError, ValueError) as error:
             raise ModelLoadError(f"cannot build the tokenizer of {path.name}: {error}") from error
         self.generation = GenerationDefaults(eos_token_ids=list(self.model_config.eos_token_ids))

@@ -20,6 +20,7 @@ so and llama.cpp skips it; here the family's pre-tokenizer type brings it back, 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,13 +89,17 @@ PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
 }
 
 
-def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
+def tokenizer_from_gguf(metadata: Mapping[str, Any], lazy_merges: bool = False) -> Tokenizer:
     """The tokenizer described by a GGUF's metadata (GGUFContents' own, or `{name: field.contents()}` of GGUFReader).
 
     Raises ValueError for a vocabulary kind other than `gpt2` / `llama`, or an unknown `tokenizer.ggml.pre`.
-    A missing `tokenizer.ggml.pre` means llama.cpp's `default` pre-tokenizer, as in llama.cpp.
+    A missing `tokenizer.ggml.pre` means llama.cpp's `default` pre-tokenizer, as in llama.cpp. `lazy_merges`: the
+    BPE merges are built at the first encode (Tokenizer's `complete`), so an engine core, which only decodes, never
+    builds them (~half of building SmolLM2's tokenizer).
     """
     model = metadata.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: gpt2, llama")
     # llama.cpp renames empty tokens so every id has a distinct text
     tokens = list(metadata["tokenizer.ggml.tokens"])
     if "" in tokens:
@@ -105,29 +110,35 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     named = {name: metadata.get(f"tokenizer.ggml.{name}_token_id")
              for name in ("bos", "eos", "unknown", "padding", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")}
     ids: dict[str, int] = {name: int(i) for name, i in named.items() if i is not None}
-    if model == "gpt2":
-        backend, add_bos = _byte_level(metadata, tokens)
-    elif model == "llama":
+    if model == "llama":
         ids = {"bos": 1, "eos": 2, "unknown": 0} | ids
-        backend, add_bos = _sentencepiece(metadata, tokens, types, ids["unknown"]), True
-    else:
-        raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: gpt2, llama")
     ids = {name: i for name, i in ids.items() if 0 <= i < len(tokens)}
+    build = functools.partial(_backend, metadata, tokens, types, ids)
+    config = {key: tokens[ids[name]] for key, name in (("bos_token", "bos"), ("eos_token", "eos"),
+                                                      ("unk_token", "unknown"), ("pad_token", "padding"))
+              if name in ids}
+    return Tokenizer(build(merges=not lazy_merges), config, metadata.get("tokenizer.chat_template"),
+                     _end_of_generation(tokens, ids), complete=build if lazy_merges else None)
 
+
+def _backend(metadata: Mapping[str, Any], tokens: list[str], types: list[int], ids: Mapping[str, int],
+             merges: bool = True) -> HFTokenizer:
+    """The `tokenizers` tokenizer of the file's vocabulary; `merges`: False leaves its BPE without the merges,
+    which decoding needs none of."""
+    if metadata.get("tokenizer.ggml.model") == "gpt2":
+        backend, add_bos = _byte_level(metadata, tokens, merges)
+    else:
+        backend, add_bos = _sentencepiece(metadata, tokens, types, ids.get("unknown", -1), merges), True
     added = [(token, kind) for token, kind in zip(tokens, types, strict=True) if kind in _ADDED]
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
                                 for token, kind in added if kind != _USER_DEFINED])
     backend.add_tokens([AddedToken(token, special=False, normalized=False)
                         for token, kind in added if kind == _USER_DEFINED])
-
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = _post_processor(tokens, ids.get("bos") if add_bos else None,
                                              ids.get("eos") if add_eos else None)
-    config = {key: tokens[ids[name]] for key, name in (("bos_token", "bos"), ("eos_token", "eos"),
-                                                      ("unk_token", "unknown"), ("pad_token", "padding"))
-              if name in ids}
-    return Tokenizer(backend, config, metadata.get("tokenizer.chat_template"), _end_of_generation(tokens, ids))
+    return backend
 
 
 # Token texts llama.cpp (llama-vocab.cpp) ends generation on, whatever the file's metadata names.
@@ -153,7 +164,7 @@ def _end_of_generation(tokens: list[str], ids: Mapping[str, int]) -> list[int]:
     return list(dict.fromkeys(index for index in found if tokens[index] not in dropped))
 
 
-def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFTokenizer, bool]:
+def _byte_level(metadata: Mapping[str, Any], tokens: list[str], merges: bool = True) -> tuple[HFTokenizer, bool]:
     """Byte-level BPE with the split regexes of the file's pre-tokenizer type; also its add-BOS default."""
     name = metadata.get("tokenizer.ggml.pre")
     if name is None:
@@ -165,8 +176,8 @@ def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFToken
                          f"{', '.join(sorted(PRE_TOKENIZERS))}")
     if "tokenizer.ggml.merges" not in metadata:
         raise ValueError("GGUF byte-level (gpt2) vocabulary has no tokenizer.ggml.merges")
-    merges = merge_pairs(metadata["tokenizer.ggml.merges"])
-    backend = HFTokenizer(BPE(_vocab(tokens), merges, ignore_merges=pre.ignore_merges))
+    pairs = merge_pairs(metadata["tokenizer.ggml.merges"]) if merges else []
+    backend = HFTokenizer(BPE(_vocab(tokens), pairs, ignore_merges=pre.ignore_merges))
     if pre.nfc:
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -176,16 +187,17 @@ def _byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[HFToken
     return backend, pre.add_bos
 
 
-def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[int],
-                   unk_id: int) -> HFTokenizer:
+def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[int], unk_id: int,
+                   merges: bool = True) -> HFTokenizer:
     """SentencePiece BPE: spaces spelled `▁`, unknown characters as `<0xNN>` bytes."""
-    if "tokenizer.ggml.merges" in metadata:
-        merges = merge_pairs(metadata["tokenizer.ggml.merges"])
-    else:
+    pairs: list[tuple[str, str]] = []
+    if merges and "tokenizer.ggml.merges" in metadata:
+        pairs = merge_pairs(metadata["tokenizer.ggml.merges"])
+    elif merges:
         scores = _numbers(metadata, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-        merges = _merges_from_scores(tokens, types, scores)
+        pairs = _merges_from_scores(tokens, types, scores)
     unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
-    backend = HFTokenizer(BPE(_vocab(tokens), merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = HFTokenizer(BPE(_vocab(tokens), pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     # A normalizer (not Metaspace) so that, like llama.cpp, every text run between special tokens gets
     # the prefix space, not just the first one.

@@ -43,7 +43,7 @@ def read_ahead(path: str, on_vocab: Callable[[dict[str, Any]], None] | None = No
             return
         if on_vocab is not None:
             on_vocab(vocabulary(gguf.metadata))
-        tokenizer = tokenizer_from_gguf(gguf.metadata)
+        tokenizer = tokenizer_from_gguf(gguf.metadata, lazy_merges=True)  # a server's core only decodes
         # a CPU fewer than a load's: the gateway imports on one meanwhile (on two, a second OpenMP thread repacked
         # SmolLM2 no sooner, and spun between the repacks on the gateway's CPU)
         _read[Path(path).resolve()] = ReadAhead(gguf, tokenizer, load_native(gguf, max(1, default_threads() - 1)))

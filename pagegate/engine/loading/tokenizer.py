@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,12 @@ class Tokenizer:
     """
 
     def __init__(self, tokenizer: HFTokenizer, tokenizer_config: dict[str, Any] | None = None,
-                 chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = ()) -> None:
+                 chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = (),
+                 complete: Callable[[], HFTokenizer] | None = None) -> None:
+        """`complete`: where `tokenizer` decodes but cannot encode yet (a GGUF's BPE without its merges:
+        gguf_tokenizer's `lazy_merges`), what builds the whole one; called at the first encode."""
         self._tokenizer = tokenizer
+        self._complete = complete
         config = tokenizer_config or {}
         self.special_tokens = {key: _token_content(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
@@ -47,7 +51,6 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(([eos] if eos is not None else []) +
                                                            list(extra_eos_token_ids)))
         self.chat_template = chat_template or _pick_template(config.get("chat_template"))
-        self._anchor_ids = self._tokenizer.encode("a", add_special_tokens=False).ids[-1:]
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
 
@@ -74,10 +77,17 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(wire["backend"]), dict(wire["special_tokens"]), wire["chat_template"],
                    wire["eos_token_ids"])
 
+    @property
+    def _encoder(self) -> HFTokenizer:
+        """The whole tokenizer, built now where it was left incomplete (`complete`)."""
+        if self._complete is not None:
+            self._tokenizer, self._complete = self._complete(), None
+        return self._tokenizer
+
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
         """The most input characters one token can stand for (None: no such bound); see token_bounds."""
-        return chars_per_token_bound(self._tokenizer)
+        return chars_per_token_bound(self._encoder)
 
     @property
     def vocab_size(self) -> int:
@@ -85,11 +95,11 @@ class Tokenizer:
 
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer serialized (tokenizer.json), for libraries that build their own."""
-        return self._tokenizer.to_str()
+        return self._encoder.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; add_special_tokens adds what the post-processor adds (usually bos)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encoder.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -164,6 +174,10 @@ class Tokenizer:
         if prefix and token_ids[:len(prefix)] != prefix:
             token_ids = prefix + token_ids
         return token_ids
+
+    @functools.cached_property
+    def _anchor_ids(self) -> list[int]:
+        return self.encode("a", add_special_tokens=False)[-1:]
 
     def _surface_text(self, token_id: int) -> str:
         # Decoded after an anchor token, a leading space survives decoders that strip it at the start.

@@ -51,5 +51,13 @@ def cos_sin_table(head_dim: int, rope: RopeConfig, max_position_embeddings: int,
     signed sin that makes x cos + roll(x, D/2) sin' HF's x cos + rotate_half(x) sin)."""
     freqs = np.outer(np.arange(max_position_embeddings, dtype=np.float64),
                      inv_freq(head_dim, rope, max_position_embeddings, long))
-    cos, sin = np.cos(freqs) * rope.attention_factor, np.sin(freqs) * rope.attention_factor
-    return np.concatenate([cos, cos, -sin, sin], axis=-1).astype(np.float32)
+    half = freqs.shape[1]
+    table = np.empty((max_position_embeddings, 4 * half), dtype=np.float32)  # each quarter rounded once, in place
+    cos = np.cos(freqs)
+    cos *= rope.attention_factor
+    table[:, :half] = table[:, half:2 * half] = cos
+    sin = np.sin(freqs, out=freqs)
+    sin *= rope.attention_factor
+    table[:, 3 * half:] = sin
+    table[:, 2 * half:3 * half] = np.negative(sin, out=sin)
+    return table

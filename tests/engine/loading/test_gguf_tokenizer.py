@@ -411,3 +411,31 @@ def test_missing_pre_type_means_default(byte_level_vocab: dict[str, Any]) -> Non
     missing = tokenizer_from_gguf(byte_level_vocab)
     default = tokenizer_from_gguf({**byte_level_vocab, "tokenizer.ggml.pre": "default"})
     assert all(missing.encode(text) == default.encode(text) for text in TEXTS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Merges built at the first encode (an engine core only decodes)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece-scores", "sentencepiece-merges"])
+def test_lazy_merges_decode_alike_and_are_built_at_the_first_encode(
+        kind: str, byte_level_vocab: dict[str, Any], sentencepiece_vocab: dict[str, Any]) -> None:
+    metadata = dict(byte_level_vocab if kind == "byte-level" else sentencepiece_vocab)
+    if kind == "sentencepiece-scores":
+        del metadata["tokenizer.ggml.merges"]
+    whole, lazy = tokenizer_from_gguf(metadata), tokenizer_from_gguf(metadata, lazy_merges=True)
+    texts = TEXTS if kind == "byte-level" else SPM_TEXTS
+    ids = [whole.encode(text) for text in texts]
+    rng = random.Random(0)
+    ids += [[rng.randrange(whole.vocab_size) for _ in range(rng.randrange(1, 12))] for _ in range(200)]
+    for sequence in ids:
+        for skip in (True, False):
+            assert lazy.decode(sequence, skip_special_tokens=skip) == whole.decode(sequence, skip_special_tokens=skip)
+    assert (lazy.vocab_size, lazy.eos_token_ids, lazy.special_tokens, lazy.bos_token_id) == (
+        whole.vocab_size, whole.eos_token_ids, whole.special_tokens, whole.bos_token_id)
+    assert lazy._complete is not None  # decoding built no merges
+    assert [lazy.encode(text) for text in texts] == ids[:len(texts)]
+    assert lazy._complete is None and lazy.backend_json() == whole.backend_json()
+    every = sorted({i for sequence in ids for i in sequence})
+    assert [lazy.token_bytes(i) for i in every] == [whole.token_bytes(i) for i in every]
+    assert [lazy.token_text(i) for i in every] == [whole.token_text(i) for i in every]
