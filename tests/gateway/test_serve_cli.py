@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pagegate.__main__ import main
+import pytest
+
+from pagegate.__main__ import main, modules_to_import_beside
 from pagegate.gateway.cli import build_parser, configs_from_args
 
 
@@ -50,6 +52,19 @@ def test_main_dispatch(capsys) -> None:
     assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
     assert main(["version"]) == 0
     assert main(["bogus"]) == 2
+
+
+@pytest.mark.parametrize(("args", "grpc"), [
+    ([], True), (["--grpc-port", "0"], False), (["--grpc-port=0"], False), (["--grpc-port", "7000"], True),
+    (["--grpc-port", "0", "--grpc-port=9"], True), (["--grpc-port=9", "--grpc-port", "0"], False),
+    (["--port", "0"], True)])
+def test_the_gateway_imports_its_renderer_and_grpc_server_beside_its_own_imports(args: list[str],
+                                                                                 grpc: bool) -> None:
+    """`pagegate serve` starts importing what its app imports on threads later (jinja2, the gRPC server) at once;
+    the gRPC server only where the arguments do not turn it off (the last --grpc-port wins, as argparse has it)."""
+    modules = modules_to_import_beside(args)
+    assert modules[0] == "pagegate.engine.loading.chat_template"
+    assert ("pagegate.gateway.grpc_server" in modules) == grpc
 
 
 def test_console_entry_help() -> None:
