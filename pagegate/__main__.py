@@ -43,7 +43,7 @@ def modules_to_import_beside(args: list[str]) -> list[str]:
 def import_beside(modules: list[str]) -> None:
     """Import `modules` on a thread, beside the gateway's own imports: done before its first model's tokenizer is
     built rather than after it (imported once the app ran, they shared the GIL with that build and ended after it:
-    ~30-40 ms of a start-up). Their errors are the later imports' to report."""
+    ~30-70 ms of a start-up). Their errors are the later imports' to report."""
     def run() -> None:
         for module in modules:
             with contextlib.suppress(Exception):

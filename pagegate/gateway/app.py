@@ -91,9 +91,9 @@ def build_state(engine_config: EngineConfig, config: GatewayConfig,
 
 
 async def _grpc_server(host: EngineHost) -> GrpcServer:
-    """The gRPC server on --grpc-port, its modules imported on a thread: their ~0.05 s then share the GIL with the
-    first model's load, which spends most of it waiting on its core, rather than come before it. The server turns
-    ready once it is up (EngineHost.start)."""
+    """The gRPC server on --grpc-port, started beside the first model's load (the server turns ready once it is up:
+    EngineHost.start); its modules imported on a thread, where `pagegate serve` has not imported them already
+    (__main__.import_beside): ~0.05 s that would hold up the load's start."""
     grpc_server = await asyncio.to_thread(importlib.import_module, "pagegate.gateway.grpc_server")
     return await grpc_server.start_grpc_server(host.config.host, host.config.grpc_port, host)
 
