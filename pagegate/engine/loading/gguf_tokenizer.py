@@ -210,7 +210,7 @@ def _sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: list[i
 
 def vocabulary(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """What tokenizer_from_gguf reads of a GGUF's metadata (its `tokenizer.*` keys), in plain lists and scalars: what
-    builds the same tokenizer in another process (frames.WireTokenizer)."""
+    builds the same tokenizer in another process (frames.EarlyTokenizer)."""
     return {key: _plain(value) for key, value in metadata.items() if key.startswith("tokenizer.")}
 
 
