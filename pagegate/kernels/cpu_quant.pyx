@@ -159,17 +159,18 @@ def _row_addresses(parts, order):
     return addresses if order is None else addresses[np.asarray(order, dtype=np.intp)]
 
 
-def panels(blocks, int qtype):
+def panels(blocks, int qtype, empty=huge_pages.empty):
     """(blocks, qtype) of a float matrix W [N, K] as the native step reads it: rows of F32, F16 or BF16 (blocks: its
     bytes [N, K * value bytes], an array or a CPU tensor) in panels of 32, each k-major (cpu_panels.h; the same
-    values, permuted) in a new array, its type id PANELS[qtype]."""
+    values, permuted) in a new array, its type id PANELS[qtype]. `empty(shape)`: the new uint8 array (on huge pages
+    by default)."""
     source = np.ascontiguousarray(blocks)
     if qtype not in PANELS or source.dtype != np.uint8 or source.ndim != 2:
         raise ValueError("blocks must be the uint8 [N, row bytes] of an F32, F16 or BF16 matrix")
     cdef int bytes = 4 if qtype == F32 else 2
     if source.shape[1] % bytes:
         raise ValueError(f"rows of {source.shape[1]} bytes are no whole number of values")
-    out = huge_pages.empty(tuple(source.shape))
+    out = empty(tuple(source.shape))
     pgq_panels_pack(<const uint8_t *><size_t>source.ctypes.data, source.shape[0], source.shape[1] // bytes, bytes,
                     <uint8_t *><size_t>out.ctypes.data)
     return out, PANELS[qtype]

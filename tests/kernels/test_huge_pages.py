@@ -90,6 +90,17 @@ def test_an_arena_carves_arrays_side_by_side_and_asks_for_huge_pages_once_they_a
     assert "hg" not in (mapping_flags(huge_pages.Arena(HUGE_PAGE - 1).empty((10,)).ctypes.data) or set())
 
 
+def test_float_panels_go_where_they_are_told() -> None:
+    """A GGUF's float matrices are paneled into its arena (gguf_native), as its blocks are: huge pages once written."""
+    arena = huge_pages.Arena(3 * HUGE_PAGE)
+    values = np.random.default_rng(0).standard_normal((1024, 512)).astype(np.float32)
+    paneled, _ = cpu_quant.panels(values.view(np.uint8), int(Q.F32), arena.empty)
+    expected, _ = cpu_quant.panels(values.view(np.uint8), int(Q.F32))
+    assert np.array_equal(paneled, expected) and "hg" not in mapping_flags(paneled.ctypes.data)
+    arena.written()
+    assert "hg" in mapping_flags(paneled.ctypes.data)
+
+
 def test_a_loaded_gguf_model_asks_for_huge_pages_for_its_repacked_weights(smollm2_gguf: Path) -> None:
     from pagegate.engine.loading.gguf_file import GGUFFile
     from pagegate.engine.loading.gguf_native import load_native

@@ -218,13 +218,18 @@ class GGUFFile:
                                 for (name, _), part, end in zip(shards, parts, ends, strict=True)])
         kernel = quant_kernel()
         assert kernel is not None, "blocks are kept only where the kernel is built (quant.block_types)"
-        kept, kind = kernel.interleaved(parts, qtype, order, threads, self._arena.empty)
+        kept, kind = kernel.interleaved(parts, qtype, order, threads, self.empty)
         for _, tensor in shards:
             self.reader.release(tensor)
         return kept, kind
 
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A uint8 array one of the file's matrices is repacked into (blocks interleaved, float panels): in the file's
+        arena, beside the others."""
+        return self._arena.empty(shape)
+
     def blocks_written(self) -> None:
-        """The matrices kept in blocks are all repacked: their pages may become huge ones (Arena.written)."""
+        """The file's matrices are all repacked: their pages may become huge ones (Arena.written)."""
         if "_arena" in self.__dict__:
             self._arena.written()
 

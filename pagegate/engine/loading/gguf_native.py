@@ -126,7 +126,7 @@ class _Matrices:
         if len(parts) == 1:
             rows, qtype = parts[0]
             if qtype in (F32, F16, BF16):
-                rows, qtype = self.kernel.panels(rows, qtype)
+                rows, qtype = self.kernel.panels(rows, qtype, self.gguf.empty)
             return qtype, rows, bias
         ends = np.cumsum([0] + [rows.shape[0] for rows, _ in parts])
         return [(qtype, rows, None if bias is None else bias[start:end].copy())
