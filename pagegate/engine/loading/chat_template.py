@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -55,12 +54,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-@lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
-@lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)
 def template_variables(source: str) -> frozenset[str]:
     """The variables a template reads from its caller; a template that fails to parse reads none."""
     try:

@@ -239,11 +239,8 @@ class GGUFFile:
         return Arena(sum(tensor.data.nbytes for tensor in self.reader.tensors))
 
     def array(self, name: str) -> np.ndarray:
-        """One tensor (its GGUF name) as float32 in PyTorch's [rows, columns] order (GGUF lists dims innermost
-        first), a copy of its own (the file is mapped read-only)."""
-        tensor = self.tensors[name]
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        return dequantized(tensor).reshape(shape).copy()
+        """One tensor (its GGUF name) as tensor_array gives it."""
+        return tensor_array(self.tensors[name])
 
     def unpermuted(self, name: str, values: Any) -> Any:
         """Undo llama.cpp's row order for Q and K: it interleaves each head's two rotary halves."""
@@ -277,6 +274,13 @@ def _blocks_as(tensor: GGUFTensor, qtype: int) -> np.ndarray:
     d = scales.view(np.float16).astype(np.float32)
     steps = np.rint(np.divide(values, d, out=np.zeros_like(values), where=d != 0)).astype(np.int8)
     return np.concatenate([scales, steps.view(np.uint8)], axis=2).reshape(rows, -1)
+
+
+def tensor_array(tensor: GGUFTensor) -> np.ndarray:
+    """A tensor as float32 in PyTorch's [rows, columns] order (GGUF lists dims innermost first), a copy of its own
+    (the file is mapped read-only)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return dequantized(tensor).reshape(shape).copy()
 
 
 def dequantized(tensor: GGUFTensor) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from pagegate.engine.errors import ModelLoadError
-from pagegate.engine.loading.gguf_file import dequantized
+from pagegate.engine.loading.gguf_file import tensor_array
 from pagegate.engine.loading.gguf_reader import GGUFContents, GGUFTensor
 from pagegate.engine.loading.gguf_types import GGMLQuantizationType
 from pagegate.engine.media.gemma3 import Gemma3Processing
@@ -215,8 +215,4 @@ def _unswap_ffn(state: dict[str, torch.Tensor], hidden: int, intermediate: int) 
 
 
 def _array(tensor: GGUFTensor) -> torch.Tensor:
-    """One tensor as float32 in PyTorch's order (GGUF lists dims innermost first); F16 and quantized types
-    dequantized."""
-    values = dequantized(tensor)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return torch.from_numpy(values.reshape(shape).copy())  # the file is mapped read-only
+    return torch.from_numpy(tensor_array(tensor))

@@ -3,9 +3,9 @@
 length on one Unix stream socket (a socketpair the core inherits).
 
 Gateway -> core: `Add`, `Abort`, `Unpin`, `Call` (a question answered between two steps), `Shutdown`.
-Core -> gateway: `Ready` (what the gateway needs to know of the model; before it `EarlyTokenizer` where the core
-has the tokenizer before it loads the weights), `Outputs` (one frame per step: what each
-request that moved gained in it, then the core's counts), `Reply`, `Failed` (the core could not start).
+Core -> gateway: `Ready` (what the gateway needs to know of the model; before it `EarlyTokenizer`, the vocabulary of
+the GGUF a core reads ahead), `Outputs` (one frame per step: what each request that moved gained in it, then the
+core's counts), `Reply`, `Failed` (the core could not start).
 
 Every payload is typed: what a frame carries of the engine's own types crosses as a positional Struct of its own
 (`WireSampling`, `WireTimings`, `WireTokenizer`, `WireSnapshot`, `CoreLoad`), so a frame of the wrong shape is

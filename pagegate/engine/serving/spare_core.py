@@ -93,7 +93,7 @@ def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False, preloa
     """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin (a spare: as long as
     it takes a core to load a model; ended by SpareCores.close, at exit, or by its parent-death signal). `preload`:
     it imports the torch runner while it waits (a spare does); `read_ahead`: it reads this GGUF file for the native
-    core while it waits (native_runner.preload). Its environment: `env` (else this process's) over CORE_ENV."""
+    core while it waits (loading/read_ahead.py). Its environment: `env` (else this process's) over CORE_ENV."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     args = ([SPARE_FLAG, str(os.getpid())] if spare else [PRELOAD_FLAG] if preload
             else [READ_AHEAD_FLAG, read_ahead, str(theirs.fileno())] if read_ahead else [])
