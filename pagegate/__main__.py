@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.disable()
         try:
             if not {"-h", "--help"} & set(rest):
-                from pagegate.engine.serving.spare_core import start_early_core
+                from pagegate.engine.serving.core_spawn import start_early_core
 
                 start_early_core(gguf_to_read_ahead(rest))  # its imports and reading run beside the imports below
                 import_beside(modules_to_import_beside(rest))

@@ -25,7 +25,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "pagegate.deploy": ("pagegate.config", "pagegate.gateway"),
     "pagegate.testing": ("pagegate.config", "pagegate.core"),
     # the command line: serve (its first engine core started before the gateway's imports), simulate
-    "pagegate.__main__": ("pagegate.gateway", "pagegate.core", "pagegate.engine.serving.spare_core"),
+    "pagegate.__main__": ("pagegate.gateway", "pagegate.core", "pagegate.engine.serving.core_spawn"),
 }
 # The engine's rooms sit below its loop: nothing in a room imports the loop or the modules that drive it.
 ROOMS = ("pagegate.engine.loading", "pagegate.engine.sampling", "pagegate.engine.observe", "pagegate.engine.models",

@@ -44,9 +44,9 @@ class Arena:
     (a page never touched costs no memory); it lives while an array carved from it does. An array past its end gets
     a mapping of its own (`empty`)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, populate: bool = False) -> None:
         big = nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
-        self._region = _mapping(nbytes) if big else None
+        self._region = _mapping(nbytes, populate) if big else None
         self._used = 0
         self._advised = 0  # the bytes advised MADV_HUGEPAGE so far (whole huge pages)
 
@@ -54,8 +54,13 @@ class Arena:
         """The arrays carved so far are written: their whole huge pages are advised MADV_HUGEPAGE (the last, partly
         carved one is not, so the resident size stays the arrays' own), for khugepaged to collapse in the
         background (the module's NOTE)."""
+        if self._region is None:
+            return
+        free = -(-self._used // mmap.PAGESIZE) * mmap.PAGESIZE
+        if free < len(self._region):  # what a populated arena holds beyond its arrays
+            self._region.madvise(mmap.MADV_DONTNEED, free, len(self._region) - free)
         whole = self._used // HUGE_PAGE * HUGE_PAGE
-        if self._region is None or whole <= self._advised:
+        if whole <= self._advised:
             return
         with contextlib.suppress(OSError):  # a kernel without THP: small pages
             self._region.madvise(mmap.MADV_HUGEPAGE, self._advised, whole - self._advised)
@@ -86,6 +91,8 @@ def _advised(nbytes: int) -> mmap.mmap:
     return region
 
 
-def _mapping(nbytes: int) -> mmap.mmap:
-    """An anonymous mapping of whole huge pages for `nbytes`: Linux aligns such a mapping to one."""
-    return mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def _mapping(nbytes: int, populate: bool = False) -> mmap.mmap:
+    """An anonymous mapping of whole huge pages for `nbytes`: Linux aligns such a mapping to one. `populate`: its
+    pages faulted in by the one call (MAP_POPULATE), not one fault each as they are written."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=flags)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-CORE_PROCESS_NAME = "pagegate-core"  # what a taken spare renames itself (pagegate.engine.serving.spare_core)
+CORE_PROCESS_NAME = "pagegate-core"  # what a taken spare renames itself (pagegate.engine.serving.core_spawn)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

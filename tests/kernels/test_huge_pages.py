@@ -90,6 +90,34 @@ def test_an_arena_carves_arrays_side_by_side_and_asks_for_huge_pages_once_they_a
     assert "hg" not in (mapping_flags(huge_pages.Arena(HUGE_PAGE - 1).empty((10,)).ctypes.data) or set())
 
 
+def resident_bytes(address: int) -> int:
+    """The Rss of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def test_a_populated_arena_is_resident_from_the_start_and_keeps_only_its_arrays_once_written() -> None:
+    """A GGUF load's arena is faulted in by its mmap call (MAP_POPULATE: one call, not a fault a page); once its
+    arrays are written, the pages beyond them are given back."""
+    arena = huge_pages.Arena(3 * HUGE_PAGE, populate=True)
+    array = arena.empty((HUGE_PAGE // 2,))
+    assert resident_bytes(array.ctypes.data) == 3 * HUGE_PAGE
+    array.fill(5)
+    arena.written()
+    assert resident_bytes(array.ctypes.data) == HUGE_PAGE // 2
+    assert int(array.sum(dtype=np.int64)) == 5 * HUGE_PAGE // 2  # the arrays' own bytes kept
+    later = arena.empty((100,))  # carved past what was given back: fresh zeros
+    assert not later.any()
+
+
 def test_float_panels_go_where_they_are_told() -> None:
     """A GGUF's float matrices are paneled into its arena (gguf_native), as its blocks are: huge pages once written."""
     arena = huge_pages.Arena(3 * HUGE_PAGE)

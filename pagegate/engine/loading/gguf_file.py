@@ -236,7 +236,7 @@ class GGUFFile:
     @functools.cached_property
     def _arena(self) -> Arena:
         """Where the matrices kept in blocks are repacked, side by side: room for the whole file's tensors."""
-        return Arena(sum(tensor.data.nbytes for tensor in self.reader.tensors))
+        return Arena(sum(tensor.data.nbytes for tensor in self.reader.tensors), populate=True)
 
     def array(self, name: str) -> np.ndarray:
         """One tensor (its GGUF name) as tensor_array gives it."""

@@ -21,6 +21,7 @@ so and llama.cpp skips it; here the family's pre-tokenizer type brings it back, 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,19 @@ def _backend(metadata: Mapping[str, Any], tokens: list[str], types: list[int], i
              merges: bool = True) -> HFTokenizer:
     """The `tokenizers` tokenizer of the file's vocabulary; `merges`: False leaves its BPE without the merges,
     which decoding needs none of."""
+    # the merges' ~50,000 pairs, garbage once the BPE holds them, made a dozen collections (~10 ms of building
+    # SmolLM2's tokenizer, which a server does before it is healthy)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _built_backend(metadata, tokens, types, ids, merges)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _built_backend(metadata: Mapping[str, Any], tokens: list[str], types: list[int], ids: Mapping[str, int],
+                   merges: bool) -> HFTokenizer:
     if metadata.get("tokenizer.ggml.model") == "gpt2":
         backend, add_bos = _byte_level(metadata, tokens, merges)
     else:

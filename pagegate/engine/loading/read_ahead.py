@@ -1,7 +1,7 @@
 """A GGUF model read for the native core before its spec comes.
 
 `pagegate serve`'s first core reads the file its arguments name while the gateway imports its app
-(spare_core.start_early_core), and before the core's own imports of its loop (core_process's NOTE): its tokenizer's
+(core_spawn.start_early_core), and before the core's own imports of its loop (core_process's NOTE): its tokenizer's
 vocabulary goes to the gateway first (`on_vocab`), then the core builds its own tokenizer and repacks the weights. The
 native runner built for that path takes what was read (`take`); any other runner drops it (`drop`). Light to import:
 the file's reader, the tokenizer's builder and the repack, nothing of the engine's loop.

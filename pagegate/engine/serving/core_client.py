@@ -57,7 +57,8 @@ from pagegate.engine.serving.frames import (
     add_frame,
     framed,
 )
-from pagegate.engine.serving.spare_core import SPARE_CORES, CoreProcess, spawn_core
+from pagegate.engine.serving.core_spawn import CoreProcess, spawn_core
+from pagegate.engine.serving.spare_core import SPARE_CORES
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 
 if TYPE_CHECKING:

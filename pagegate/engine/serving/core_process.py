@@ -2,9 +2,9 @@
 
 It reads its EngineConfig and the number of its socket from stdin, then runs the core's loop (core_loop.py). It
 never outlives the gateway. Started as a spare (`--spare <gateway pid>`, spare_core), it does its imports and waits
-on stdin for a spec until a core that loads a model takes it; started with `--read-ahead FILE FD`
-(`pagegate serve`'s first core), it reads the GGUF model FILE for the native core meanwhile (loading/read_ahead.py)
-and sends its vocabulary on the socket FD at once (EarlyTokenizer).
+on stdin for a spec until a core that loads a model takes it; started with `--read-ahead FILE FD` (`pagegate serve`'s
+first core: core_spawn.start_early_core), it reads the GGUF model FILE for the native core meanwhile
+(loading/read_ahead.py) and sends its vocabulary on the socket FD at once (EarlyTokenizer).
 
 NOTE: this module imports only what reading ahead needs; the loop's modules (the engine, its scheduler, prometheus:
 ~0.1 s) are imported after the read, so the vocabulary reaches the gateway that much sooner, and the gateway builds
@@ -28,7 +28,7 @@ from typing import Any
 
 from pagegate.engine.loading.read_ahead import read_ahead
 from pagegate.engine.serving.frames import CPUS_ENV, CoreSpec, EarlyTokenizer, framed
-from pagegate.engine.serving.spare_core import (
+from pagegate.engine.serving.core_spawn import (
     CORE_PROCESS_NAME,
     PRELOAD_FLAG,
     READ_AHEAD_FLAG,

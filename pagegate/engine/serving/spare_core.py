@@ -1,4 +1,4 @@
-"""Engine-core processes as the gateway starts them, and the spare one a server of several models keeps.
+"""The spare engine core a server of several models keeps, and the server's first core until a core takes it.
 
 A core process imports pagegate (and, started as a spare or with PRELOAD_FLAG, the torch runner) before it reads its
 spec from stdin, so a process started with no spec yet is a spare: it pays those imports (and torch's lazily imported
@@ -11,101 +11,28 @@ and thread count are set in its environment before torch starts). The spare that
 every core has been idle for SPARE_IDLE_S: its imports take a CPU for seconds, and on a small machine they would
 slow the steps of the model just loaded, its warm-up and first tokens included.
 
-`pagegate serve` starts its first core before anything else (`start_early_core`, from pagegate/__main__.py): the
-core's imports (torch's ~1.2 s) then run beside the gateway's own (~0.5 s) on the other CPU, not after them, and
-the first core of the gateway's environment takes it (`take_early`). One not taken (a data-parallel core has an
+`pagegate serve` starts its first core before anything else (core_spawn.start_early_core, from pagegate/__main__.py):
+the core's imports then run beside the gateway's own on the other CPU, not after them; SpareCores holds it from its
+import on, and the first core of the gateway's environment takes it (`take_early`). One not taken (a data-parallel core has an
 environment of its own; bad flags; --help) is ended at exit.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import os
-import pickle
-import socket
-import subprocess
-import sys
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pagegate.engine.memory.page_ledger import send_ledger
+from pagegate.engine.serving.core_spawn import CoreProcess, early_core, spawn_core
 
 if TYPE_CHECKING:
     import asyncio
 
-    from pagegate.engine.serving.frames import CoreSpec
-
 log = logging.getLogger("pagegate.gateway")
 
-CORE_MODULE = "pagegate.engine.serving.core_process"
-SPARE_FLAG = "--spare"  # argv of a spare: `--spare <gateway pid>`
-PRELOAD_FLAG = "--preload"  # argv of a core that imports the torch runner while it waits for its spec
-READ_AHEAD_FLAG = "--read-ahead"  # argv of a core that reads a GGUF model for the native core while it waits
-SPARE_PROCESS_NAME = "pagegate-spare"  # a waiting spare's name (/proc/<pid>/comm)
-CORE_PROCESS_NAME = "pagegate-core"  # a core's once it has its spec, a taken spare's too
 SPARE_IDLE_S = 1.0  # every core idle this long before a spare replacing a taken one starts
 IDLE_CHECK_S = 0.25
-SPARE_STOP_TIMEOUT_S = 5.0
-# A core's environment unless its own says otherwise. numpy's OpenBLAS starts a thread a CPU when it is imported,
-# and each spins for ~0.1 s: on two CPUs, the one the gateway imports on. A core's numpy multiplies no matrices
-# (its steps are C; torch has MKL of its own): one thread.
-CORE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
-
-
-@dataclass
-class CoreProcess:
-    """A started engine-core process and the gateway's end of its socketpair (`core_fd`: the core's end, the same
-    number in the core as it had here)."""
-
-    process: subprocess.Popen[bytes]
-    sock: socket.socket
-    core_fd: int
-
-    def hand(self, spec: CoreSpec) -> None:
-        """Send its spec (it then loads its model), and first over its socket the page ledger its elastic pool
-        uses (page_ledger's NOTE: a descriptor, never a path); OSError (a broken pipe) if the process has exited."""
-        if spec.elastic is not None:
-            send_ledger(self.sock, spec.elastic.ledger_fd)
-        assert self.process.stdin is not None
-        self.process.stdin.write(pickle.dumps(spec))
-        self.process.stdin.close()
-
-    def discard(self, timeout_s: float = SPARE_STOP_TIMEOUT_S) -> None:
-        """End a process that was never handed a spec (it holds nothing: terminated at once) and wait for it."""
-        self.sock.close()
-        with contextlib.suppress(OSError):
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def spawn_core(env: dict[str, str] | None = None, *, spare: bool = False, preload: bool = False,
-               read_ahead: str | None = None) -> CoreProcess:
-    """Start `python -m pagegate.engine.serving.core_process`, waiting for its spec on stdin (a spare: as long as
-    it takes a core to load a model; ended by SpareCores.close, at exit, or by its parent-death signal). `preload`:
-    it imports the torch runner while it waits (a spare does); `read_ahead`: it reads this GGUF file for the native
-    core while it waits (loading/read_ahead.py). Its environment: `env` (else this process's) over CORE_ENV."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    args = ([SPARE_FLAG, str(os.getpid())] if spare else [PRELOAD_FLAG] if preload
-            else [READ_AHEAD_FLAG, read_ahead, str(theirs.fileno())] if read_ahead else [])
-    with theirs:  # the core holds its own copy
-        try:
-            process = subprocess.Popen([sys.executable, "-m", CORE_MODULE, *args], stdin=subprocess.PIPE,
-                                       env={**CORE_ENV, **(os.environ if env is None else env)},
-                                       pass_fds=(theirs.fileno(),))
-        except BaseException:
-            ours.close()
-            raise
-        return CoreProcess(process, ours, theirs.fileno())
 
 
 class Busy(Protocol):
@@ -120,7 +47,7 @@ class SpareCores:
 
     def __init__(self) -> None:
         self.spare: CoreProcess | None = None
-        self.early: CoreProcess | None = None  # the first core, started before the gateway imported its app
+        self.early: CoreProcess | None = early_core()  # the first core, started before the gateway imported its app
         self.cores: weakref.WeakSet[Busy] = weakref.WeakSet()  # the cores that took (or asked for) a spare
         self._replacing: asyncio.Task[None] | None = None
         atexit.register(self.close_now)
@@ -206,16 +133,6 @@ class SpareCores:
 
 
 SPARE_CORES = SpareCores()
-
-
-def start_early_core(gguf: str | None) -> None:
-    """Start the server's first core now, to import what it needs while the gateway imports its own (see above):
-    with `gguf` (the one model to serve is that GGUF file), it reads it for the native core meanwhile; else it imports
-    the torch runner."""
-    try:
-        SPARE_CORES.early = spawn_core(preload=gguf is None, read_ahead=gguf)
-    except OSError as error:  # the gateway starts its core when it needs it, as it would have
-        log.warning("could not start the engine core early: %s", error)
 
 
 async def stop_spare_core() -> None:

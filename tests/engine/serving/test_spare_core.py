@@ -15,13 +15,14 @@ import httpx
 
 import pagegate
 from pagegate.engine.serving import spare_core
-from pagegate.engine.serving.spare_core import (
+from pagegate.engine.serving.core_spawn import (
     CORE_PROCESS_NAME,
-    SPARE_IDLE_S,
     SPARE_PROCESS_NAME,
-    SpareCores,
+    early_core,
     spawn_core,
+    start_early_core,
 )
+from pagegate.engine.serving.spare_core import SPARE_IDLE_S, SpareCores
 from pagegate.testing import launcher
 from pagegate.testing.launcher import ServerProcess, alive, descendants, wait_for, wait_gone
 
@@ -152,6 +153,18 @@ def test_the_early_core_is_taken_once_and_one_not_taken_is_ended() -> None:
     assert untaken.poll() is not None and cores.early is None
 
 
+def test_the_core_started_before_the_gateway_imports_is_the_spare_cores_to_hand_out() -> None:
+    """`pagegate serve` starts its first core with core_spawn alone (light to import); SpareCores, made once the
+    gateway's app is imported, takes it over, once."""
+    start_early_core(None)
+    cores = SpareCores()
+    try:
+        assert cores.early is not None and cores.early.process.poll() is None
+        assert early_core() is None and SpareCores().early is None
+    finally:
+        cores.drop_early()
+
+
 def test_a_core_starts_one_blas_thread_unless_its_environment_says() -> None:
     """numpy's OpenBLAS threads spin at its import, on the CPU the gateway imports on: a core starts with one."""
     for env, threads in ((None, "1"), ({**os.environ, "OPENBLAS_NUM_THREADS": "3"}, "3")):
@@ -175,4 +188,4 @@ def test_a_server_serves_from_its_early_core_and_keeps_no_other() -> None:
 
 
 def test_the_launcher_knows_a_taken_spare_by_its_name() -> None:
-    assert launcher.CORE_PROCESS_NAME == spare_core.CORE_PROCESS_NAME  # core_pids counts taken spares by it
+    assert launcher.CORE_PROCESS_NAME == CORE_PROCESS_NAME  # core_pids counts taken spares by it
