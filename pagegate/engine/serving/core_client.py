@@ -33,6 +33,7 @@ from pagegate.engine.pin import Pin
 from pagegate.engine.pool_snapshot import PoolSnapshot
 from pagegate.engine.sampling.params import SamplingParams
 from pagegate.engine.sampling.structured import GrammarCompiler, StructuredOutputsParams
+from pagegate.engine.serving.core_spawn import CoreProcess, spawn_core
 from pagegate.engine.serving.frames import (
     Abort,
     Add,
@@ -57,7 +58,6 @@ from pagegate.engine.serving.frames import (
     add_frame,
     framed,
 )
-from pagegate.engine.serving.core_spawn import CoreProcess, spawn_core
 from pagegate.engine.serving.spare_core import SPARE_CORES
 from pagegate.engine.tenants import ONLINE, KeyShare, Lane
 

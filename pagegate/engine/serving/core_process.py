@@ -27,7 +27,6 @@ import threading
 from typing import Any
 
 from pagegate.engine.loading.read_ahead import read_ahead
-from pagegate.engine.serving.frames import CPUS_ENV, CoreSpec, EarlyTokenizer, framed
 from pagegate.engine.serving.core_spawn import (
     CORE_PROCESS_NAME,
     PRELOAD_FLAG,
@@ -35,6 +34,7 @@ from pagegate.engine.serving.core_spawn import (
     SPARE_FLAG,
     SPARE_PROCESS_NAME,
 )
+from pagegate.engine.serving.frames import CPUS_ENV, CoreSpec, EarlyTokenizer, framed
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 
 import pagegate
-from pagegate.engine.serving import spare_core
 from pagegate.engine.serving.core_spawn import (
     CORE_PROCESS_NAME,
     SPARE_PROCESS_NAME,
