@@ -39,6 +39,7 @@ class Engine:
         self.model_name, self.tokenizer, self.max_model_len = runner.model_name, runner.tokenizer, runner.max_model_len
         self.model_config, self.eos_token_ids, self.kv_pages = runner.model_config, runner.eos_token_ids, runner.kv_pages
         self.generation, self.processing = runner.generation, runner.processing  # the folder's sampling, images
+        self.one_path = runner.chunk_invariant  # every step one path: a prompt's step runs what a decode's would
         self.intake = RequestIntake(runner.tokenizer, runner.model_config, runner.eos_token_ids, runner.max_model_len,
                                     config.scheduler, runner.device, runner.serves, runner.vision, config.cache.block_size)
         self.sampler = Sampler(runner.eos_token_ids, config.seed, runner.device)

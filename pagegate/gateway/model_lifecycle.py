@@ -47,7 +47,9 @@ CHAT_TEMPLATES = "pagegate.engine.loading.chat_template"  # jinja2's sandbox: im
 logger = logging.getLogger("pagegate.gateway")
 
 IDLE_CHECK_S = 1.0  # how often idle models are looked for (--sleep-idle-seconds)
-WARM_UP_TOKENS = 2  # a prompt's step and a decode step
+# A prompt's step and a decode step: a decode may take paths of its own (CUDA graphs, Triton's decode kernel, compiled
+# at their first use); a prompt's step alone where every step runs one path (the native decoder's; Ready.one_path).
+WARM_UP_TOKENS = 2
 
 
 class ModelBusy(APIError):
@@ -361,12 +363,12 @@ def describe_pages(slot: ModelSlot, block_size: int) -> str:
 
 
 async def _warm_up_generation(engine: EngineClient, prompt: list[int]) -> None:
-    """A prompt's step and a decode step."""
-    started = time.perf_counter()
-    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
+    """A prompt's step and, unless every step runs one path, a decode step (WARM_UP_TOKENS)."""
+    started, tokens = time.perf_counter(), 1 if engine.one_path else WARM_UP_TOKENS
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     async for _ in engine.generate(prompt, params, f"warm-up-{time.time_ns()}"):
         pass
-    logger.info("warm-up: a %d-token generation took %.0f ms", WARM_UP_TOKENS, (time.perf_counter() - started) * 1000)
+    logger.info("warm-up: a %d-token generation took %.0f ms", tokens, (time.perf_counter() - started) * 1000)
 
 
 async def _warm_up_embedding(slot: ModelSlot, engine: EngineClient, prompt: list[int]) -> None:

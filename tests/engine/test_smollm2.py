@@ -89,7 +89,7 @@ def test_native_decode_stays_near_the_oracles_best_token(isa: str, smollm2_llm: 
     """Each token the native step picks is within 0.35 nats of the best one by transformers' log-probabilities
     after the same tokens, and 0.03 on average over the run; a wrong kernel lands many nats away. (llama.cpp's own worst gap on
     this file was 0.31; with prompts on Q8 activations too, as llama.cpp's, the native step's worst was 0.32.)"""
-    assert smollm2_llm.engine.runner.chunk_invariant  # every step on the native decoder
+    assert smollm2_llm.engine.runner.chunk_invariant and smollm2_llm.engine.one_path  # every step native
     tokenizer = smollm2_llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2 if isa == "portable" else None]]
     params = SamplingParams(temperature=0, max_tokens=6 if isa == "portable" else MAX_TOKENS, ignore_eos=True)

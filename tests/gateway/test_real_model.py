@@ -40,6 +40,12 @@ def test_its_engine_core_serves_without_torch(server: ServerProcess, smollm2: op
     assert "libtorch" not in maps and "cpu_decode" in maps
 
 
+def test_its_warm_up_is_one_step_where_every_step_runs_one_path(server: ServerProcess) -> None:
+    """The native decoder runs a decode as it runs a prompt (Ready.one_path): the warm-up's prompt step is all it
+    needs, where a torch core warms a decode step up too (CUDA graphs, Triton kernels compiled at first use)."""
+    assert "warm-up: a 1-token generation" in server.log()
+
+
 def test_model_is_listed_under_the_file_name(smollm2: openai.OpenAI, smollm2_gguf: Path) -> None:
     assert [m.id for m in smollm2.models.list()] == [smollm2_gguf.name]
 

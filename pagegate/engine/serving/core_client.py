@@ -156,6 +156,7 @@ class CoreClient:
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.kv_pages = ready.kv_pages
+        self.one_path = ready.one_path
         self.vocab_size = ready.vocab_size
         self.default_sampling = ready.default_sampling
         self.eos_token_ids = ready.eos_token_ids

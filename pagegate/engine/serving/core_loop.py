@@ -250,7 +250,7 @@ def ready_frame(loop: CoreLoop, tokenizer_sent: bool = False) -> Ready:
     return Ready(engine.model_name, engine.max_model_len, engine.kv_pages, engine.model_config.vocab_size,
                  list(engine.eos_token_ids), engine.generation.sampling_overrides(),
                  WireTokenizer.of(tokenizer) if tokenizer is not None else None, loop.load(),
-                 WireProcessing.of(engine.processing) if engine.processing is not None else None)
+                 WireProcessing.of(engine.processing) if engine.processing is not None else None, engine.one_path)
 
 
 def serve(spec: CoreSpec, vocabulary_sent: bool = False) -> int:

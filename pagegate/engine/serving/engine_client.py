@@ -27,6 +27,7 @@ class EngineClient(Protocol):
     processing: ImageProcessing | None  # a vision-language model's image preprocessing (None: text only)
     max_model_len: int
     kv_pages: str  # the KV pages' format and bytes a token, for the start-up line
+    one_path: bool  # every step runs one path (frames.Ready's)
     vocab_size: int
     default_sampling: dict[str, float]  # the folder's generation_config.json, as SamplingParams keywords
     on_dead: Callable[[], None] | None  # called once, on the event loop, if the engine dies

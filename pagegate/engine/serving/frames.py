@@ -300,6 +300,7 @@ class Ready(Frame, tag="ready"):
     tokenizer: WireTokenizer | None
     load: CoreLoad
     processing: WireProcessing | None = None  # a vision-language model's image preprocessing
+    one_path: bool = False  # every step runs one path (the native decoder): a warm-up needs no decode step
 
 
 class EarlyTokenizer(Frame, tag="tokenizer"):

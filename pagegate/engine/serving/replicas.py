@@ -79,6 +79,7 @@ class Replicas:
         self.model_name, self.tokenizer, self.max_model_len = first.model_name, first.tokenizer, first.max_model_len
         self.processing = first.processing
         self.vocab_size, self.default_sampling, self.kv_pages = first.vocab_size, first.default_sampling, first.kv_pages
+        self.one_path = all(core.one_path for core in cores)
         self.on_dead: Callable[[], None] | None = None
         for core in cores:
             core.on_dead = self._core_died

@@ -200,6 +200,7 @@ def test_the_tokenizer_is_rebuilt_in_the_gateway(engine) -> None:
     assert (rebuilt.special_tokens, rebuilt.chat_template, rebuilt.eos_token_ids, rebuilt.backend_json()) == (
         tokenizer.special_tokens, tokenizer.chat_template, tokenizer.eos_token_ids, tokenizer.backend_json())
     assert through_the_wire(msgspec.structs.replace(ready, tokenizer=None), ToGateway).tokenizer is None
+    assert not back.one_path and through_the_wire(msgspec.structs.replace(ready, one_path=True), ToGateway).one_path
 
 
 def test_a_gguf_vocabulary_sent_early_builds_the_tokenizer_the_core_builds(smollm2_gguf) -> None:
