@@ -38,7 +38,7 @@ import numpy as np
 from bench import plots
 from bench.peers import llamacpp
 from bench.peers.served import PROMPT, SMOLLM2, gguf_vocab_size, load, rss_bytes, start_llama_server
-from pagegate.testing.launcher import ServerProcess, descendants
+from pagegate.testing.launcher import ServerProcess, descendants, free_port
 
 MIB = 2**20
 SAMPLE_S = 0.05
@@ -109,8 +109,8 @@ class PagegateServer:
         self.model, self.extra = model, extra
 
     def __call__(self):
-        server = ServerProcess(["--model", str(self.model), "--disable-uvicorn-access-log", "--disable-dashboard",
-                                "--grpc-port", "0", *self.extra]).start()
+        # its defaults (the gRPC server on, on a free port rather than its default 50051)
+        server = ServerProcess(["--model", str(self.model), "--grpc-port", str(free_port()), *self.extra]).start()
         return server.stop, server.base_url + "/v1", server.process.pid
 
 
@@ -164,7 +164,7 @@ def soak(model: Path, requests: int, extra: list[str], kinds: tuple[str, ...] = 
     import openai
 
     server = ServerProcess(["--model", str(model), "--pooling", "last", "--disable-uvicorn-access-log",
-                            "--disable-dashboard", "--grpc-port", "0", *extra]).start()
+                            "--disable-dashboard", "--grpc-port", str(free_port()), *extra]).start()
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
         name = client.models.list().data[0].id
@@ -189,7 +189,7 @@ def cycles(model: Path, count: int, extra: list[str]) -> None:
 
     server = ServerProcess(["--model", str(model), "--model", str(DEFAULT_MODEL), "--served-model-name", "main",
                             "other", "--models-max", "2", "--disable-uvicorn-access-log", "--disable-dashboard",
-                            "--grpc-port", "0", *extra]).start()
+                            "--grpc-port", str(free_port()), *extra]).start()
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
         http = httpx.Client(base_url=server.base_url, timeout=600)

@@ -131,8 +131,9 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def run(model: Path, rounds: int, threads: int, no_repack: bool) -> dict[int, dict[str, dict[str, float]]]:
     rng = np.random.default_rng(0)
-    pagegate = ServerProcess(["--model", str(model), "--max-num-seqs", "64", "--max-queue", "-1", "--grpc-port", "0",
-                              "--disable-uvicorn-access-log", "--disable-dashboard"]).start()
+    pagegate = ServerProcess(["--model", str(model), "--max-num-seqs", "64", "--max-queue", "-1",
+                              "--grpc-port", str(free_port()), "--disable-uvicorn-access-log",
+                              "--disable-dashboard"]).start()
     gateway_pid = pagegate.process.pid
     ours = Served(pagegate.base_url + "/v1", lambda: [gateway_pid, *descendants(gateway_pid)], gateway_pid)
     results: dict[int, dict[str, dict[str, float]]] = {}

@@ -23,6 +23,7 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20  # x86-64's PMD size
 ALIGN = 64  # an Arena's arrays start on cache lines
+MADV_POPULATE_WRITE = 23  # Linux 5.14's: fault a range in, writable, in one call (not in Python 3.11's mmap)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype | type = np.uint8) -> np.ndarray:
@@ -46,7 +47,8 @@ class Arena:
 
     def __init__(self, nbytes: int, populate: bool = False) -> None:
         big = nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
-        self._region = _mapping(nbytes, populate) if big else None
+        self._region = _mapping(nbytes) if big else None
+        self._populate = populate  # each array's pages faulted in as it is carved, by one call
         self._used = 0
         self._advised = 0  # the bytes advised MADV_HUGEPAGE so far (whole huge pages)
 
@@ -54,13 +56,8 @@ class Arena:
         """The arrays carved so far are written: their whole huge pages are advised MADV_HUGEPAGE (the last, partly
         carved one is not, so the resident size stays the arrays' own), for khugepaged to collapse in the
         background (the module's NOTE)."""
-        if self._region is None:
-            return
-        free = -(-self._used // mmap.PAGESIZE) * mmap.PAGESIZE
-        if free < len(self._region):  # what a populated arena holds beyond its arrays
-            self._region.madvise(mmap.MADV_DONTNEED, free, len(self._region) - free)
         whole = self._used // HUGE_PAGE * HUGE_PAGE
-        if whole <= self._advised:
+        if self._region is None or whole <= self._advised:
             return
         with contextlib.suppress(OSError):  # a kernel without THP: small pages
             self._region.madvise(mmap.MADV_HUGEPAGE, self._advised, whole - self._advised)
@@ -74,6 +71,10 @@ class Arena:
         if self._region is None or end > len(self._region):
             return empty(shape, dtype)
         self._used = end
+        if self._populate and end > start:
+            first = start // mmap.PAGESIZE * mmap.PAGESIZE
+            with contextlib.suppress(OSError):  # a kernel before 5.14: a fault a page as the array is written
+                self._region.madvise(MADV_POPULATE_WRITE, first, end - first)
         return np.frombuffer(self._region, dtype=dtype, count=count, offset=start).reshape(shape)
 
 
@@ -91,8 +92,6 @@ def _advised(nbytes: int) -> mmap.mmap:
     return region
 
 
-def _mapping(nbytes: int, populate: bool = False) -> mmap.mmap:
-    """An anonymous mapping of whole huge pages for `nbytes`: Linux aligns such a mapping to one. `populate`: its
-    pages faulted in by the one call (MAP_POPULATE), not one fault each as they are written."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    return mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=flags)
+def _mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous mapping of whole huge pages for `nbytes`: Linux aligns such a mapping to one."""
+    return mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
