@@ -42,6 +42,10 @@ from pagegate.testing.launcher import ServerProcess, descendants, free_port
 
 MIB = 2**20
 SAMPLE_S = 0.05
+# A two-model server's checkpoints are taken this long after a cycle's request: a load takes the spare core, whose
+# replacement starts after the cores idle a second (spare_core.SPARE_IDLE_S) and imports for ~2 s; sampled at once,
+# a checkpoint would count the spare or not by chance (~150 MiB)
+SETTLE_S = 5.0
 
 
 class Sampler(threading.Thread):
@@ -201,6 +205,7 @@ def cycles(model: Path, count: int, extra: list[str]) -> None:
             for cycle in range(count):
                 client.completions.create(model=model_name, prompt=[5, 17, 42, 9, 33], max_tokens=8)
                 if cycle in (0, count - 1):
+                    time.sleep(SETTLE_S)
                     figures.append(rss_bytes([root, *descendants(root)]))
                 step().raise_for_status()
             print(f"{count} {name} cycles: RSS {figures[0] / MIB:.0f} -> {figures[1] / MIB:.0f} MiB "
