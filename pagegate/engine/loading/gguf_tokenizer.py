@@ -126,8 +126,8 @@ def _backend(metadata: Mapping[str, Any], tokens: list[str], types: list[int], i
              merges: bool = True) -> HFTokenizer:
     """The `tokenizers` tokenizer of the file's vocabulary; `merges`: False leaves its BPE without the merges,
     which decoding needs none of."""
-    # the merges' ~50,000 pairs, garbage once the BPE holds them, made a dozen collections (~10 ms of building
-    # SmolLM2's tokenizer, which a server does before it is healthy)
+    # the merges' ~50,000 pairs, garbage once the BPE holds them, set off collections (~4 ms of building SmolLM2's
+    # tokenizer, which a server does before it is healthy)
     enabled = gc.isenabled()
     gc.disable()
     try:

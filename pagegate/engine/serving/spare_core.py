@@ -13,8 +13,8 @@ slow the steps of the model just loaded, its warm-up and first tokens included.
 
 `pagegate serve` starts its first core before anything else (core_spawn.start_early_core, from pagegate/__main__.py):
 the core's imports then run beside the gateway's own on the other CPU, not after them; SpareCores holds it from its
-import on, and the first core of the gateway's environment takes it (`take_early`). One not taken (a data-parallel core has an
-environment of its own; bad flags; --help) is ended at exit.
+import on, and the first core of the gateway's environment takes it (`take_early`). One not taken (a data-parallel
+core has an environment of its own; bad flags; --help) is ended at exit.
 """
 
 from __future__ import annotations
