@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(
            "kernel built with them; elsewhere huge_pages.empty is numpy.empty, which the other kernel tests cover")
 
 
-def mapping_flags(address: int) -> set[str] | None:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps), None if none does."""
+def smaps_field(address: int, field: str) -> list[str] | None:
+    """The words of `field` (e.g. "Rss:") of this process's mapping that holds `address` (/proc/self/smaps), None if
+    no mapping does."""
     inside = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -30,9 +31,15 @@ def mapping_flags(address: int) -> set[str] | None:
             if "-" in head and not head.endswith(":"):
                 start, end = (int(part, 16) for part in head.split("-"))
                 inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
+            elif inside and head == field:
+                return line.split()[1:]
     return None
+
+
+def mapping_flags(address: int) -> set[str] | None:
+    """The VmFlags of this process's mapping that holds `address`, None if none does."""
+    flags = smaps_field(address, "VmFlags:")
+    return None if flags is None else set(flags)
 
 
 def test_small_arrays_are_numpys_own() -> None:
@@ -91,17 +98,10 @@ def test_an_arena_carves_arrays_side_by_side_and_asks_for_huge_pages_once_they_a
 
 
 def resident_bytes(address: int) -> int:
-    """The Rss of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the address")
+    """The Rss of this process's mapping that holds `address`."""
+    rss = smaps_field(address, "Rss:")
+    assert rss is not None, "no mapping holds the address"
+    return int(rss[0]) * 1024
 
 
 def test_a_populating_arena_faults_each_array_in_as_it_is_carved_and_no_more() -> None:
