@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q setuptools wheel "Cython>=3" numpy
 	# compat: the checkout on sys.path by a .pth line, not setuptools' import-hook finder, which every Python
-	# process of a server (gateway, engine cores) would import at start-up (~10 ms each)
-	$(PIP) install -q --no-build-isolation -e ".[test]" --config-settings editable_mode=compat
+	# process of a server (gateway, engine cores) would import at start-up (~10 ms each); setuptools calls the mode
+	# transitional, so where a later one refuses it the default mode installs instead
+	$(PIP) install -q --no-build-isolation -e ".[test]" --config-settings editable_mode=compat \
+		|| $(PIP) install -q --no-build-isolation -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,7 +36,7 @@ $(MINILM): | $(STAMP)
 	$(PY) scripts/fetch_minilm.py $(MODEL_CACHE)
 
 test: $(STAMP) $(SMOLLM2) $(MINILM)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 bench: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly $(ARGS)
