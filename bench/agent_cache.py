@@ -1,16 +1,22 @@
 """Prompt-cache breakpoints against an agent's workload: the next turn's TTFT with and without them (issue 61).
 
     python -m bench.agent_cache [--system-tokens 2000] [--sessions 3] [--turns 3] [--streams 8] [--rounds 1]
+    python -m bench.agent_cache --system-tokens 6000 --sessions 8 --turns 10 --streams 16 \
+        --kv-cache-memory 768MiB --max-pinned-fraction 0.8      # the issue's full size (~1 h here)
 
-One server (SmolLM2 Q4_1) with a pool small enough that other traffic evicts what nobody pins
-(`--kv-cache-memory 192MiB`, `--max-pinned-fraction 0.4`). Per mode (`cache_control` on the system block, or none),
-in alternating rounds: `--sessions` agent sessions, each a long system prompt of its own (`--system-tokens`) and
-`--turns` turns of a growing conversation through the official `anthropic` SDK (streamed `/v1/messages`), the
-sessions taking turns one after another with a pause of `--gap` seconds; beside them `--streams` unrelated streamed
-chats (a fresh prompt of `--other-tokens` each, `--max-tokens` tokens) one after another through the `openai` SDK,
-filling the pool. Each mode and round has system prompts of its own. Goals: turn N+1's TTFT (turns after the first, median) with breakpoints at most 0.15x without;
-the unrelated streams' output tok/s within 10% either way. bench/results/agent_cache.json keeps every turn; the
-PNG (docs/bench-agent-cache.png) draws TTFT per turn in both modes.
+One server (SmolLM2 Q4_1) with a pool small enough that other traffic evicts what nobody pins (`--kv-cache-memory`,
+`--max-pinned-fraction`). Per mode (`cache_control` on the system block, or none), in alternating rounds, each on a
+fresh server: `--sessions` agent sessions, each a long system prompt of its own (`--system-tokens`) after the same four
+tool definitions, and `--turns` turns of a growing conversation through the official `anthropic` SDK (streamed
+`/v1/messages`), the sessions taking turns one after another with a pause of `--gap` seconds; beside them `--streams`
+unrelated streamed chats (a fresh prompt of `--other-tokens` each, `--max-tokens` tokens) one after another through the
+`openai` SDK, filling the pool, and going on for `--after` seconds once the sessions end (their pins still held). Each
+mode and round has system prompts of its own.
+
+Goals: turn N+1's TTFT (turns after the first, median) with breakpoints at most 0.15x without; the unrelated streams'
+output tok/s within 10% either way. Printed beside it: the unrelated streams' tok/s in the `--after` window, with the
+pins held against without them (what the pinned pages cost them, apart from the prefills the pins save).
+bench/results/agent_cache.json keeps every turn; the PNG (docs/bench-agent-cache.png) draws TTFT per turn in both modes.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ from bench.served_bench import RESULTS, serve_args, served_parser  # noqa: E402
 from pagegate.testing.launcher import ServerProcess  # noqa: E402
 
 TEXT = ROOT / "bench/data/kjv_genesis_joseph.txt"
-SERVER_ARGS = ["--kv-cache-memory", "192MiB", "--max-pinned-fraction", "0.4", "--max-model-len", "8192"]
+TOOLS = [{"name": name, "description": f"{what} The agent calls it when the user's question needs it.",
+          "input_schema": {"type": "object", "properties": {arg: {"type": "string", "description": f"the {arg}"}},
+                           "required": [arg]}}
+         for name, what, arg in (("read_file", "Reads a file of the workspace and returns its text.", "path"),
+                                 ("search", "Searches the reference material for a phrase.", "phrase"),
+                                 ("run_command", "Runs a shell command in the workspace.", "command"),
+                                 ("write_file", "Writes text to a file of the workspace.", "path"))]
 
 
 @dataclass
@@ -48,6 +60,9 @@ class Mode:
     cached: list[list[int]] = field(default_factory=list)  # per session, per turn: cache_read_input_tokens
     other_tokens: int = 0
     seconds: float = 0.0
+    after_tokens: int = 0  # the unrelated streams' once the sessions ended, their pins (if any) still held
+    after_seconds: float = 0.0
+    after: bool = False
 
     def next_turns(self) -> list[float]:
         return [t for turns in self.ttft for t in turns[1:]]
@@ -55,6 +70,10 @@ class Mode:
     @property
     def other_tok_s(self) -> float:
         return self.other_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def after_tok_s(self) -> float:
+        return self.after_tokens / self.after_seconds if self.after_seconds else 0.0
 
 
 def words(n: int, seed: int) -> str:
@@ -77,7 +96,8 @@ async def session(client: anthropic.AsyncAnthropic, model: str, index: int, mode
         await turn_gate[turn * args.sessions + index].wait()
         messages.append({"role": "user", "content": f"Turn {turn}: what does verse {turn + index} say?"})
         sent, first, text = time.perf_counter(), None, []
-        async with client.messages.stream(model=model, max_tokens=16, system=[block], messages=messages) as stream:
+        async with client.messages.stream(model=model, max_tokens=16, system=[block], messages=messages,
+                                          tools=TOOLS) as stream:
             async for piece in stream.text_stream:
                 first = first or time.perf_counter()
                 text.append(piece)
@@ -104,7 +124,10 @@ async def other_stream(client: openai.AsyncOpenAI, model: str, index: int, mode:
             extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.usage is not None and not done.is_set():
-                mode.other_tokens += chunk.usage.completion_tokens
+                if mode.after:
+                    mode.after_tokens += chunk.usage.completion_tokens
+                else:
+                    mode.other_tokens += chunk.usage.completion_tokens
         n += 1
 
 
@@ -121,6 +144,9 @@ async def run_mode(base_url: str, model: str, breakpoints: bool, args: argparse.
     seed = 1000 * round_no + 100 * breakpoints
     await asyncio.gather(*(session(agents, model, i, mode, args, gates, seed + i) for i in range(args.sessions)))
     mode.seconds = time.perf_counter() - started
+    mode.after = True
+    await asyncio.sleep(args.after)
+    mode.after_seconds = time.perf_counter() - started - mode.seconds
     done.set()
     await asyncio.gather(*streams)
     await agents.close()
@@ -128,19 +154,27 @@ async def run_mode(base_url: str, model: str, breakpoints: bool, args: argparse.
     return mode
 
 
-async def bench(base_url: str, args: argparse.Namespace) -> list[dict[str, Mode]]:
+async def measure(base_url: str, breakpoints: bool, args: argparse.Namespace, round_no: int) -> Mode:
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused") as client:
         model = (await client.models.list()).data[0].id
+    mode = await run_mode(base_url, model, breakpoints, args, round_no)
+    print(f"{'breakpoints' if breakpoints else 'none':>11}: next-turn TTFT median "
+          f"{statistics.median(mode.next_turns()) * 1000:.0f} ms, cache reads {mode.cached}, "
+          f"unrelated {mode.other_tok_s:.1f} tok/s, after the sessions {mode.after_tok_s:.1f}", flush=True)
+    return mode
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Mode]]:
+    """Alternating rounds; each mode on a server of its own, so that one mode's pins never shrink the other's pool."""
+    pool = ["--kv-cache-memory", args.kv_cache_memory, "--max-pinned-fraction", str(args.max_pinned_fraction),
+            "--max-model-len", "8192"]
     rounds = []
     for r in range(args.rounds):
-        order = (True, False) if r % 2 == 0 else (False, True)
         measured = {}
-        for breakpoints in order:
-            mode = await run_mode(base_url, model, breakpoints, args, r)
-            name = "breakpoints" if breakpoints else "none"
-            measured[name] = mode
-            print(f"{name:>11}: next-turn TTFT median {statistics.median(mode.next_turns()) * 1000:.0f} ms, "
-                  f"cache reads {mode.cached}, unrelated {mode.other_tok_s:.1f} tok/s", flush=True)
+        for breakpoints in (False, True) if r % 2 == 0 else (True, False):
+            with ServerProcess(serve_args(args, *pool)) as server:
+                mode = asyncio.run(measure(server.base_url, breakpoints, args, r))
+            measured["breakpoints" if breakpoints else "none"] = mode
         rounds.append(measured)
     return rounds
 
@@ -151,7 +185,9 @@ def report(rounds: list[dict[str, Mode]]) -> dict[str, float]:
     figures = {"ttft_next_turn_breakpoints": median("breakpoints", lambda m: statistics.median(m.next_turns())),
                "ttft_next_turn_none": median("none", lambda m: statistics.median(m.next_turns())),
                "other_tok_s_breakpoints": median("breakpoints", lambda m: m.other_tok_s),
-               "other_tok_s_none": median("none", lambda m: m.other_tok_s)}
+               "other_tok_s_none": median("none", lambda m: m.other_tok_s),
+               "after_tok_s_breakpoints": median("breakpoints", lambda m: m.after_tok_s),
+               "after_tok_s_none": median("none", lambda m: m.after_tok_s)}
     ttft = figures["ttft_next_turn_breakpoints"] / figures["ttft_next_turn_none"]
     other = figures["other_tok_s_breakpoints"] / figures["other_tok_s_none"]
     print(f"\nmedians of {len(rounds)} round(s):")
@@ -160,6 +196,9 @@ def report(rounds: list[dict[str, Mode]]) -> dict[str, float]:
           f"{'✓' if ttft <= 0.15 else '✗'} (goal ≤ 0.15x)")
     print(f"unrelated streams {figures['other_tok_s_none']:.1f} tok/s without, {figures['other_tok_s_breakpoints']:.1f} "
           f"with: {other:.2f}x {'✓' if 0.9 <= other <= 1.1 else '✗'} (goal within 10%)")
+    after = figures["after_tok_s_breakpoints"] / figures["after_tok_s_none"]
+    print(f"after the sessions, their pins held: unrelated streams {figures['after_tok_s_none']:.1f} tok/s without, "
+          f"{figures['after_tok_s_breakpoints']:.1f} with: {after:.2f}x (what the pins' pages cost them)")
     return figures
 
 
@@ -185,10 +224,13 @@ def main() -> None:
     parser.add_argument("--other-tokens", type=int, default=300, help="tokens of an unrelated stream's prompt")
     parser.add_argument("--gap", type=float, default=2.0, help="seconds between one turn's end and the next turn")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--after", type=float, default=20.0,
+                        help="seconds the unrelated streams go on once the sessions end (their pins still held)")
+    parser.add_argument("--kv-cache-memory", default="192MiB", help="the pool: small enough that the streams evict")
+    parser.add_argument("--max-pinned-fraction", type=float, default=0.4)
     add_png_argument(parser, "agent-cache")
     args = parser.parse_args()
-    with ServerProcess(serve_args(args, *SERVER_ARGS)) as server:
-        rounds = asyncio.run(bench(server.base_url, args))
+    rounds = bench(args)
     figures = report(rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "agent_cache.json").write_text(json.dumps(

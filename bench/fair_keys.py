@@ -55,11 +55,12 @@ async def user(client: openai.AsyncOpenAI, model: str, lane: Lane, index: int, a
         stream = await client.chat.completions.create(
             model=model, stream=True, max_tokens=args.max_tokens, temperature=0.7, seed=index,
             messages=[{"role": "user", "content": f"Tell me a short story about robot number {index}."}],
-            extra_body={"ignore_eos": True})
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
-                tokens += 1
+            if chunk.usage is not None:  # a chunk may carry several tokens under load (--stream-chunk-rate)
+                tokens = chunk.usage.completion_tokens
         if time.perf_counter() - started > args.window:
             return
         if first is not None:

@@ -22,6 +22,10 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 STEP_TOKENS, CPU_STEP_TOKENS = 2048, 512  # a step's token budget by default (SchedulerConfig.on_device)
+# SchedulerConfig.key_slice_tokens on a CPU by default. bench/fair_keys.py (SmolLM2 Q4_1, 2 cores, 2 light users beside
+# 64 heavy ones, one 30 s round each): the light key's TTFT over alone 6.64x off, 1.88x at 16, ~1.1-1.6x at 12, ~1.35x
+# at 8; the heavy key's tok/s beside it 478 off, 465 at 16, 464 at 12, 357-381 at 8 (614 alone).
+CPU_KEY_SLICE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "auto-4")  # --kv-cache-dtype
 
 
@@ -64,19 +68,27 @@ class SchedulerConfig:
     # that arrives waits for one such step. bench/batches.py (SmolLM2 Q4_1, 2 cores): 8 kept online TTFT p99 within
     # 10% (16 added 10 ms to 44, 32 added 23) at 65% of the batch lane's uncapped speed on an idle server.
     batch_step_tokens: int = 8
+    # While a key under half its weighted share of pages is at work, the keys over their share take at most this many
+    # tokens a step together (engine/key_slices.py), so that the light key's prompts never wait for a long step; 0:
+    # off; None: on_device chooses (CPU_KEY_SLICE_TOKENS on a CPU, off where a step of many decodes is short).
+    key_slice_tokens: int | None = None
 
     def on_device(self, device_type: str, generates: bool) -> SchedulerConfig:
-        """This config with the step's token budget chosen where it was left to the device.
+        """This config with the step's token budget and the key slices chosen where they were left to the device.
 
         NOTE: on a CPU a step of 2048 prompt tokens takes seconds (SmolLM2 on 2 cores: ~4 s), and every stream and
         every prompt that arrives waits for it: a prompt's next turn that the cache nearly completes waited ~1.5 s
         for ~0.4 s of work (bench/agent_cache.py). 512 (llama.cpp's micro-batch) keeps steps short at no cost in
         throughput measured there (prefill of 512 and 2,000 tokens, 64 parallel sequences: SmolLM2 Q4_1 and a
         100M F32 Llama within noise of 2048). An encoder's inputs run whole, so it keeps 2048."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return replace(self, max_num_batched_tokens=CPU_STEP_TOKENS if device_type == "cpu" and generates
-                       else STEP_TOKENS)
+        cpu = device_type == "cpu"
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = CPU_STEP_TOKENS if cpu and generates else STEP_TOKENS
+        slice_tokens = self.key_slice_tokens
+        if slice_tokens is None:
+            slice_tokens = CPU_KEY_SLICE_TOKENS if cpu else 0
+        return replace(self, max_num_batched_tokens=budget, key_slice_tokens=slice_tokens)
 
     @property
     def step_tokens(self) -> int:

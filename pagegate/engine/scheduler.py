@@ -27,6 +27,7 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.key_pages import KeyPages, key_name, quota_of
+from pagegate.engine.key_slices import OWED_FRACTION, KeySlices
 from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
@@ -59,7 +60,6 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 POOLING_SHARE = 0.5
 POOLING_SLICE_S = 0.25
 POOLING_SLICE_MIN = 64  # tokens: fewer would pay a step's fixed cost for too little work
-OWED_FRACTION = 0.5  # a key holding under this part of its weighted share of the running pages is owed a step
 POOLING_WINDOW_MAX_S = 5.0  # the longest run of generation-only steps one slice earns
 NEAR_SCAN = 64  # waiting sequences looked up in the prefix cache each step for _nearly_cached
 DISK_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a prompt's pages from disk
@@ -124,6 +124,8 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.pooling: set[Sequence] = set()  # the embedding sequences in the queues above
         self.key_pages = KeyPages()  # pages per API key, current through each step
+        self.slices = KeySlices(config.key_slice_tokens)  # short steps for keys over their share (key_slices.py)
+        self._now = 0.0  # the step being scheduled's
         self._pooling_left = 0  # tokens embedding sequences may still take in the step being scheduled
         self._slice_began: float | None = None  # `now` of the last step if it held embedding tokens
         self._slice_seqs: list[Sequence] = []  # and the embedding sequences it held
@@ -167,6 +169,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.pooling.discard(seq)
+        self.slices.leave(seq, self._now)
         if self.tiers is not None:
             self.tiers.forget(seq)
         if seq.handle != NO_PAGES:
@@ -315,6 +318,8 @@ class Scheduler:
         self.pins.expire(now)
         self.running.sort(key=lambda s: s.sort_key)
         self.key_pages.recount(self.running, self.tables)  # kept current through the step from here
+        self._now = now
+        self.slices.begin(self.running, self.waiting, self.key_pages, now)
         if not self._fill_owed(batch, now):
             if self.speculator is not None:
                 self.speculator.propose(self.running)
@@ -420,7 +425,7 @@ class Scheduler:
         i = next((j for j, seq in enumerate(self.running) if LANE_RANK[seq.request.lane] >= rank), len(self.running))
         while i < len(self.running) and budget > 0 and self.running[i].request.lane == lane:
             seq = self.running[i]
-            if _decodes(seq):  # decodes go in runs, one core call per run
+            if seq.decodes:  # decodes go in runs, one core call per run
                 added = self._append_decodes(i, budget, batch)
                 i, budget = i + added, budget - added
                 if added:
@@ -462,7 +467,9 @@ class Scheduler:
 
     def _allowance(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` may compute this step: the budget left, for an embedding also its share's rest, and for a
-        prompt beside nearly cached ones what is left of the others' quarter (_nearly_cached)."""
+        prompt beside nearly cached ones what is left of the others' quarter (_nearly_cached), and for a sequence of a
+        key over its share beside a light key what is left of their slice (key_slices.py)."""
+        budget = self.slices.allowance(seq, budget)
         budget = min(budget, self._pooling_left) if seq.pools else budget
         if self._near and seq not in self._near and seq.num_uncomputed > 1:
             budget = min(budget, max(self._others_left, 0))  # a decode's guesses may have taken it below 0
@@ -494,6 +501,7 @@ class Scheduler:
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.add(seq, n)
+        self.slices.took(seq, n)
         if seq.pools:
             self._pooling_left -= n
         if self._near and seq not in self._near:
@@ -512,7 +520,7 @@ class Scheduler:
         run, lane = [], self.running[start].request.lane
         taking: dict[str | None, int] = {}  # new pages the run takes so far, per key with a quota
         for seq in self.running[start:start + budget]:
-            if not _decodes(seq) or seq.request.lane != lane:
+            if not seq.decodes or seq.request.lane != lane or not self.slices.allows(seq):
                 break
             if seq.num_computed % self.block_size == 0 and quota_of(seq) is not None:  # the core takes a fresh page
                 name = key_name(seq)
@@ -526,6 +534,7 @@ class Scheduler:
                 self.key_pages.add(seq, 1)
             seq.num_computed += 1
             batch.add(seq, 1)
+            self.slices.took(seq, 1)
         return added
 
     def _reserve_draft(self, seq: Sequence, budget: int) -> int:
@@ -938,11 +947,6 @@ def _whole_images(seq: Sequence, start: int, n: int, allowance: int) -> int:
                 return image.start - start
             return image.end - start if image.end - start <= allowance else 0
     return n
-
-
-def _decodes(seq: Sequence) -> bool:
-    """A generation's one-token step without guesses (an embedding's last prompt token is no decode)."""
-    return seq.num_uncomputed == 1 and not seq.draft and not seq.pools
 
 
 def seats(seq: Sequence) -> int:

@@ -56,6 +56,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # tokens guessed for this step (pagegate/engine/speculation.py)
     draft_kept: int = 0  # of them, those the model agreed with so far
     pool_sum: np.ndarray | None = None  # mean pooling of an embedding request: its hidden states so far
+    served_step: int = 0  # the last step that held its tokens, as the key slices count (key_slices.py)
 
     @property
     def pools(self) -> bool:
@@ -77,6 +78,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def decodes(self) -> bool:
+        """A generation's one-token step without guesses (an embedding's last prompt token is no decode)."""
+        return self.num_uncomputed == 1 and not self.draft and not self.pools
 
     @property
     def sort_key(self) -> tuple:

@@ -18,6 +18,7 @@ from types import FrameType
 import uvicorn
 
 from pagegate.config import (
+    CPU_KEY_SLICE_TOKENS,
     CPU_STEP_TOKENS,
     KV_CACHE_DTYPES,
     STEP_TOKENS,
@@ -155,6 +156,10 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--batch-step-tokens", type=_positive(int), default=defaults.batch_step_tokens, metavar="N",
                        help="batch-lane (/v1/batches) tokens a step at most; such a step holds no online tokens, and "
                             "an online request that arrives waits for it (default %(default)s)")
+    group.add_argument("--key-slice-tokens", type=_non_negative_int, default=defaults.key_slice_tokens, metavar="N",
+                       help="while an API key under half its share of pages is at work, the keys over their share "
+                            "take at most N tokens a step together, so the light key never waits for a long step "
+                            f"(0: off; default {CPU_KEY_SLICE_TOKENS} on a CPU, off on CUDA)")
 
 
 def _server_flags(group: argparse._ArgumentGroup) -> None:
@@ -382,7 +387,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GatewayCo
                         kv_cache_disk=args.kv_cache_disk, kv_offload_min_reuse=args.kv_offload_min_reuse)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
-                                scheduling_policy=args.scheduling_policy, batch_step_tokens=args.batch_step_tokens)
+                                scheduling_policy=args.scheduling_policy, batch_step_tokens=args.batch_step_tokens,
+                                key_slice_tokens=args.key_slice_tokens)
     paths = list(args.model or ([args.model_tag] if args.model_tag else []))
     models = served_models(paths, names, args.models_dir)
     if models:  # several models: a name each (--served-model-name gave one per model, not aliases)

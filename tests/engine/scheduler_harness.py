@@ -17,14 +17,14 @@ BLOCK = 4  # tokens a page: small, so a few tokens cross pages
 
 def scheduler(num_blocks: int, *, swap_blocks: int = 0, budget: int = 512, max_num_seqs: int = 64,
               headroom: float = 0.0, policy: str = "fcfs", batch_step_tokens: int | None = None,
-              prefix_caching: bool = False) -> Scheduler:
+              prefix_caching: bool = False, slice_tokens: int = 16) -> Scheduler:
     """No prefix caching (every page is a sequence's own) and no watermark unless asked: page counts are exact;
     batch-lane steps as large as the budget unless asked."""
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching, watermark=0.0,
                         batch_headroom=headroom)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
                              preemption_mode="swap" if swap_blocks else "recompute",
-                             batch_step_tokens=batch_step_tokens or budget)
+                             batch_step_tokens=batch_step_tokens or budget, key_slice_tokens=slice_tokens)
     return Scheduler(config, cache, num_blocks, swap_blocks, max_model_len=1024)
 
 

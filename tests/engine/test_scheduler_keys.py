@@ -7,6 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagegate.engine.key_pages import key_name
+from pagegate.engine.key_slices import LINGER_S
 from pagegate.engine.sequence import SeqStatus
 
 from .scheduler_harness import BATCH, BLOCK, ONLINE, Driver, KeyShare, scheduler
@@ -109,17 +111,20 @@ def test_pages_by_key_counts_the_running_sequences_of_named_keys():
                                    st.integers(1, 5 * BLOCK), st.integers(1, 12)), min_size=1, max_size=14))
 def test_no_key_ever_holds_more_pages_than_its_quota(num_blocks, swap, keys, arrivals):
     """Random keys (weights, quotas) and arrivals of both lanes: after every step each key's running sequences hold
-    at most its quota of pages (their block tables counted); everything finishes or fails, nothing is left holding."""
+    at most its quota of pages (their block tables counted), and the keys over their share beside a light one took
+    at most their slice; everything finishes or fails, nothing is left holding."""
     shares = [KeyShare(f"k{i}", weight, quota) for i, (weight, quota) in enumerate(keys)]
-    driver = Driver(scheduler(num_blocks, swap_blocks=4 * num_blocks if swap else 0))
+    driver = Driver(scheduler(num_blocks, swap_blocks=4 * num_blocks if swap else 0, slice_tokens=3))
     pending = sorted(arrivals, key=lambda a: a[0])
     steps = 0
     while pending or driver.sched.num_unfinished:
         while pending and pending[0][0] <= steps:
             _, key, lane, prompt, max_tokens = pending.pop(0)
             driver.add(min(prompt, (num_blocks - 1) * BLOCK), lane, shares[key % len(shares)], max_tokens=max_tokens)
-        driver.step()
+        batch = driver.step()
         steps += 1
+        over = driver.sched.slices.over
+        assert sum(n for seq, n in zip(batch.seqs, batch.num_tokens, strict=True) if key_name(seq) in over) <= 3
         for share in shares:
             if share.max_kv_blocks is not None:
                 assert driver.key_pages(share.name) <= share.max_kv_blocks
@@ -168,3 +173,48 @@ def test_no_owed_step_for_a_lone_key_nor_a_key_near_its_share():
     later = driver.add(BLOCK, key=B)
     batch = driver.step()
     assert later in batch.seqs and set(heavy + bobs) <= set(batch.seqs)
+
+
+def test_beside_a_light_key_the_heavy_keys_decodes_take_turns_in_a_slice():
+    driver = Driver(scheduler(64, slice_tokens=3))
+    heavy = heavy_decodes(driver, 6)
+    light = driver.add(BLOCK, key=B, max_tokens=10)
+    assert driver.step().seqs == [light]  # its own step (owed)
+    served = []
+    for _ in range(4):
+        batch = driver.step()
+        assert light in batch.seqs
+        served.append({seq for seq in batch.seqs if seq in heavy})
+    assert [len(s) for s in served] == [3, 3, 3, 3]
+    assert served[0] | served[1] == set(heavy) and served[0] == served[2]  # least recently served first
+
+
+def test_the_heavy_keys_prompts_share_their_slice():
+    driver = Driver(scheduler(64, slice_tokens=4))
+    heavy = heavy_decodes(driver, 2)
+    driver.add(BLOCK, key=B, max_tokens=10)
+    driver.step()  # the light prompt's own
+    prompt = driver.add(5 * BLOCK, key=A)
+    batch = driver.step()
+    assert dict(zip(batch.seqs, batch.num_tokens, strict=True))[prompt] == 2  # the slice's 4 less the two decodes
+    assert set(heavy) <= set(batch.seqs)
+
+
+def test_the_slice_lasts_while_the_light_key_is_between_requests_and_ends_after():
+    driver = Driver(scheduler(64, slice_tokens=2))
+    heavy = heavy_decodes(driver, 4)
+    light = driver.add(BLOCK, key=B, max_tokens=1)
+    driver.step()
+    assert light in driver.finished
+    assert len(driver.step().seqs) == 2  # bob has nothing running, but may send the next request any moment
+    driver.now += LINGER_S
+    assert set(driver.step().seqs) == set(heavy)
+
+
+def test_no_slice_for_a_lone_key_nor_for_keys_near_their_shares():
+    driver = Driver(scheduler(64, slice_tokens=2))
+    heavy = heavy_decodes(driver, 4)
+    assert set(driver.step().seqs) == set(heavy)
+    bobs = [driver.add(2 * BLOCK - 1, key=B, max_tokens=50) for _ in range(3)]
+    driver.step()
+    assert set(driver.step().seqs) == {*heavy, *bobs}  # 9 pages against 6: bob holds over half his share

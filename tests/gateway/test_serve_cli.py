@@ -30,7 +30,7 @@ def test_every_flag(monkeypatch) -> None:
         "--swap-space", "2", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
         "--no-enable-prefix-caching", "--preemption-mode", "recompute", "--max-queue", "5",
         "--allowed-origins", "http://a.example,http://b.example", "--log-level", "debug",
-        "--max-request-size", "1MiB")
+        "--max-request-size", "1MiB", "--key-slice-tokens", "0")
     assert engine.model == "/m" and engine.served_model_name == "a" and gateway.served_model_names == ["a", "b"]
     assert (gateway.host, gateway.port) == ("0.0.0.0", 9000) and gateway.api_keys == ["k1", "k2", "from-env"]
     assert (engine.dtype, engine.device) == ("float32", "cpu")
@@ -38,7 +38,7 @@ def test_every_flag(monkeypatch) -> None:
     assert (cache.block_size, cache.num_kv_blocks, cache.kv_cache_memory) == (32, 100, "1GiB")
     assert (cache.gpu_memory_utilization, cache.swap_space, cache.enable_prefix_caching) == (0.5, 2.0, False)
     assert (scheduler.max_model_len, scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (512, 8, 1024)
-    assert scheduler.preemption_mode == "recompute" and gateway.max_queue == 5
+    assert scheduler.preemption_mode == "recompute" and gateway.max_queue == 5 and scheduler.key_slice_tokens == 0
     assert gateway.allowed_origins == ["http://a.example", "http://b.example"]
     assert gateway.log_level == "debug" and gateway.max_request_bytes == 1024**2
 
