@@ -23,10 +23,12 @@ LINGER_S = 1.0  # a key is at work this long after its last online sequence left
 
 
 class KeySlices:
-    """Which sequences of keys over their share a step may hold, and how many tokens of theirs are left."""
+    """The keys owed this step (under OWED_FRACTION of their weighted share), and while there are any, which
+    sequences of the keys over their share a step may hold and how many tokens of theirs are left."""
 
     def __init__(self, tokens: int | None) -> None:
         self.tokens = tokens or 0  # 0 (or None: a config on_device did not see): never held back
+        self.owed: frozenset[str] = frozenset()  # this step's keys at work under OWED_FRACTION of their share
         self.over: frozenset[str] = frozenset()  # this step's keys over their share (empty: no slice this step)
         self._served: set[Sequence] = set()  # this step's decodes of those keys that may run
         self._left = 0  # tokens those keys' other sequences may still take this step
@@ -43,7 +45,8 @@ class KeySlices:
         """Decide this step's slice: `pages` as the step starts, `running` in scheduling order."""
         self._step += 1
         self._gone = {name: gone for name, gone in self._gone.items() if now - gone[1] < LINGER_S}
-        self.over = self._keys_over(running, waiting, pages) if self.tokens else frozenset()
+        self.owed, over = self._weigh(running, waiting, pages)
+        self.over = over if self.tokens and self.owed else frozenset()
         self._served, self._left = set(), self.tokens
         if self.over:
             decodes = [seq for seq in running if key_name(seq) in self.over and seq.decodes]
@@ -51,7 +54,9 @@ class KeySlices:
             self._served = set(decodes[:self.tokens])
             self._left -= len(self._served)
 
-    def _keys_over(self, running: list[Sequence], waiting: Iterable[Sequence], pages: KeyPages) -> frozenset[str]:
+    def _weigh(self, running: list[Sequence], waiting: Iterable[Sequence],
+               pages: KeyPages) -> tuple[frozenset[str], frozenset[str]]:
+        """The keys at work under OWED_FRACTION of their weighted share of the pages, and those over it."""
         at_work = {name: key for name, (key, _) in self._gone.items()}
         for seq in itertools.chain(running, waiting):
             if seq.request.key is not None and seq.request.lane == ONLINE:
@@ -59,11 +64,10 @@ class KeySlices:
         shares = {name: pages.held.get(name, 0) / key.weight for name, key in at_work.items()}
         total = sum(pages.held.get(name, 0) for name in at_work)
         if len(at_work) < 2 or total == 0:
-            return frozenset()
+            return frozenset(), frozenset()
         fair = total / sum(key.weight for key in at_work.values())  # pages per unit of weight
-        if min(shares.values()) >= OWED_FRACTION * fair:
-            return frozenset()
-        return frozenset(name for name, share in shares.items() if share > fair)
+        return (frozenset(name for name, share in shares.items() if share < OWED_FRACTION * fair),
+                frozenset(name for name, share in shares.items() if share > fair))
 
     def allows(self, seq: Sequence) -> bool:
         """Whether `seq`'s decode may run this step."""
@@ -71,7 +75,7 @@ class KeySlices:
 
     def allowance(self, seq: Sequence, budget: int) -> int:
         """The tokens of `budget` that `seq` may take this step."""
-        if key_name(seq) not in self.over or seq in self._served:
+        if self.allows(seq):
             return budget
         return min(budget, max(self._left, 0))  # a decode's guesses may have overdrawn it
 

@@ -27,7 +27,7 @@ from pagegate.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagegate.core import BlockPool, BlockTables
 from pagegate.engine.autotune import RunningCap
 from pagegate.engine.key_pages import KeyPages, key_name, quota_of
-from pagegate.engine.key_slices import OWED_FRACTION, KeySlices
+from pagegate.engine.key_slices import KeySlices
 from pagegate.engine.lora.pages import AdapterPages, AdapterStore
 from pagegate.engine.observe.stats import SchedulerStats
 from pagegate.engine.observe.timeline import RECOMPUTE, SWAP
@@ -381,18 +381,10 @@ class Scheduler:
         return self._owed_last
 
     def _owed_prompts(self) -> list[Sequence]:
-        """The waiting online generation prompts of keys owed a step (_fill_owed)."""
-        waiting = [seq for seq in self.waiting if seq.request.lane == ONLINE and not seq.pools
-                   and seq.request.key is not None]
-        if not waiting:
-            return []
-        weights = {seq.request.key.name: seq.request.key.weight for seq in [*self.running, *waiting]
-                   if seq.request.key is not None}
-        held = sum(self.key_pages.held.values())
-        if len(weights) < 2 or held == 0:
-            return []
-        fair = held / sum(weights.values())  # pages per unit of weight
-        return [seq for seq in waiting if self.key_pages.share(seq) < OWED_FRACTION * fair]
+        """The waiting online generation prompts of keys owed a step (_fill_owed; KeySlices.owed)."""
+        owed = self.slices.owed
+        return [seq for seq in self.waiting if owed and seq.request.lane == ONLINE and not seq.pools
+                and key_name(seq) in owed]
 
     def _lanes_in_order(self, lane: Lane) -> None:
         """The running sequences `lane` just added (at the end) moved ahead of the lanes' below, whose turn is next:
